@@ -1,0 +1,60 @@
+"""The one attention entry point of the model.
+
+The model calls `attention(...)` once per layer with this step's queries, keys and values and an
+attention-metadata object; which implementation runs is decided by the metadata's type, at trace
+time. `DenseCausal` (one sequence, no KV cache) is the plain path used for single-sequence
+reference runs; the paged path over the block pool plugs in here too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+@jax.tree_util.register_static
+@dataclass(frozen=True)
+class DenseCausal:
+    """One sequence laid out on the token axis from position 0; no cache is read or written.
+
+    Tokens past the real length may be padding: causality keeps them out of real rows.
+    """
+
+
+def attention(
+    q: jax.Array,  # [T, Hq, D]
+    k: jax.Array,  # [T, Hkv, D]
+    v: jax.Array,  # [T, Hkv, D]
+    kv_cache: Any,  # whatever the metadata's implementation carries (None for DenseCausal)
+    meta: Any,
+    layer: jax.Array,  # int32 scalar: this layer's index into a cache with a layer axis
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+) -> tuple[jax.Array, Any]:
+    """Returns (out [T, Hq, D], updated kv_cache)."""
+    if isinstance(meta, DenseCausal):
+        return dense_causal_attention(q, k, v, sm_scale, sliding_window), kv_cache
+    raise TypeError(f"no attention implementation for metadata of type {type(meta).__name__}")
+
+
+def dense_causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, sm_scale: float, sliding_window: int | None
+) -> jax.Array:
+    """Causal attention of one sequence against itself, softmax in float32."""
+    t, hq, d = q.shape
+    hkv = k.shape[1]
+    qg = q.reshape(t, hkv, hq // hkv, d)  # [T, Hkv, G, D]
+    scores = jnp.einsum("TKGD,SKD->KGTS", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    i = jnp.arange(t)[:, None]
+    j = jnp.arange(t)[None, :]
+    visible = j <= i
+    if sliding_window is not None:
+        visible &= i - j < sliding_window
+    scores = jnp.where(visible, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
+    out = jnp.einsum("KGTS,SKD->TKGD", probs, v)
+    return out.reshape(t, hq, d)
