@@ -71,7 +71,7 @@ class LlamaModel(nnx.Module):
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq))  # [T, Hd] each
         sm_scale = cfg.head_dim**-0.5
-        weights = nnx.state(self.layers, nnx.Param).to_pure_dict()  # each [L, ...]
+        weights = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))  # each [L, ...]
 
         def layer_step(carry, xs):
             x, kv_cache = carry

@@ -30,8 +30,12 @@ def make_mesh(tensor_parallel_size: int = 1) -> jax.sharding.Mesh:
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size}, but {len(devices)} device(s) are visible"
         )
+    # Auto axes: XLA propagates shardings from the annotated weights (no per-op out_sharding).
     return jax.make_mesh(
-        (tensor_parallel_size,), (MODEL_AXIS,), devices=devices[:tensor_parallel_size]
+        (tensor_parallel_size,),
+        (MODEL_AXIS,),
+        axis_types=(jax.sharding.AxisType.Auto,),
+        devices=devices[:tensor_parallel_size],
     )
 
 
