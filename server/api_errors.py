@@ -1,0 +1,67 @@
+"""OpenAI-style error bodies, and how engine exceptions map to HTTP statuses."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from jserve.errors import RequestRejected
+
+# Seconds a client should wait before retrying a request refused for a full queue.
+RETRY_AFTER_SECONDS = 1
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    500: "server_error",
+    503: "service_unavailable",
+}
+
+
+class APIError(Exception):
+    """An error that becomes an OpenAI-style JSON response."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": _TYPE_BY_STATUS.get(self.status, "server_error"),
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+
+def rejection_to_api_error(exc: RequestRejected) -> APIError:
+    """Map the engine's admission refusal to the status the client should act on."""
+    if exc.reason == "queue_full":
+        return APIError(
+            429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+        )
+    if exc.reason == "shutting_down":
+        return APIError(503, str(exc), code="shutting_down")
+    if exc.reason == "too_long":
+        return APIError(400, str(exc), param="prompt", code="context_length_exceeded")
+    return APIError(400, str(exc), code=exc.reason)

@@ -1,0 +1,167 @@
+"""The aiohttp application: app factory, middlewares and the small endpoints.
+
+The engine hangs off the app as `app[STATE].engine`; it may be None while the model is still
+loading (run_server starts the engine in the background and installs it with `set_engine`), so
+/health can answer "starting" from the first second.
+
+Middlewares, outermost first:
+1. errors: APIError, aiohttp's HTTP errors (404, 405, 413) and any unexpected exception become
+   OpenAI-style JSON bodies; nothing escapes as an HTML page or a dropped connection.
+2. admission: while draining for shutdown every endpoint but /health and /metrics answers 503;
+   with an API key set, every endpoint but /health and /metrics needs `Authorization: Bearer`.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from jserve.errors import EngineDeadError
+from server.api_errors import APIError
+from server.engine_client import EngineClient
+from server.generation import chat_completions, completions
+from server.protocol import BOOL, parse_messages, render_chat, typed_field
+from server.state import STATE, ServerState, read_json_object
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
+_OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def _error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except APIError as exc:
+        return exc.response()
+    except EngineDeadError as exc:
+        return APIError(503, f"the engine died: {exc}", code="engine_dead").response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        message = exc.text or exc.reason
+        if exc.status == 404:
+            message = f"no route {request.method} {request.path}"
+        elif exc.status == 413:
+            limit = request.app[STATE].max_body_bytes
+            message = f"request body is larger than the limit of {limit} bytes"
+        return APIError(exc.status, message, code=exc.reason.lower().replace(" ", "_")).response()
+    except Exception:
+        logger.exception("unexpected error serving %s %s", request.method, request.path)
+        return APIError(500, "internal server error", code="internal_error").response()
+
+
+@web.middleware
+async def _admission_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    state = request.app[STATE]
+    if request.path not in _OPEN_PATHS:
+        if state.draining:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if state.api_key is not None:
+            supplied = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(supplied.encode(), f"Bearer {state.api_key}".encode()):
+                raise APIError(
+                    401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
+                    code="invalid_api_key",
+                )  # fmt: skip
+    return await handler(request)
+
+
+async def _health(request: web.Request) -> web.Response:
+    health = request.app[STATE].health()
+    return web.json_response({"status": health}, status=200 if health == "ready" else 503)
+
+
+async def _metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    if state.engine is not None:
+        try:
+            state.metrics.refresh(state.engine.stats())
+        except Exception:  # a dead engine still lets operators read the server-side series
+            logger.exception("engine.stats() failed; serving the last snapshot")
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    model = {
+        "id": state.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "jserve",
+        "max_model_len": engine.max_model_len,
+    }
+    return web.json_response({"object": "list", "data": [model]})
+
+
+async def _tokenize(request: web.Request) -> web.Response:
+    """vLLM's /tokenize: {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens"}."""
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    body = await read_json_object(request)
+    state.check_model(body.get("model"))
+    tokenizer = engine.tokenizer
+    if "messages" in body:
+        add_generation_prompt = typed_field(body, "add_generation_prompt", BOOL, True)
+        text = render_chat(tokenizer, parse_messages(body), add_generation_prompt)
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+    elif isinstance(body.get("prompt"), str):
+        add_special = body.get("add_special_tokens", True)
+        if not isinstance(add_special, bool):
+            raise APIError(
+                400, "'add_special_tokens' must be a boolean", param="add_special_tokens"
+            )
+        tokens = tokenizer.encode(body["prompt"], add_special_tokens=add_special)
+    else:
+        raise APIError(400, "send 'prompt' (a string) or 'messages' (a list)", param="prompt")
+    response = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
+    return web.json_response(response)
+
+
+async def _detokenize(request: web.Request) -> web.Response:
+    """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    body = await read_json_object(request)
+    state.check_model(body.get("model"))
+    tokens = body.get("tokens")
+    valid = isinstance(tokens, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
+    )
+    if not valid:
+        raise APIError(400, "'tokens' must be a list of non-negative integers", param="tokens")
+    return web.json_response({"prompt": engine.tokenizer.decode(tokens)})
+
+
+def create_app(
+    engine: EngineClient | None,
+    *,
+    api_key: str | None = None,
+    served_model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> web.Application:
+    """The OpenAI-compatible app. `engine=None` serves /health "starting" until set_engine().
+
+    Serve it with handler_cancellation=True (run_server and aiohttp's TestServer do) so a
+    client that disconnects cancels its handler, which aborts the engine request at once.
+    """
+    app = web.Application(
+        middlewares=[_error_middleware, _admission_middleware], client_max_size=max_body_bytes
+    )
+    app[STATE] = ServerState(engine, served_model_name, api_key, max_body_bytes)
+    app.router.add_get("/health", _health)
+    app.router.add_get("/metrics", _metrics)
+    app.router.add_get("/v1/models", _models)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/tokenize", _tokenize)
+    app.router.add_post("/detokenize", _detokenize)
+    return app

@@ -1,0 +1,63 @@
+"""Server command-line flags and the entry point `jserve serve` calls with its engine factory."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from server.app import DEFAULT_MAX_BODY_BYTES
+from server.runner import EngineFactory, run_server
+
+
+def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
+    """The HTTP-side flags (the engine's own flags are added by the caller)."""
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    group.add_argument(
+        "--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)"
+    )
+    group.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on every endpoint except /health and /metrics",
+    )
+    group.add_argument(
+        "--served-model-name",
+        default=None,
+        help="model id clients send and /v1/models lists (default: the engine's model name)",
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish after SIGTERM (default: 30)",
+    )
+    group.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        help="larger request bodies are refused with 413 (default: %(default)s)",
+    )
+
+
+def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
+    """Serve until SIGTERM; returns the exit code (0 after a clean drain)."""
+    if args.shutdown_timeout < 0:
+        raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    if args.max_body_bytes < 1:
+        raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    return asyncio.run(
+        run_server(
+            engine_factory,
+            host=args.host,
+            port=args.port,
+            shutdown_timeout=args.shutdown_timeout,
+            api_key=args.api_key,
+            served_model_name=args.served_model_name,
+            max_body_bytes=args.max_body_bytes,
+        )
+    )

@@ -1,0 +1,63 @@
+"""The narrow interface between the HTTP server and an engine.
+
+The server talks to nothing else, so it can be tested against a mock whose output is computed
+by hand, and the real async engine only has to provide these few members.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any, Protocol
+
+from jserve.outputs import EngineStats, RequestOutput
+from jserve.sampling_params import SamplingParams
+
+PRIORITIES = ("interactive", "long", "batch")
+
+
+class TokenizerLike(Protocol):
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+    ) -> str: ...
+
+
+class EngineClient(Protocol):
+    """What the server needs from an engine.
+
+    `generate` yields cumulative RequestOutputs (per CompletionOutput: `text` extends the
+    previous text, `token_ids` and `logprobs` grow); the last one has `finished=True`. It raises
+    `jserve.errors.RequestRejected` at the first iteration when the request is not admitted,
+    and `jserve.errors.EngineDeadError` when the engine dies. A request running longer than
+    `timeout` seconds finishes with finish_reason "timeout". `abort` frees the request's KV
+    blocks at once and ends its stream (finish_reason "abort"); aborting an unknown or finished
+    request is a no-op. `stats` returns a snapshot; `iteration_tokens` is drained by each call.
+    """
+
+    model_name: str
+    max_model_len: int
+    tokenizer: TokenizerLike
+    state: str  # "starting" | "ready" | "dead" | "stopping"
+    dead_reason: str | None
+
+    def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: str = "interactive",
+        timeout: float | None = None,
+    ) -> AsyncIterator[RequestOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...
+
+    async def shutdown(self) -> None: ...

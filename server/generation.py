@@ -1,0 +1,166 @@
+"""/v1/completions and /v1/chat/completions: one engine request per HTTP request.
+
+Walkthrough of one request:
+1. Check the engine is ready, parse the body (400 on any bad field), check the model name.
+2. Start `engine.generate` and wait for its first output *before* answering, so a refusal
+   (queue full, prompt too long) still gets its own status code (429, 400) instead of an error
+   buried in a 200 stream.
+3. Stream SSE chunks of what is new per choice (or wait for the final output and answer once).
+4. However the handler ends before the final output (client disconnect cancels the handler;
+   a failed write raises; shutdown cancels it after the drain timeout), `finally` aborts the
+   engine request, which frees its KV blocks at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from jserve.errors import EngineDeadError, RequestRejected
+from jserve.outputs import RequestOutput
+from server.api_errors import APIError, rejection_to_api_error
+from server.engine_client import EngineClient
+from server.metrics import RequestTracker, ServerMetrics
+from server.openai_format import ChoiceCursor, ResponseBuilder
+from server.protocol import ParsedRequest, parse_chat, parse_completion
+from server.state import STATE, read_json_object
+
+logger = logging.getLogger(__name__)
+
+
+def _sse(payload: dict | str) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    return f"data: {data}\n\n".encode()
+
+
+class _Generation:
+    """One engine request: admission, tracked outputs, and abort unless it finished."""
+
+    def __init__(
+        self, engine: EngineClient, parsed: ParsedRequest, request_id: str, metrics: ServerMetrics
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.num_choices = parsed.params.n
+        self.metrics = metrics
+        self.tracker = RequestTracker(metrics)
+        self.final: RequestOutput | None = None
+        self.rejected = False
+        self.outputs = engine.generate(
+            parsed.prompt,
+            parsed.params,
+            request_id,
+            priority=parsed.priority,
+            timeout=parsed.timeout,
+        )
+
+    def _seen(self, output: RequestOutput) -> RequestOutput:
+        self.tracker.on_output(output)
+        if output.finished:
+            self.final = output
+            self.tracker.on_finish(output)
+        return output
+
+    async def first(self) -> RequestOutput:
+        try:
+            return self._seen(await anext(self.outputs))
+        except RequestRejected as exc:
+            self.rejected = True
+            self.metrics.request_rejected.labels(exc.reason).inc()
+            raise rejection_to_api_error(exc) from exc
+
+    async def rest(self) -> AsyncIterator[RequestOutput]:
+        async for output in self.outputs:
+            yield self._seen(output)
+
+    async def release(self) -> None:
+        """Abort the engine request unless it finished (or was never admitted)."""
+        if self.final is None and not self.rejected:
+            self.tracker.on_client_gone(self.num_choices)
+            try:
+                # Shielded: this runs while the handler is being cancelled.
+                await asyncio.shield(self.engine.abort(self.request_id))
+            except Exception:
+                logger.exception("abort of %s failed", self.request_id)
+        aclose = getattr(self.outputs, "aclose", None)
+        if aclose is not None:  # run an async generator's cleanup now, not at GC time
+            await aclose()
+
+
+async def _stream(
+    request: web.Request, gen: _Generation, builder: ResponseBuilder, include_usage: bool
+) -> web.StreamResponse:
+    first = await gen.first()
+    response = web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+    await response.prepare(request)
+    cursors = [ChoiceCursor() for _ in range(gen.num_choices)]
+
+    async def send(output: RequestOutput) -> None:
+        for choice in output.outputs:
+            chunk = builder.delta_chunk(choice, cursors[choice.index])
+            if chunk is not None:
+                if include_usage:
+                    chunk["usage"] = None
+                await response.write(_sse(chunk))
+
+    try:
+        await send(first)
+        async for output in gen.rest():
+            await send(output)
+    except EngineDeadError as exc:
+        # Headers are gone already: report in-band the way OpenAI-compatible servers do.
+        await response.write(_sse(APIError(503, f"the engine died: {exc}").body()))
+    else:
+        if include_usage and gen.final is not None:
+            await response.write(_sse(builder.usage_chunk(gen.final)))
+    await response.write(_sse("[DONE]"))
+    await response.write_eof()
+    return response
+
+
+async def _respond_once(gen: _Generation, builder: ResponseBuilder) -> web.Response:
+    last = await gen.first()
+    async for output in gen.rest():
+        last = output
+    return web.json_response(builder.full_response(last))
+
+
+async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    engine = state.ready_engine()
+    body = await read_json_object(request)
+    try:
+        if kind == "completion":
+            parsed = parse_completion(body)
+        else:
+            parsed = parse_chat(body, engine.tokenizer)
+    except APIError:
+        state.metrics.request_rejected.labels("invalid").inc()
+        raise
+    state.check_model(parsed.model)
+    request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+    builder = ResponseBuilder(
+        kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs
+    )
+    gen = _Generation(engine, parsed, request_id, state.metrics)
+    try:
+        if parsed.stream:
+            return await _stream(request, gen, builder, parsed.include_usage)
+        return await _respond_once(gen, builder)
+    finally:
+        await gen.release()
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "completion")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "chat")

@@ -1,0 +1,142 @@
+"""Prometheus metrics, named like vLLM's with a `jserve:` prefix.
+
+Two sources:
+1. Engine-side numbers (running/waiting requests, KV usage, prefix cache, preemptions, token
+   counters, compilations, per-iteration token counts) come from one `engine.stats()` snapshot
+   taken when /metrics is scraped; cumulative engine counters are exported as counters.
+2. Per-request latencies and outcomes are observed by the server while it streams, from the
+   engine's RequestMetrics timestamps when given (else the server's own clock).
+Each app has its own CollectorRegistry, so several apps (tests) never share series.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from jserve.outputs import EngineStats, RequestOutput
+
+_LATENCY_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+    20.0, 40.0, 80.0, 160.0, 640.0,
+)  # fmt: skip
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+# EngineStats field -> (metric name without prefix, help text)
+_ENGINE_GAUGES = {
+    "num_requests_running": ("num_requests_running", "Requests in the running batch."),
+    "num_requests_waiting": ("num_requests_waiting", "Requests waiting to be scheduled."),
+    "kv_cache_usage": ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1)."),
+}
+_ENGINE_COUNTERS = {
+    "prefix_cache_queries": ("prefix_cache_queries", "Prompt tokens looked up in the cache."),
+    "prefix_cache_hits": ("prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+    "num_preemptions": ("num_preemptions", "Requests preempted (KV freed, recomputed)."),
+    "prompt_tokens": ("prompt_tokens", "Prompt tokens processed."),
+    "generation_tokens": ("generation_tokens", "Tokens generated."),
+    "compilations": ("compilations", "XLA compilations of step functions."),
+}
+
+
+class _EngineSnapshotCollector:
+    """Exports the last engine snapshot taken by ServerMetrics.refresh()."""
+
+    def __init__(self) -> None:
+        self.snapshot = EngineStats()
+
+    def collect(self) -> Iterator[Metric]:
+        for attr, (name, doc) in _ENGINE_GAUGES.items():
+            yield GaugeMetricFamily(f"jserve:{name}", doc, value=getattr(self.snapshot, attr))
+        for attr, (name, doc) in _ENGINE_COUNTERS.items():
+            yield CounterMetricFamily(f"jserve:{name}", doc, value=getattr(self.snapshot, attr))
+
+
+class ServerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self._engine = _EngineSnapshotCollector()
+        self.registry.register(self._engine)
+        reg = self.registry
+        self.request_success = Counter(
+            "jserve:request_success", "Finished sequences by finish reason (one per choice).",
+            ["finished_reason"], registry=reg,
+        )  # fmt: skip
+        self.request_rejected = Counter(
+            "jserve:request_rejected", "Requests refused before generation, by reason.",
+            ["reason"], registry=reg,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "jserve:time_to_first_token_seconds", "Arrival to first token.",
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.itl = Histogram(
+            "jserve:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.e2e = Histogram(
+            "jserve:e2e_request_latency_seconds", "Arrival to finish.",
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.queue_time = Histogram(
+            "jserve:request_queue_time_seconds", "Arrival to first scheduling.",
+            buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.iteration_tokens = Histogram(
+            "jserve:iteration_tokens", "Tokens scheduled per engine iteration.",
+            buckets=_ITERATION_TOKEN_BUCKETS, registry=reg,
+        )  # fmt: skip
+
+    def refresh(self, stats: EngineStats) -> None:
+        """Take in an engine snapshot (its iteration_tokens were drained for us)."""
+        self._engine.snapshot = stats
+        for tokens in stats.iteration_tokens:
+            self.iteration_tokens.observe(tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Observes one request's latencies as its cumulative outputs stream by."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.metrics = metrics
+        self.start = time.monotonic()
+        self.steps = 0  # tokens per choice seen so far
+        self.last_token_time: float | None = None
+
+    def _arrival(self, output: RequestOutput) -> float:
+        return output.metrics.arrival_time if output.metrics else self.start
+
+    def on_output(self, output: RequestOutput) -> None:
+        steps = max((len(c.token_ids) for c in output.outputs), default=0)
+        if steps <= self.steps:
+            return
+        timing = output.metrics
+        now = timing.last_token_time if timing and timing.last_token_time else time.monotonic()
+        if self.last_token_time is None:
+            first = timing.first_token_time if timing and timing.first_token_time else now
+            self.metrics.ttft.observe(first - self._arrival(output))
+            if timing and timing.first_scheduled_time:
+                self.metrics.queue_time.observe(timing.first_scheduled_time - timing.arrival_time)
+            new_intervals, since = steps - 1, first
+        else:
+            new_intervals, since = steps - self.steps, self.last_token_time
+        # Several steps can arrive in one output when the consumer lags: spread them evenly.
+        for _ in range(new_intervals):
+            self.metrics.itl.observe((now - since) / new_intervals)
+        self.steps, self.last_token_time = steps, now
+
+    def on_finish(self, output: RequestOutput) -> None:
+        for choice in output.outputs:
+            self.metrics.request_success.labels(choice.finish_reason or "abort").inc()
+        timing = output.metrics
+        end = timing.finished_time if timing and timing.finished_time else time.monotonic()
+        self.metrics.e2e.observe(end - self._arrival(output))
+
+    def on_client_gone(self, num_choices: int) -> None:
+        self.metrics.request_success.labels("abort").inc(num_choices)
+        self.metrics.e2e.observe(time.monotonic() - self.start)

@@ -1,0 +1,246 @@
+"""A mock EngineClient whose output can be computed by hand, for server tests and demos.
+
+- Tokenizer: one token per character, token id = ord(char).
+- Generation: choice j of a request with prompt ids P emits, at step k, token P[(j + k) % len(P)]
+  (the prompt repeated, choice j starting j characters in). Sampling settings other than n,
+  max_tokens, min_tokens, stop, stop_token_ids and logprobs are accepted and ignored.
+- Logprobs: the sampled token has -0.5; with logprobs=k the alternatives are the next k-1 ids
+  after it, with -1.5, -2.5, ...
+- A step loop emits one token per running choice every `token_delay` seconds; at most
+  `max_num_seqs` requests run, at most `max_waiting` wait (more -> RequestRejected
+  "queue_full"). Fake KV usage counts blocks of `block_size` tokens of running requests.
+- Stop strings are held back while they could still be forming, so streamed text only grows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from jserve.errors import EngineDeadError, RequestRejected
+from jserve.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
+from jserve.sampling_params import SamplingParams
+from server.engine_client import PRIORITIES
+
+
+class CharTokenizer:
+    """One token per character; the chat template is "role: content" lines."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [ord(c) for c in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tokenize: bool = False,
+    ) -> str:
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return text + ("assistant:" if add_generation_prompt else "")
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    lane: int
+    deadline: float | None
+    metrics: RequestMetrics
+    choices: list[CompletionOutput]
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    done: bool = False
+
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + sum(len(c.token_ids) for c in self.choices)
+
+
+class MockEngine:
+    def __init__(
+        self,
+        *,
+        model_name: str = "mock-model",
+        max_model_len: int = 256,
+        token_delay: float = 0.005,
+        max_num_seqs: int = 64,
+        max_waiting: int = 64,
+        num_kv_blocks: int = 1024,
+        block_size: int = 16,
+    ) -> None:
+        self.model_name = model_name
+        self.max_model_len = max_model_len
+        self.tokenizer = CharTokenizer()
+        self.state = "ready"
+        self.dead_reason: str | None = None
+        self.token_delay = token_delay
+        self.max_num_seqs = max_num_seqs
+        self.max_waiting = max_waiting
+        self.num_kv_blocks = num_kv_blocks
+        self.block_size = block_size
+        self._waiting: list[_Request] = []
+        self._running: list[_Request] = []
+        self._stats = EngineStats()
+        self._loop_task: asyncio.Task | None = None
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: str = "interactive",
+        timeout: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if self.state == "dead":
+            raise EngineDeadError(self.dead_reason)
+        if self.state != "ready":
+            raise RequestRejected("shutting_down", f"the engine is {self.state}")
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        if max_tokens < 1 or len(ids) + max_tokens > self.max_model_len:
+            raise RequestRejected(
+                "too_long",
+                f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
+                f"({self.max_model_len}); shorten the prompt or lower max_tokens",
+            )
+        if len(self._waiting) >= self.max_waiting:
+            raise RequestRejected(
+                "queue_full", f"{len(self._waiting)} requests are waiting; retry later"
+            )
+        now = time.monotonic()
+        request = _Request(
+            request_id, ids, params, max_tokens, PRIORITIES.index(priority),
+            None if timeout is None else now + timeout, RequestMetrics(arrival_time=now),
+            [CompletionOutput(index=j, logprobs=None if params.logprobs is None else [])
+             for j in range(params.n)],
+        )  # fmt: skip
+        self._waiting.append(request)
+        if self._loop_task is None or self._loop_task.done():
+            self._loop_task = asyncio.create_task(self._step_loop())
+        try:
+            while True:
+                item = await request.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    return
+        finally:
+            self._forget(request)
+
+    async def abort(self, request_id: str) -> None:
+        for request in self._waiting + self._running:
+            if request.request_id == request_id:
+                for choice in request.choices:
+                    choice.finish_reason = choice.finish_reason or "abort"
+                self._emit(request)
+
+    def stats(self) -> EngineStats:
+        snapshot = EngineStats(**{**vars(self._stats), "iteration_tokens": []})
+        snapshot.iteration_tokens, self._stats.iteration_tokens = self._stats.iteration_tokens, []
+        snapshot.num_requests_running = len(self._running)
+        snapshot.num_requests_waiting = len(self._waiting)
+        used = sum(math.ceil(r.num_tokens() / self.block_size) for r in self._running)
+        snapshot.kv_cache_usage = min(1.0, used / self.num_kv_blocks)
+        return snapshot
+
+    async def shutdown(self) -> None:
+        self.state = "stopping"
+        for request in self._waiting + self._running:
+            await self.abort(request.request_id)
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+
+    def kill(self, reason: str) -> None:
+        """Simulate a crashed step loop: every in-flight request fails with EngineDeadError."""
+        self.state, self.dead_reason = "dead", reason
+        for request in self._waiting + self._running:
+            request.queue.put_nowait(EngineDeadError(reason))
+            self._forget(request)
+
+    def _forget(self, request: _Request) -> None:
+        request.done = True
+        for queue in (self._waiting, self._running):
+            if request in queue:
+                queue.remove(request)
+
+    async def _step_loop(self) -> None:
+        while self._waiting or self._running:
+            await asyncio.sleep(self.token_delay)
+            self._step()
+
+    def _step(self) -> None:
+        now = time.monotonic()
+        scheduled = 0
+        for request in self._waiting + self._running:
+            if request.deadline is not None and now >= request.deadline:
+                for choice in request.choices:
+                    choice.finish_reason = choice.finish_reason or "timeout"
+                self._emit(request)
+        self._waiting.sort(key=lambda r: r.lane)  # stable: FIFO within a lane
+        while self._waiting and len(self._running) < self.max_num_seqs:
+            request = self._waiting.pop(0)
+            request.metrics.first_scheduled_time = now
+            self._running.append(request)
+            self._stats.prompt_tokens += len(request.prompt_ids)
+            scheduled += len(request.prompt_ids)
+        for request in list(self._running):
+            for choice in request.choices:
+                if not choice.finished:
+                    self._append_token(request, choice)
+                    scheduled += 1
+            request.metrics.first_token_time = request.metrics.first_token_time or now
+            request.metrics.last_token_time = now
+            self._emit(request)
+        self._stats.iteration_tokens.append(scheduled)
+
+    def _append_token(self, request: _Request, choice: CompletionOutput) -> None:
+        ids, params = request.prompt_ids, request.params
+        token = ids[(choice.index + len(choice.token_ids)) % len(ids)]
+        choice.token_ids.append(token)
+        self._stats.generation_tokens += 1
+        if choice.logprobs is not None:
+            width = max(1, params.logprobs or 0)
+            choice.logprobs.append(
+                {token + r: Logprob(-0.5 - r, chr(token + r)) for r in range(width)}
+            )
+        full_text = self.tokenizer.decode(choice.token_ids)
+        may_stop = len(choice.token_ids) > params.min_tokens
+        hits = [(full_text.find(s), s) for s in params.stop if s in full_text]
+        if may_stop and token in params.stop_token_ids:
+            choice.finish_reason, choice.stop_reason = "stop", token
+            choice.text = self.tokenizer.decode(choice.token_ids[:-1])
+        elif may_stop and hits:
+            at, stop = min(hits)
+            choice.finish_reason, choice.stop_reason, choice.text = "stop", stop, full_text[:at]
+        elif len(choice.token_ids) >= request.max_tokens:
+            choice.finish_reason, choice.text = "length", full_text
+        else:
+            hold = max((len(s) - 1 for s in params.stop), default=0)
+            choice.text = full_text[: len(full_text) - hold]
+
+    def _emit(self, request: _Request) -> None:
+        finished = all(c.finished for c in request.choices)
+        if finished:
+            request.metrics.finished_time = time.monotonic()
+            self._forget(request)
+        choices = [
+            CompletionOutput(
+                c.index, c.text, list(c.token_ids),
+                None if c.logprobs is None else list(c.logprobs), c.finish_reason, c.stop_reason,
+            )
+            for c in request.choices
+        ]  # fmt: skip
+        metrics = RequestMetrics(**vars(request.metrics))
+        request.queue.put_nowait(
+            RequestOutput(request.request_id, None, list(request.prompt_ids), choices, finished,
+                          metrics)
+        )  # fmt: skip

@@ -1,0 +1,170 @@
+"""Build OpenAI response objects (and streaming chunks) from engine outputs.
+
+Engine outputs are cumulative; a `ChoiceCursor` remembers how much of one choice was already
+sent so each chunk carries only the new text, tokens and logprobs.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from jserve.outputs import CompletionOutput, Logprob, RequestOutput
+from server.engine_client import TokenizerLike
+
+
+def usage(output: RequestOutput) -> dict[str, int]:
+    prompt_tokens = len(output.prompt_token_ids)
+    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def _token_text(tokenizer: TokenizerLike, token_id: int, logprob: Logprob) -> str:
+    if logprob.decoded_token is not None:
+        return logprob.decoded_token
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def _ranked(tokenizer: TokenizerLike, alternatives: dict[int, Logprob]) -> list[tuple[str, float]]:
+    ranked = sorted(alternatives.items(), key=lambda item: -item[1].logprob)
+    return [(_token_text(tokenizer, tid, lp), lp.logprob) for tid, lp in ranked]
+
+
+@dataclass
+class ChoiceCursor:
+    """What has been sent of one choice so far."""
+
+    num_chars: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0  # legacy completions logprobs: characters of token text sent so far
+    finished: bool = False
+
+
+def completion_logprobs(
+    tokenizer: TokenizerLike, out: CompletionOutput, cursor: ChoiceCursor, end: int
+) -> dict[str, list] | None:
+    """Legacy completions logprobs for tokens [cursor.num_tokens, end); advances text_offset."""
+    if out.logprobs is None:
+        return None
+    result: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for i in range(cursor.num_tokens, end):
+        token_id, alternatives = out.token_ids[i], out.logprobs[i]
+        token = _token_text(tokenizer, token_id, alternatives[token_id])
+        result["tokens"].append(token)
+        result["token_logprobs"].append(alternatives[token_id].logprob)
+        result["top_logprobs"].append(dict(_ranked(tokenizer, alternatives)))
+        result["text_offset"].append(cursor.text_offset)
+        cursor.text_offset += len(token)
+    return result
+
+
+def chat_logprobs(
+    tokenizer: TokenizerLike, out: CompletionOutput, start: int, end: int, top_n: int
+) -> dict[str, list] | None:
+    """Chat logprobs ({"content": [...]}) for tokens [start, end)."""
+    if out.logprobs is None:
+        return None
+
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    content = []
+    for i in range(start, end):
+        token_id, alternatives = out.token_ids[i], out.logprobs[i]
+        sampled = alternatives[token_id]
+        item = entry(_token_text(tokenizer, token_id, sampled), sampled.logprob)
+        item["top_logprobs"] = [entry(t, lp) for t, lp in _ranked(tokenizer, alternatives)][:top_n]
+        content.append(item)
+    return {"content": content}
+
+
+class ResponseBuilder:
+    """Shapes one request's responses for either endpoint ("completion" or "chat")."""
+
+    def __init__(
+        self,
+        kind: str,
+        request_id: str,
+        model: str,
+        tokenizer: TokenizerLike,
+        top_logprobs: int = 0,
+    ) -> None:
+        self.kind = kind
+        self.request_id = request_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.top_logprobs = top_logprobs
+        self.created = int(time.time())
+
+    def _envelope(self, object_name: str, choices: list[dict]) -> dict[str, Any]:
+        return {
+            "id": self.request_id,
+            "object": object_name,
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _logprobs(self, out: CompletionOutput, cursor: ChoiceCursor, end: int) -> dict | None:
+        if self.kind == "completion":
+            return completion_logprobs(self.tokenizer, out, cursor, end)
+        return chat_logprobs(self.tokenizer, out, cursor.num_tokens, end, self.top_logprobs)
+
+    def full_response(self, final: RequestOutput) -> dict[str, Any]:
+        choices = []
+        for out in final.outputs:
+            logprobs = self._logprobs(out, ChoiceCursor(), len(out.token_ids))
+            choice: dict[str, Any] = {"index": out.index}
+            if self.kind == "completion":
+                choice["text"] = out.text
+            else:
+                choice["message"] = {"role": "assistant", "content": out.text}
+            choice.update(
+                logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+            )
+            choices.append(choice)
+        name = "text_completion" if self.kind == "completion" else "chat.completion"
+        response = self._envelope(name, choices)
+        response["usage"] = usage(final)
+        return response
+
+    def delta_chunk(self, out: CompletionOutput, cursor: ChoiceCursor) -> dict[str, Any] | None:
+        """The chunk carrying what is new in `out` since `cursor`, or None if nothing is."""
+        if cursor.finished:
+            return None
+        text = out.text[cursor.num_chars :]
+        end = len(out.token_ids)
+        if not text and end == cursor.num_tokens and not out.finished:
+            return None
+        logprobs = self._logprobs(out, cursor, end) if end > cursor.num_tokens else None
+        choice: dict[str, Any] = {"index": out.index}
+        if self.kind == "completion":
+            choice["text"] = text
+        else:
+            delta: dict[str, Any] = {"role": "assistant"} if cursor.num_tokens == 0 else {}
+            if text or not out.finished:
+                delta["content"] = text
+            choice["delta"] = delta
+        choice.update(logprobs=logprobs, finish_reason=out.finish_reason)
+        if out.finished:
+            choice["stop_reason"] = out.stop_reason
+        cursor.num_chars, cursor.num_tokens = len(out.text), end
+        cursor.finished = out.finished
+        name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        return self._envelope(name, [choice])
+
+    def usage_chunk(self, final: RequestOutput) -> dict[str, Any]:
+        name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        chunk = self._envelope(name, [])
+        chunk["usage"] = usage(final)
+        return chunk

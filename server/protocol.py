@@ -1,0 +1,238 @@
+"""Parse OpenAI completion and chat requests into a prompt plus SamplingParams.
+
+Every check raises APIError(400) naming the field, so a client learns what to fix. Unknown
+fields are ignored (as OpenAI-compatible servers do); fields jserve cannot honour (echo, suffix,
+logit_bias, tools, best_of != n, non-text response_format) are refused rather than ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from jserve.sampling_params import SamplingParams
+from server.api_errors import APIError
+from server.engine_client import PRIORITIES, TokenizerLike
+
+INT = "an integer"
+NUMBER = "a number"
+STR = "a string"
+BOOL = "a boolean"
+LIST = "a list"
+OBJECT = "an object"
+
+# Fields passed to SamplingParams under the same name.
+_NUMBER_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+)
+_INT_FIELDS = ("n", "top_k", "min_tokens", "seed")
+
+
+@dataclass
+class ParsedRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    model: str | None
+    stream: bool
+    include_usage: bool
+    priority: str
+    timeout: float | None
+    top_logprobs: int = 0  # chat: how many alternatives to list per token
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if kind == INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == NUMBER:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return isinstance(value, {STR: str, BOOL: bool, LIST: list, OBJECT: dict}[kind])
+
+
+def typed_field(body: dict, name: str, kind: str, default: Any = None) -> Any:
+    """body[name] checked to be of `kind`; None or absent gives `default`."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not _is_kind(value, kind):
+        raise APIError(
+            400, f"'{name}' must be {kind}, got {type(value).__name__} {value!r}", param=name
+        )
+    return value
+
+
+def _int_list(body: dict, name: str) -> list[int] | None:
+    value = typed_field(body, name, LIST)
+    if value is not None and not all(_is_kind(v, INT) for v in value):
+        raise APIError(400, f"'{name}' must be a list of integers", param=name)
+    return value
+
+
+def _stop(body: dict) -> list[str] | None:
+    stop = body.get("stop")
+    if stop is None or isinstance(stop, str):
+        return None if stop is None else [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        return stop
+    raise APIError(400, "'stop' must be a string or a list of strings", param="stop")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    if body.get("echo"):
+        raise APIError(400, "'echo' is not supported; send echo=false", param="echo")
+    if body.get("suffix"):
+        raise APIError(400, "'suffix' is not supported", param="suffix")
+    if body.get("logit_bias"):
+        raise APIError(400, "'logit_bias' is not supported", param="logit_bias")
+    if body.get("tools") or body.get("functions"):
+        raise APIError(400, "tool calling is not supported", param="tools")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != body.get("n", 1):
+        raise APIError(400, "'best_of' is not supported unless it equals n", param="best_of")
+    response_format = typed_field(body, "response_format", OBJECT)
+    if response_format is not None and response_format.get("type", "text") != "text":
+        raise APIError(
+            400, "only response_format type 'text' is supported", param="response_format"
+        )
+
+
+def _common(body: dict, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
+    """Keyword arguments for SamplingParams shared by both endpoints (absent ones omitted)."""
+    kwargs: dict[str, Any] = {"logprobs": logprobs}
+    for name in _NUMBER_FIELDS:
+        kwargs[name] = typed_field(body, name, NUMBER)
+    for name in _INT_FIELDS:
+        kwargs[name] = typed_field(body, name, INT)
+    kwargs["ignore_eos"] = typed_field(body, "ignore_eos", BOOL)
+    kwargs["skip_special_tokens"] = typed_field(body, "skip_special_tokens", BOOL)
+    kwargs["stop"] = _stop(body)
+    kwargs["stop_token_ids"] = _int_list(body, "stop_token_ids")
+    present = {k: v for k, v in kwargs.items() if v is not None}
+    return {**present, "max_tokens": max_tokens}  # None is meaningful: "fill the context"
+
+
+def _sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, str(exc)) from exc
+
+
+def _request_options(body: dict) -> tuple[bool, bool, str, float | None]:
+    stream = typed_field(body, "stream", BOOL, False)
+    options = typed_field(body, "stream_options", OBJECT)
+    if options is not None and not stream:
+        raise APIError(
+            400, "'stream_options' is only allowed with stream=true", param="stream_options"
+        )
+    include_usage = bool(options and typed_field(options, "include_usage", BOOL, False))
+    priority = typed_field(body, "priority", STR, "interactive")
+    if priority not in PRIORITIES:
+        raise APIError(
+            400, f"'priority' must be one of {list(PRIORITIES)}, got {priority!r}", param="priority"
+        )
+    timeout = typed_field(body, "timeout", NUMBER)
+    if timeout is not None and timeout <= 0:
+        raise APIError(400, f"'timeout' must be > 0 seconds, got {timeout}", param="timeout")
+    return stream, include_usage, priority, timeout
+
+
+def _prompt(body: dict) -> str | list[int]:
+    prompt = body.get("prompt")
+    if prompt is None:
+        raise APIError(400, "'prompt' is required", param="prompt")
+    # A batch of exactly one prompt is accepted as that prompt.
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise APIError(400, "'prompt' must not be empty", param="prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(_is_kind(t, INT) for t in prompt):
+        if min(prompt) < 0:
+            raise APIError(400, "'prompt' token ids must be >= 0", param="prompt")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+        raise APIError(
+            400,
+            f"one prompt per request is supported, got {len(prompt)}; send them separately",
+            param="prompt",
+        )
+    raise APIError(
+        400, "'prompt' must be a non-empty string or a non-empty list of token ids", param="prompt"
+    )
+
+
+def parse_completion(body: dict) -> ParsedRequest:
+    _refuse_unsupported(body)
+    prompt = _prompt(body)
+    max_tokens = typed_field(body, "max_tokens", INT, 16)
+    logprobs = typed_field(body, "logprobs", INT)
+    params = _sampling_params(_common(body, max_tokens, logprobs))
+    stream, include_usage, priority, timeout = _request_options(body)
+    model = typed_field(body, "model", STR)
+    return ParsedRequest(prompt, params, model, stream, include_usage, priority, timeout)
+
+
+def parse_messages(body: dict) -> list[dict[str, Any]]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise APIError(400, "'messages' must be a non-empty list", param="messages")
+    cleaned = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise APIError(400, f"messages[{i}] must be an object with a 'role'", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            # Content parts: only text parts can be served by a text model.
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise APIError(
+                    400, f"messages[{i}]: only text content parts are supported", param="messages"
+                )
+            content = "".join(str(p.get("text", "")) for p in content)
+        elif content is not None and not isinstance(content, str):
+            raise APIError(
+                400, f"messages[{i}].content must be a string or a list of parts", param="messages"
+            )
+        cleaned.append({"role": message["role"], "content": content or ""})
+    return cleaned
+
+
+def render_chat(
+    tokenizer: TokenizerLike, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+) -> str:
+    """The chat template applied to `messages`; a template that rejects them is a 400."""
+    try:
+        return tokenizer.apply_chat_template(
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+        )
+    except ValueError as exc:  # loaders' ChatTemplateError is a ValueError
+        raise APIError(400, f"cannot format the conversation: {exc}", param="messages") from exc
+
+
+def parse_chat(body: dict, tokenizer: TokenizerLike) -> ParsedRequest:
+    """Parse a chat request; the prompt is rendered with the chat template and tokenized here
+    (without adding special tokens again: the template already holds them)."""
+    _refuse_unsupported(body)
+    messages = parse_messages(body)
+    prompt_ids = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
+    max_tokens = typed_field(body, "max_completion_tokens", INT)
+    if max_tokens is None:
+        max_tokens = typed_field(body, "max_tokens", INT)
+    # None (OpenAI's default for chat): as much as the context window leaves; the engine
+    # resolves it per prompt.
+    want_logprobs = typed_field(body, "logprobs", BOOL, False)
+    top_logprobs = typed_field(body, "top_logprobs", INT)
+    if top_logprobs is not None and not want_logprobs:
+        raise APIError(400, "'top_logprobs' requires logprobs=true", param="top_logprobs")
+    logprobs = (top_logprobs or 0) if want_logprobs else None
+    params = _sampling_params(_common(body, max_tokens, logprobs))
+    stream, include_usage, priority, timeout = _request_options(body)
+    model = typed_field(body, "model", STR)
+    return ParsedRequest(
+        prompt_ids, params, model, stream, include_usage, priority, timeout, top_logprobs or 0
+    )

@@ -1,0 +1,85 @@
+"""Per-app server state: the engine (None while it loads), settings, metrics, drain flag."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from server.api_errors import APIError
+from server.engine_client import EngineClient
+from server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    engine: EngineClient | None
+    served_model_name: str | None
+    api_key: str | None
+    max_body_bytes: int
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    draining: bool = False
+    start_error: str | None = None  # why the engine failed to start, if it did
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.engine.model_name if self.engine is not None else ""
+
+    def health(self) -> str:
+        """'ready', 'starting', 'stopping' or 'dead: <reason>'."""
+        if self.start_error is not None:
+            return f"dead: {self.start_error}"
+        if self.draining:
+            return "stopping"
+        if self.engine is None:
+            return "starting"
+        if self.engine.state == "dead":
+            return f"dead: {self.engine.dead_reason or 'unknown reason'}"
+        return self.engine.state
+
+    def ready_engine(self) -> EngineClient:
+        """The engine, or a 503 saying why requests cannot be served now."""
+        health = self.health()
+        if health == "ready":
+            assert self.engine is not None
+            return self.engine
+        if health == "starting":
+            raise APIError(
+                503, "the model is still loading; retry shortly", code="starting",
+                headers={"Retry-After": "5"},
+            )  # fmt: skip
+        if health == "stopping":
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        raise APIError(503, f"the engine is not serving ({health})", code="engine_dead")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(
+                404, f"model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model", code="model_not_found",
+            )  # fmt: skip
+
+
+STATE = web.AppKey("jserve_state", ServerState)
+
+
+def set_engine(app: web.Application, engine: EngineClient) -> None:
+    """Install the engine once it has started (the app may already be serving /health)."""
+    app[STATE].engine = engine
+
+
+async def read_json_object(request: web.Request) -> dict:
+    """The request body as a JSON object, or a 400 saying what is wrong with it."""
+    raw = await request.read()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise APIError(400, f"request body is not valid JSON: {exc}") from exc
+    if not isinstance(body, dict):
+        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
+    return body
