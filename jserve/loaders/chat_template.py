@@ -1,0 +1,120 @@
+"""Render Hugging Face chat templates (jinja2) exactly as transformers' `apply_chat_template`.
+
+Templates come from model files, so they are untrusted code: they run in jinja2's immutable
+sandbox. The environment mirrors transformers': `trim_blocks` and `lstrip_blocks`, the
+`loopcontrols` extension, a `tojson` that does not HTML-escape, `raise_exception`,
+`strftime_now`, and a `{% generation %}` block (transformers uses it to mask assistant tokens;
+here it renders its body unchanged).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+
+class ChatTemplateError(ValueError):
+    """A chat template is missing, does not compile, or rejects the conversation."""
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}`: render the body as-is."""
+
+    tags = {"generation"}  # noqa: RUF012 (jinja2's Extension API declares it this way)
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # jinja2's own tojson HTML-escapes (<, >, &, '), which would change the prompt.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@lru_cache(maxsize=16)
+def compile_chat_template(template: str) -> jinja2.Template:
+    """Compile once per distinct template string (compiling costs milliseconds; rendering, less)."""
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    try:
+        return env.from_string(template)
+    except jinja2.TemplateSyntaxError as err:
+        raise ChatTemplateError(
+            f"chat template does not compile: {err} (line {err.lineno})"
+        ) from err
+
+
+def render_chat_template(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    *,
+    add_generation_prompt: bool = True,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    **variables: Any,
+) -> str:
+    """The prompt text `template` makes of `messages`.
+
+    Args:
+        template: jinja2 source, as in `tokenizer_config.json` or GGUF `tokenizer.chat_template`.
+        messages: dicts with at least "role" and "content"; keys whose value is None are dropped
+            first, as transformers does (many templates print a literal "None" otherwise).
+        add_generation_prompt: end with the header that starts the assistant's turn.
+        tools: JSON-schema tool definitions, for templates that support them.
+        **variables: more template variables, e.g. `bos_token`, `eos_token`.
+
+    Raises:
+        ChatTemplateError: empty conversation, a message that is not a mapping, a template that
+            does not compile, or one that rejects the conversation (`raise_exception`).
+    """
+    if not messages:
+        raise ChatTemplateError("cannot apply a chat template to an empty conversation")
+    plain_messages = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise ChatTemplateError(
+                f"message {index} is a {type(message).__name__}, expected a dict with "
+                "'role' and 'content'"
+            )
+        plain_messages.append({k: v for k, v in message.items() if v is not None})
+    compiled = compile_chat_template(template)
+    try:
+        return compiled.render(
+            messages=plain_messages,
+            tools=None if tools is None else [dict(t) for t in tools],
+            add_generation_prompt=add_generation_prompt,
+            # transformers always defines `documents`; `documents is none` must hold here too.
+            **{"documents": None, **variables},
+        )
+    except jinja2.TemplateError as err:
+        raise ChatTemplateError(f"chat template rejected the conversation: {err}") from err
