@@ -1,0 +1,43 @@
+"""Padded shape buckets, shared by the scheduler's caller and the runtime's precompile step.
+
+Every step is padded up to one bucket, so the runtime compiles once per bucket and never in
+the serving loop. Powers of two bound padding waste to under half a step.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from collections.abc import Sequence
+
+
+def _powers_of_two_up_to(smallest: int, largest: int) -> tuple[int, ...]:
+    if smallest < 1 or largest < 1:
+        raise ValueError(f"bucket bounds must be >= 1, got smallest={smallest}, largest={largest}")
+    buckets = []
+    size = smallest
+    while size < largest:
+        buckets.append(size)
+        size *= 2
+    buckets.append(largest)
+    return tuple(buckets)
+
+
+def make_token_buckets(max_num_batched_tokens: int, smallest: int = 16) -> tuple[int, ...]:
+    """Token-axis sizes: 16, 32, 64, ... below the budget, then the budget itself."""
+    return _powers_of_two_up_to(smallest, max_num_batched_tokens)
+
+
+def make_seq_buckets(max_num_seqs: int, smallest: int = 8) -> tuple[int, ...]:
+    """Sequence-axis sizes: 8, 16, 32, ... below `max_num_seqs`, then `max_num_seqs`."""
+    return _powers_of_two_up_to(smallest, max_num_seqs)
+
+
+def pick_bucket(buckets: Sequence[int], n: int) -> int:
+    """Smallest bucket holding `n` (sorted `buckets`, as made above)."""
+    index = bisect_left(buckets, n)
+    if index == len(buckets):
+        raise ValueError(
+            f"{n} does not fit the largest bucket {buckets[-1]}; the scheduler should never "
+            f"plan more than the budget the buckets were made for"
+        )
+    return buckets[index]

@@ -1,0 +1,52 @@
+"""The scheduler's answer for one iteration: which tokens of which sequences to compute."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jserve.core.request import FinishReason
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step.
+
+    `token_ids` are positions `start_pos .. start_pos + len(token_ids) - 1` of the request's
+    tokens (prompt then output). `block_ids` is the request's whole block table, covering at
+    least `start_pos + len(token_ids)` positions; it is the scheduler's live list, valid until
+    the next `schedule()` call (copy it if you keep it longer). When `sample` is True the chunk
+    ends at the last known token, so its last position's logits produce the next token.
+    """
+
+    request_id: str
+    start_pos: int
+    token_ids: list[int]
+    block_ids: list[int]
+    sample: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything one iteration computes, plus what changed since the previous plan.
+
+    `seqs` holds the `num_decodes` one-token decodes first, then prefill chunks.
+    `preempted_ids` lost their KV this step and wait to recompute (their tokens are kept).
+    `finished` lists requests the scheduler ended by itself since the previous plan (deadline
+    expiry, abort) with the reason; those the engine's output ended come from
+    `Scheduler.update_from_output` instead.
+    """
+
+    seqs: list[ScheduledSeq] = field(default_factory=list)
+    num_decodes: int = 0
+    num_batched_tokens: int = 0
+    preempted_ids: list[str] = field(default_factory=list)
+    finished: dict[str, FinishReason] = field(default_factory=dict)
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to compute (the engine still reports `finished`)."""
+        return not self.seqs

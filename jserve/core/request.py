@@ -1,0 +1,133 @@
+"""Per-request scheduling state: tokens, progress, lane, KV block table, status."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+LANES = ("interactive", "long", "batch")  # strict priority order, highest first
+LANE_RANK = {lane: rank for rank, lane in enumerate(LANES)}
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, at the front of its lane, to recompute
+    FINISHED = "finished"
+
+
+class FinishReason(enum.StrEnum):
+    STOPPED = "stopped"  # a stop / EOS token id (or a stop string the engine saw)
+    LENGTH = "length"  # max_tokens or max_model_len reached
+    ABORTED = "aborted"
+    REJECTED = "rejected"
+    DEADLINE = "deadline"  # still waiting when its deadline passed
+
+
+class Request:
+    """One sequence the scheduler drives.
+
+    `all_token_ids` is prompt + output; tokens before `num_computed_tokens` have their KV in
+    `block_ids`. The last known token is computed in the step that samples the next one, so a
+    decoding request has exactly one uncomputed token.
+
+    `stop_token_ids` holds EOS and the user's stop ids (the engine leaves EOS out for
+    `ignore_eos`). `deadline` is absolute, on the `time.monotonic()` clock. `extra_key` separates
+    prefix-cache entries whose tokens are equal but whose KV differs (e.g. a LoRA or image).
+    Siblings of an `n > 1` request share a `group_id` and the same prompt.
+    """
+
+    __slots__ = (
+        "all_token_ids",
+        "arrival_time",
+        "block_hashes",
+        "block_ids",
+        "deadline",
+        "enqueued_step",
+        "extra_key",
+        "finish_reason",
+        "group_id",
+        "lane",
+        "max_tokens",
+        "min_tokens",
+        "num_cached_tokens",
+        "num_computed_tokens",
+        "num_hashed_blocks",
+        "num_preemptions",
+        "num_prompt_tokens",
+        "output_token_ids",
+        "priority",
+        "prompt_token_ids",
+        "request_id",
+        "scheduled_step",
+        "status",
+        "stop_token_ids",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        *,
+        max_tokens: int = 16,
+        min_tokens: int = 0,
+        stop_token_ids: Iterable[int] = (),
+        arrival_time: float | None = None,
+        lane: str = "interactive",
+        deadline: float | None = None,
+        extra_key: Any = None,
+        group_id: str | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.all_token_ids = list(self.prompt_token_ids)
+        self.output_token_ids: list[int] = []
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+        self.max_tokens = max_tokens
+        self.min_tokens = min_tokens
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.lane = lane
+        self.deadline = deadline
+        self.extra_key = extra_key
+        self.group_id = group_id
+
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0  # prefix-cache (or fork) hit at first admission
+        self.num_preemptions = 0
+        self.block_ids: list[int] = []
+        # Chained hashes of full blocks of known tokens; block i is in the prefix cache once
+        # i < num_hashed_blocks (set by the block manager, which owns the cache).
+        self.block_hashes: list[bytes] = []
+        self.num_hashed_blocks = 0
+        # Set by the scheduler: (lane rank, arrival, admission order) - smaller runs first.
+        self.priority: tuple[int, float, int] = (0, 0.0, 0)
+        self.enqueued_step = 0  # iteration at which it last entered the waiting queue
+        self.scheduled_step = -1  # iteration in which it last got tokens
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, lane={self.lane}, status={self.status.value}, "
+            f"computed={self.num_computed_tokens}/{self.num_tokens}, "
+            f"blocks={len(self.block_ids)})"
+        )
