@@ -1,0 +1,63 @@
+"""Helpers for the server tests: an in-process server on the mock, SSE parsing, metric reading,
+and the mock's output computed independently of the mock's code."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator
+
+from aiohttp.test_utils import TestClient, TestServer
+
+from server.app import create_app
+from server.engine_client import EngineClient
+
+
+@contextlib.asynccontextmanager
+async def serve(engine: EngineClient | None, **app_kwargs) -> AsyncIterator[TestClient]:
+    """A client of the app served on a loopback port (TestServer uses handler_cancellation)."""
+    async with TestClient(TestServer(create_app(engine, **app_kwargs))) as client:
+        yield client
+
+
+def echo_text(prompt: str, num_tokens: int, choice: int = 0) -> str:
+    """What the mock generates: the prompt repeated, choice j starting j characters in."""
+    return "".join(prompt[(choice + k) % len(prompt)] for k in range(num_tokens))
+
+
+def chat_prompt(messages: list[dict]) -> str:
+    """The mock tokenizer's chat template, written out."""
+    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+
+def parse_sse(raw: str) -> list[dict | str]:
+    """Events of an SSE body; asserts the framing ("data: ...\\n\\n", ending in [DONE])."""
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    events: list[dict | str] = []
+    for block in raw.split("\n\n")[:-1]:
+        assert block.startswith("data: "), block
+        payload = block[len("data: ") :]
+        events.append(payload if payload == "[DONE]" else json.loads(payload))
+    assert events.count("[DONE]") == 1
+    return events
+
+
+async def stream_events(client: TestClient, path: str, body: dict) -> list[dict | str]:
+    response = await client.post(path, json={**body, "stream": True})
+    assert response.status == 200, await response.text()
+    assert response.headers["Content-Type"].startswith("text/event-stream")
+    return parse_sse(await response.text())
+
+
+def metric(text: str, name: str, labels: str = "") -> float:
+    """The value of one sample in Prometheus text format (0 if absent)."""
+    pattern = re.escape(name + (f"{{{labels}}}" if labels else "")) + r" ([0-9.e+-]+)$"
+    found = re.search(pattern, text, re.MULTILINE)
+    return float(found.group(1)) if found else 0.0
+
+
+def metric_sum(text: str, name: str) -> float:
+    """The sum of one metric over all its label sets."""
+    values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
+    return sum(float(v) for v in values)

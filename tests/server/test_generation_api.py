@@ -1,0 +1,243 @@
+"""Exact responses of /v1/completions and /v1/chat/completions on the hand-computable mock."""
+
+from __future__ import annotations
+
+from server_harness import chat_prompt, echo_text, serve, stream_events
+
+from server.mock_engine import MockEngine
+
+USER_HI = [{"role": "user", "content": "Hi"}]
+
+
+def _fast_mock(**kwargs) -> MockEngine:
+    return MockEngine(token_delay=0.001, **kwargs)
+
+
+def _streamed_text(events: list, choice: int = 0, key: str = "text") -> str:
+    parts = []
+    for event in events:
+        if isinstance(event, dict):
+            for c in event["choices"]:
+                if c["index"] == choice:
+                    parts.append(c[key] if key == "text" else c["delta"].get("content", ""))
+    return "".join(parts)
+
+
+async def test_completion_exact_text_and_usage():
+    async with serve(_fast_mock()) as client:
+        response = await client.post(
+            "/v1/completions", json={"model": "mock-model", "prompt": "Hello", "max_tokens": 7}
+        )
+        assert response.status == 200
+        body = await response.json()
+    assert body["id"].startswith("cmpl-")
+    assert body["object"] == "text_completion"
+    assert body["model"] == "mock-model"
+    assert isinstance(body["created"], int)
+    assert body["choices"] == [
+        {"index": 0, "text": "HelloHe", "logprobs": None, "finish_reason": "length",
+         "stop_reason": None}
+    ]  # fmt: skip
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12}
+
+
+async def test_completion_default_max_tokens_is_16_and_token_id_prompts():
+    async with serve(_fast_mock()) as client:
+        default = await (await client.post("/v1/completions", json={"prompt": "abc"})).json()
+        ids = await (await client.post("/v1/completions", json={"prompt": [72, 105]})).json()
+        one_of_list = await (
+            await client.post("/v1/completions", json={"prompt": ["Hi"], "max_tokens": 3})
+        ).json()
+    assert default["choices"][0]["text"] == echo_text("abc", 16)
+    assert ids["choices"][0]["text"] == echo_text("Hi", 16)
+    assert ids["usage"]["prompt_tokens"] == 2
+    assert one_of_list["choices"][0]["text"] == "HiH"
+
+
+async def test_completion_stream_framing_without_usage():
+    async with serve(_fast_mock()) as client:
+        events = await stream_events(
+            client, "/v1/completions", {"prompt": "Hello", "max_tokens": 7}
+        )
+    chunks = events[:-1]
+    assert events[-1] == "[DONE]"
+    assert len(chunks) == 7  # one token per mock step, one chunk each
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]}
+    assert all(c["object"] == "text_completion" and "usage" not in c for c in chunks)
+    assert _streamed_text(events) == "HelloHe"
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None] * 6 + ["length"]
+
+
+async def test_completion_stream_include_usage():
+    async with serve(_fast_mock()) as client:
+        events = await stream_events(
+            client,
+            "/v1/completions",
+            {"prompt": "Hello", "max_tokens": 4, "stream_options": {"include_usage": True}},
+        )
+    *chunks, usage_chunk, done = events
+    assert done == "[DONE]"
+    assert all(c["usage"] is None for c in chunks)
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
+
+
+async def test_n2_both_choices_stream_and_not():
+    body = {"prompt": "Hello", "max_tokens": 7, "n": 2}
+    async with serve(_fast_mock()) as client:
+        full = await (await client.post("/v1/completions", json=body)).json()
+        events = await stream_events(client, "/v1/completions", body)
+    texts = [c["text"] for c in sorted(full["choices"], key=lambda c: c["index"])]
+    assert texts == ["HelloHe", "elloHel"]
+    assert full["usage"]["completion_tokens"] == 14
+    assert [_streamed_text(events, 0), _streamed_text(events, 1)] == texts
+    assert all(len(e["choices"]) == 1 for e in events[:-1])  # one choice per chunk
+
+
+async def test_stop_strings_cut_text_and_never_leak_while_streaming():
+    # "abcdefabcd": the first "cd" starts at index 2.
+    body = {"prompt": "abcdef", "max_tokens": 10, "stop": ["zz", "cd"]}
+    async with serve(_fast_mock()) as client:
+        full = await (await client.post("/v1/completions", json=body)).json()
+        events = await stream_events(client, "/v1/completions", body)
+        single = await (
+            await client.post(
+                "/v1/completions", json={"prompt": "abcdef", "max_tokens": 7, "stop": "zz"}
+            )
+        ).json()
+    choice = full["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("ab", "stop", "cd")
+    assert full["usage"]["completion_tokens"] == 4  # a, b, c, d were generated
+    assert _streamed_text(events) == "ab"
+    # A stop string that never matches holds nothing back at the end.
+    assert single["choices"][0]["text"] == "abcdefa"
+    assert single["choices"][0]["finish_reason"] == "length"
+
+
+async def test_completion_logprobs_legacy_shape():
+    body = {"prompt": "Hi!", "max_tokens": 3, "logprobs": 2}
+    expected = {
+        "tokens": ["H", "i", "!"],
+        "token_logprobs": [-0.5, -0.5, -0.5],
+        "top_logprobs": [{"H": -0.5, "I": -1.5}, {"i": -0.5, "j": -1.5}, {"!": -0.5, '"': -1.5}],
+        "text_offset": [0, 1, 2],
+    }
+    async with serve(_fast_mock()) as client:
+        full = await (await client.post("/v1/completions", json=body)).json()
+        events = await stream_events(client, "/v1/completions", body)
+    assert full["choices"][0]["logprobs"] == expected
+    merged = {key: [] for key in expected}
+    for event in events[:-1]:
+        for key in expected:
+            merged[key] += event["choices"][0]["logprobs"][key]
+    assert merged == expected  # text_offset keeps counting across chunks
+
+
+async def test_chat_exact_message_and_usage():
+    prompt = chat_prompt(USER_HI)
+    async with serve(_fast_mock()) as client:
+        response = await client.post(
+            "/v1/chat/completions", json={"messages": USER_HI, "max_tokens": 5}
+        )
+        body = await response.json()
+    assert body["id"].startswith("chatcmpl-")
+    assert body["object"] == "chat.completion"
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": echo_text(prompt, 5)}
+    assert (choice["finish_reason"], choice["logprobs"]) == ("length", None)
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt), "completion_tokens": 5, "total_tokens": len(prompt) + 5
+    }  # fmt: skip
+
+
+async def test_chat_stream_role_first_then_content_then_usage():
+    prompt = chat_prompt(USER_HI)
+    body = {"messages": USER_HI, "max_completion_tokens": 4, "max_tokens": 99,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    async with serve(_fast_mock()) as client:
+        events = await stream_events(client, "/v1/chat/completions", body)
+    *chunks, usage_chunk, _ = events
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all("role" not in c["choices"][0]["delta"] for c in chunks[1:])
+    assert _streamed_text(events, key="delta") == echo_text(prompt, 4)  # max_completion_tokens won
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage_chunk["usage"]["completion_tokens"] == 4
+
+
+async def test_chat_default_max_tokens_fills_the_context():
+    prompt = chat_prompt(USER_HI)
+    async with serve(_fast_mock(max_model_len=64)) as client:
+        body = await (await client.post("/v1/chat/completions", json={"messages": USER_HI})).json()
+    assert body["usage"]["completion_tokens"] == 64 - len(prompt)
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+async def test_chat_logprobs_shape():
+    body = {"messages": USER_HI, "max_tokens": 2, "logprobs": True, "top_logprobs": 2}
+    async with serve(_fast_mock()) as client:
+        full = await (await client.post("/v1/chat/completions", json=body)).json()
+        events = await stream_events(client, "/v1/chat/completions", body)
+        bare = await (
+            await client.post(
+                "/v1/chat/completions",
+                json={"messages": USER_HI, "max_tokens": 1, "logprobs": True},
+            )
+        ).json()
+    expected = [
+        {"token": "u", "logprob": -0.5, "bytes": [117], "top_logprobs": [
+            {"token": "u", "logprob": -0.5, "bytes": [117]},
+            {"token": "v", "logprob": -1.5, "bytes": [118]}]},
+        {"token": "s", "logprob": -0.5, "bytes": [115], "top_logprobs": [
+            {"token": "s", "logprob": -0.5, "bytes": [115]},
+            {"token": "t", "logprob": -1.5, "bytes": [116]}]},
+    ]  # fmt: skip
+    assert full["choices"][0]["logprobs"] == {"content": expected}
+    streamed = [item for e in events[:-1] for item in e["choices"][0]["logprobs"]["content"]]
+    assert streamed == expected
+    assert bare["choices"][0]["logprobs"]["content"][0]["top_logprobs"] == []
+
+
+async def test_timeout_ends_with_timeout_finish_reason():
+    async with serve(MockEngine(token_delay=0.02)) as client:
+        body = await (
+            await client.post(
+                "/v1/completions", json={"prompt": "slow", "max_tokens": 200, "timeout": 0.15}
+            )
+        ).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "timeout"
+    assert 0 < body["usage"]["completion_tokens"] < 200
+    assert choice["text"] == echo_text("slow", body["usage"]["completion_tokens"])
+
+
+async def test_priority_lanes_are_accepted():
+    async with serve(_fast_mock()) as client:
+        for lane in ("interactive", "long", "batch"):
+            response = await client.post(
+                "/v1/completions", json={"prompt": "ab", "max_tokens": 2, "priority": lane}
+            )
+            assert (await response.json())["choices"][0]["text"] == "ab"
+
+
+async def test_models_and_served_model_name():
+    async with serve(_fast_mock(), served_model_name="smol") as client:
+        models = await (await client.get("/v1/models")).json()
+        ok = await client.post("/v1/completions", json={"model": "smol", "prompt": "a"})
+        wrong = await client.post("/v1/completions", json={"model": "mock-model", "prompt": "a"})
+        assert (await ok.json())["model"] == "smol"
+        assert wrong.status == 404
+    assert models["object"] == "list"
+    assert [(m["id"], m["object"], m["max_model_len"]) for m in models["data"]] == [
+        ("smol", "model", 256)
+    ]
+
+
+async def test_tokenize_and_detokenize():
+    async with serve(_fast_mock()) as client:
+        tokens = await (await client.post("/tokenize", json={"prompt": "Hi"})).json()
+        chat = await (await client.post("/tokenize", json={"messages": USER_HI})).json()
+        text = await (await client.post("/detokenize", json={"tokens": [72, 105]})).json()
+    assert tokens == {"count": 2, "max_model_len": 256, "tokens": [72, 105]}
+    assert chat["tokens"] == [ord(c) for c in chat_prompt(USER_HI)]
+    assert text == {"prompt": "Hi"}
