@@ -116,5 +116,7 @@ def render_chat_template(
             # transformers always defines `documents`; `documents is none` must hold here too.
             **{"documents": None, **variables},
         )
-    except jinja2.TemplateError as err:
+    except Exception as err:
+        # Template code is arbitrary: whatever fails in it (raise_exception, a TypeError on a
+        # missing field) is a problem of this template with this conversation, not of the caller.
         raise ChatTemplateError(f"chat template rejected the conversation: {err}") from err
