@@ -1,0 +1,227 @@
+"""Admission and error behaviour: each bad input gets its status and an OpenAI error body, and
+the server stays healthy afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from server_harness import metric, serve
+
+from jserve.errors import RequestRejected
+from server.mock_engine import MockEngine
+from server.state import STATE, set_engine
+
+HI = [{"role": "user", "content": "Hi"}]
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+
+# (path, raw body or JSON, status, expected error param, a fragment of the message)
+BAD_INPUTS = [
+    (COMPLETIONS, b"{not json", 400, None, "not valid JSON"),
+    (COMPLETIONS, b"[1, 2]", 400, None, "must be a JSON object"),
+    (COMPLETIONS, {"max_tokens": 3}, 400, "prompt", "'prompt' is required"),
+    (COMPLETIONS, {"prompt": ""}, 400, "prompt", "must not be empty"),
+    (COMPLETIONS, {"prompt": []}, 400, "prompt", "non-empty"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, 400, "prompt", "token ids"),
+    (COMPLETIONS, {"prompt": [-1]}, 400, "prompt", ">= 0"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
+    (COMPLETIONS, {"prompt": "a", "max_tokens": "x"}, 400, "max_tokens", "must be an integer"),
+    (COMPLETIONS, {"prompt": "a", "max_tokens": 0}, 400, None, "max_tokens must be"),
+    (COMPLETIONS, {"prompt": "a", "temperature": "hot"}, 400, "temperature", "a number"),
+    (COMPLETIONS, {"prompt": "a", "temperature": -1}, 400, None, "temperature must be >= 0"),
+    (COMPLETIONS, {"prompt": "a", "top_p": 0}, 400, None, "top_p must be in (0, 1]"),
+    (COMPLETIONS, {"prompt": "a", "n": True}, 400, "n", "must be an integer"),
+    (COMPLETIONS, {"prompt": "a", "n": 0}, 400, None, "n must be an integer >= 1"),
+    (COMPLETIONS, {"prompt": "a", "logprobs": 21}, 400, None, "logprobs must be"),
+    (COMPLETIONS, {"prompt": "a", "stop": [1]}, 400, "stop", "list of strings"),
+    (COMPLETIONS, {"prompt": "a", "stop_token_ids": ["x"]}, 400, "stop_token_ids", "integers"),
+    (COMPLETIONS, {"prompt": "a", "presence_penalty": 3}, 400, None, "presence_penalty"),
+    (COMPLETIONS, {"prompt": "a", "echo": True}, 400, "echo", "not supported"),
+    (COMPLETIONS, {"prompt": "a", "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
+    (COMPLETIONS, {"prompt": "a", "best_of": 3}, 400, "best_of", "not supported"),
+    (COMPLETIONS, {"prompt": "a", "priority": "urgent"}, 400, "priority", "must be one of"),
+    (COMPLETIONS, {"prompt": "a", "timeout": 0}, 400, "timeout", "> 0"),
+    (COMPLETIONS, {"prompt": "a", "stream_options": {}}, 400, "stream_options", "stream=true"),
+    (COMPLETIONS, {"prompt": "x" * 300}, 400, "prompt", "max_model_len (256)"),
+    (COMPLETIONS, {"prompt": "x" * 250, "max_tokens": 7}, 400, "prompt", "(250 tokens)"),
+    (CHAT, {"max_tokens": 3}, 400, "messages", "'messages' must be a non-empty list"),
+    (CHAT, {"messages": []}, 400, "messages", "non-empty list"),
+    (CHAT, {"messages": [{"content": "hi"}]}, 400, "messages", "with a 'role'"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, 400, "messages", "content must be"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
+     "messages", "only text content parts"),
+    (CHAT, {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "requires logprobs=true"),
+    (CHAT, {"messages": HI, "logprobs": 1}, 400, "logprobs", "must be a boolean"),
+    (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
+    (CHAT, {"messages": HI, "response_format": {"type": "json_object"}}, 400,
+     "response_format", "only response_format type 'text'"),
+    ("/tokenize", {"text": "a"}, 400, "prompt", "send 'prompt'"),
+    ("/detokenize", {"tokens": [1, -2]}, 400, "tokens", "non-negative integers"),
+]  # fmt: skip
+
+
+def _check_error_body(body: dict, status: int) -> dict:
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == {400: "invalid_request_error", 401: "authentication_error",
+                             404: "not_found_error", 413: "invalid_request_error",
+                             429: "rate_limit_error", 500: "server_error",
+                             503: "service_unavailable"}[status]  # fmt: skip
+    return error
+
+
+async def test_bad_inputs_table_then_still_healthy():
+    async with serve(MockEngine(token_delay=0.001)) as client:
+        for path, body, status, param, fragment in BAD_INPUTS:
+            kwargs = {"data": body} if isinstance(body, bytes) else {"json": body}
+            response = await client.post(path, **kwargs)
+            assert response.status == status, (path, body, await response.text())
+            error = _check_error_body(await response.json(), status)
+            assert fragment in error["message"], (body, error)
+            assert error["param"] == param, (body, error)
+        assert (await client.get("/health")).status == 200
+        ok = await client.post(COMPLETIONS, json={"prompt": "ok", "max_tokens": 3})
+        assert (await ok.json())["choices"][0]["text"] == "oko"
+        metrics = await (await client.get("/metrics")).text()
+    # The engine refused the two prompt-too-long rows; the server refused the rest itself.
+    assert metric(metrics, "jserve:request_rejected_total", 'reason="too_long"') == 2
+
+
+async def test_prompt_too_long_error_code():
+    async with serve(MockEngine()) as client:
+        response = await client.post(COMPLETIONS, json={"prompt": "x" * 300})
+        error = (await response.json())["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert "300 tokens" in error["message"]
+
+
+async def test_api_key_guards_everything_but_health_and_metrics():
+    async with serve(MockEngine(token_delay=0.001), api_key="sekret") as client:
+        body = {"prompt": "ab", "max_tokens": 2}
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            response = await client.post(COMPLETIONS, json=body, headers=headers)
+            assert response.status == 401
+            assert _check_error_body(await response.json(), 401)["code"] == "invalid_api_key"
+        assert (await client.get("/v1/models")).status == 401
+        good = await client.post(COMPLETIONS, json=body, headers={"Authorization": "Bearer sekret"})
+        assert good.status == 200
+        assert (await client.get("/health")).status == 200
+        assert (await client.get("/metrics")).status == 200
+
+
+async def test_unknown_model_route_and_method_are_json_errors():
+    async with serve(MockEngine()) as client:
+        model = await client.post(COMPLETIONS, json={"model": "gpt-4", "prompt": "a"})
+        route = await client.get("/v1/nothing-here")
+        method = await client.get(COMPLETIONS)
+        assert (model.status, route.status, method.status) == (404, 404, 405)
+        error = _check_error_body(await model.json(), 404)
+        assert (error["code"], error["param"]) == ("model_not_found", "model")
+        assert "gpt-4" in error["message"] and "mock-model" in error["message"]
+        assert "/v1/nothing-here" in _check_error_body(await route.json(), 404)["message"]
+        assert (await method.json())["error"]["message"]
+
+
+async def test_body_over_the_limit_is_413():
+    async with serve(MockEngine(), max_body_bytes=1000) as client:
+        response = await client.post(COMPLETIONS, json={"prompt": "x" * 2000})
+        assert response.status == 413
+        assert "1000 bytes" in _check_error_body(await response.json(), 413)["message"]
+        assert (await client.get("/health")).status == 200
+
+
+async def _wait_for(predicate, timeout: float = 2.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not predicate():
+        assert asyncio.get_running_loop().time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
+async def test_full_queue_is_429_with_retry_after():
+    engine = MockEngine(token_delay=0.01, max_num_seqs=1, max_waiting=1)
+    body = {"prompt": "abc", "max_tokens": 100}
+    async with serve(engine) as client:
+        running = asyncio.create_task(client.post(COMPLETIONS, json=body))
+        await _wait_for(lambda: engine.stats().num_requests_running == 1)
+        waiting = asyncio.create_task(client.post(COMPLETIONS, json=body))
+        await _wait_for(lambda: engine.stats().num_requests_waiting == 1)
+        refused = await client.post(COMPLETIONS, json=body)
+        assert refused.status == 429
+        assert refused.headers["Retry-After"] == "1"
+        assert _check_error_body(await refused.json(), 429)["code"] == "queue_full"
+        metrics = await (await client.get("/metrics")).text()
+        assert metric(metrics, "jserve:request_rejected_total", 'reason="queue_full"') == 1
+        for task in (running, waiting):
+            task.cancel()
+        await asyncio.gather(running, waiting, return_exceptions=True)
+
+
+async def test_503_while_starting_then_ready():
+    async with serve(None) as client:
+        health = await client.get("/health")
+        assert (health.status, await health.json()) == (503, {"status": "starting"})
+        refused = await client.post(COMPLETIONS, json={"prompt": "a"})
+        assert refused.status == 503
+        assert _check_error_body(await refused.json(), 503)["code"] == "starting"
+        assert (await client.get("/metrics")).status == 200
+        set_engine(client.app, MockEngine(token_delay=0.001))
+        health = await client.get("/health")
+        assert (health.status, await health.json()) == (200, {"status": "ready"})
+        assert (await client.post(COMPLETIONS, json={"prompt": "a"})).status == 200
+
+
+async def test_503_after_the_engine_died_and_mid_stream_error_event():
+    engine = MockEngine(token_delay=0.01)
+    async with serve(engine) as client:
+        response = await client.post(
+            COMPLETIONS, json={"prompt": "abc", "max_tokens": 100, "stream": True}
+        )
+        await response.content.readuntil(b"\n\n")  # first chunk arrived
+        engine.kill("step loop crashed: out of memory")
+        rest = (await response.content.read()).decode()
+        assert '"error"' in rest and "out of memory" in rest
+        assert rest.endswith("data: [DONE]\n\n")
+        health = await client.get("/health")
+        assert health.status == 503
+        assert await health.json() == {"status": "dead: step loop crashed: out of memory"}
+        refused = await client.post(COMPLETIONS, json={"prompt": "a"})
+        assert refused.status == 503
+        error = _check_error_body(await refused.json(), 503)
+        assert error["code"] == "engine_dead" and "out of memory" in error["message"]
+
+
+async def test_503_while_draining():
+    async with serve(MockEngine()) as client:
+        client.app[STATE].draining = True
+        refused = await client.post(COMPLETIONS, json={"prompt": "a"})
+        assert refused.status == 503
+        assert _check_error_body(await refused.json(), 503)["code"] == "shutting_down"
+        health = await client.get("/health")
+        assert (health.status, await health.json()) == (503, {"status": "stopping"})
+
+
+class _BrokenEngine(MockEngine):
+    def __init__(self, error: Exception) -> None:
+        super().__init__()
+        self.error = error
+
+    async def generate(self, prompt, params, request_id, *, priority="interactive", timeout=None):
+        raise self.error
+        yield  # an async generator, like the real one
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "code"),
+    [
+        (RuntimeError("kaboom"), 500, "internal_error"),
+        (RequestRejected("shutting_down", "engine is stopping"), 503, "shutting_down"),
+        (RequestRejected("invalid", "token id 999999 is outside the vocabulary"), 400, "invalid"),
+    ],
+)
+async def test_engine_exceptions_map_to_statuses(error, status, code):
+    async with serve(_BrokenEngine(error)) as client:
+        response = await client.post(COMPLETIONS, json={"prompt": "a", "stream": True})
+        assert response.status == status
+        assert _check_error_body(await response.json(), status)["code"] == code
+        assert (await client.get("/health")).status == 200
