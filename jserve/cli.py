@@ -32,6 +32,7 @@ def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from jserve.loaders.detokenizer import IncrementalDetokenizer
     from jserve.loaders.model_source import load_model
     from jserve.runtime.dense_generate import generate_dense
     from jserve.runtime.params import make_mesh, place_model, resolve_dtype
@@ -53,7 +54,7 @@ def _generate(args: argparse.Namespace) -> int:
                                 add_special_tokens=False)  # fmt: skip
     else:
         prompt_ids = tok.encode(args.prompt)
-    detok = tok.incremental_detokenizer()
+    detok = IncrementalDetokenizer(tok)
     tokens = generate_dense(
         graphdef, state, prompt_ids, args.max_tokens,
         temperature=args.temperature, seed=args.seed, stop_token_ids=tok.stop_token_ids,
@@ -61,9 +62,9 @@ def _generate(args: argparse.Namespace) -> int:
     for token in tokens:
         if token in tok.stop_token_ids:
             break
-        sys.stdout.write(detok.add(token))
+        sys.stdout.write(detok.add_tokens([token]))
         sys.stdout.flush()
-    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.write(detok.finish() + "\n")
     return 0
 
 
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not args.verbose:
+        logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file at INFO
     if args.command == "convert" and args.src == "default":
         args.src = None
     try:

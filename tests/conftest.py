@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 # Converted GGUF models are cached per test session, never in the user's cache.
-os.environ.setdefault("JSERVE_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest-cache-jserve"))
+os.environ.setdefault(
+    "JSERVE_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest-cache-jserve")
+)
 
 
 @pytest.fixture(scope="session")
