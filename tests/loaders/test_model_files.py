@@ -51,7 +51,7 @@ def test_default_model_cache_is_reused(default_model, default_gguf, tmp_path):
 
 
 def test_missing_path_is_named(tmp_path):
-    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+    with pytest.raises(FileNotFoundError, match=r"nope\.gguf"):
         load_model(tmp_path / "nope.gguf")
 
 

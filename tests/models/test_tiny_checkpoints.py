@@ -131,5 +131,5 @@ def test_unsupported_architecture_names_file(tmp_path):
 def test_directory_without_weights(tmp_path):
     _write("llama-tied", tmp_path)
     (tmp_path / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match="no model.safetensors"):
+    with pytest.raises(FileNotFoundError, match=r"no model\.safetensors"):
         load_safetensors_dir(tmp_path)
