@@ -125,16 +125,15 @@ class MockEngine:
         self._waiting.append(request)
         if self._loop_task is None or self._loop_task.done():
             self._loop_task = asyncio.create_task(self._step_loop())
-        try:
-            while True:
-                item = await request.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                yield item
-                if item.finished:
-                    return
-        finally:
-            self._forget(request)
+        # Deliberately no cleanup when the caller stops iterating early: like KV blocks in a
+        # real engine, the request lives on until abort(), so tests catch a server that forgets.
+        while True:
+            item = await request.queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+            if item.finished:
+                return
 
     async def abort(self, request_id: str) -> None:
         for request in self._waiting + self._running:
