@@ -114,9 +114,14 @@ async def _stream(
         await send(first)
         async for output in gen.rest():
             await send(output)
+    except ConnectionError:
+        raise  # the client is gone; nobody to tell
     except EngineDeadError as exc:
         # Headers are gone already: report in-band the way OpenAI-compatible servers do.
         await response.write(_sse(APIError(503, f"the engine died: {exc}").body()))
+    except Exception:
+        logger.exception("request %s failed mid-stream", gen.request_id)
+        await response.write(_sse(APIError(500, "internal server error").body()))
     else:
         if include_usage and gen.final is not None:
             await response.write(_sse(builder.usage_chunk(gen.final)))

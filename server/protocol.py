@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.api_errors import APIError
 from server.engine_client import PRIORITIES, TokenizerLike
 
@@ -229,6 +229,11 @@ def parse_chat(body: dict, tokenizer: TokenizerLike) -> ParsedRequest:
     top_logprobs = typed_field(body, "top_logprobs", INT)
     if top_logprobs is not None and not want_logprobs:
         raise APIError(400, "'top_logprobs' requires logprobs=true", param="top_logprobs")
+    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
+        raise APIError(
+            400, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top_logprobs}",
+            param="top_logprobs",
+        )  # fmt: skip
     logprobs = (top_logprobs or 0) if want_logprobs else None
     params = _sampling_params(_common(body, max_tokens, logprobs))
     stream, include_usage, priority, timeout = _request_options(body)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from server_harness import metric, serve
+from server_harness import metric, parse_sse, serve
 
 from jserve.errors import RequestRejected
 from server.mock_engine import MockEngine
@@ -51,6 +51,8 @@ BAD_INPUTS = [
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages", "only text content parts"),
     (CHAT, {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "requires logprobs=true"),
+    (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
+     "must be in [0, 20]"),
     (CHAT, {"messages": HI, "logprobs": 1}, 400, "logprobs", "must be a boolean"),
     (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     (CHAT, {"messages": HI, "response_format": {"type": "json_object"}}, 400,
@@ -225,3 +227,23 @@ async def test_engine_exceptions_map_to_statuses(error, status, code):
         assert response.status == status
         assert _check_error_body(await response.json(), status)["code"] == code
         assert (await client.get("/health")).status == 200
+
+
+class _FailsAfterOneToken(MockEngine):
+    async def generate(self, prompt, params, request_id, *, priority="interactive", timeout=None):
+        async for output in super().generate(prompt, params, request_id):
+            yield output
+            raise RuntimeError("bug after the first token")
+
+
+async def test_unexpected_error_mid_stream_ends_the_stream_cleanly():
+    engine = _FailsAfterOneToken(token_delay=0.001)
+    async with serve(engine) as client:
+        response = await client.post(
+            COMPLETIONS, json={"prompt": "abc", "max_tokens": 50, "stream": True}
+        )
+        events = parse_sse(await response.text())
+        assert events[0]["choices"][0]["text"] == "a"
+        assert events[1]["error"]["type"] == "server_error"
+        assert (await client.get("/health")).status == 200
+        assert engine.stats().num_requests_running == 0  # the server aborted it
