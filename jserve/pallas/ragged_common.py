@@ -1,0 +1,254 @@
+"""Pieces every ragged paged attention implementation shares.
+
+The operation: queries of several sequences are concatenated on one token axis. Sequence `s`
+owns query rows `cu_q_lens[s]:cu_q_lens[s + 1]` and has `kv_lens[s]` cached positions (this
+step's included), reached through `block_tables[s]`. Its query `i` attends to KV positions
+`p` with `p <= kv_lens[s] - q_len[s] + i` (and `p > that - sliding_window` with a window).
+
+Masking rules every kernel follows, so NaN in memory it must not read can never leak:
+- scores of disallowed positions are replaced (not added to) by `MASK_VALUE`, and their
+  probabilities are set to exactly 0;
+- V rows at positions `>= kv_lens[s]` (stale slots, sink pages) are zeroed before `p @ v`,
+  because `0 * NaN` is NaN;
+- a row that sees no position (padding) keeps a zero denominator and its output is exactly 0.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# Finite so that `m_prev - m_new` is 0 (not NaN) while a row has seen nothing yet.
+MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+class RaggedDims(NamedTuple):
+    """Static sizes of one ragged paged attention call."""
+
+    num_tokens: int  # T, padded token bucket
+    num_q_heads: int  # Hq
+    head_dim: int  # D
+    num_layers: int  # L
+    num_blocks: int  # pool blocks, block 0 is the sink
+    num_kv_heads: int  # Hkv
+    block_size: int  # tokens per block
+    max_seqs: int  # S, padded sequence bucket
+    max_blocks: int  # block table columns per sequence
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head (the GQA ratio)."""
+        return self.num_q_heads // self.num_kv_heads
+
+
+def _check_int_vector(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
+    if tuple(x.shape) != shape or x.dtype != jnp.int32:
+        raise ValueError(f"{name} must be int32 {list(shape)}; got {x.dtype} {list(x.shape)}")
+
+
+def validate_attention_shapes(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
+    layer: jax.Array,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> RaggedDims:
+    """Static checks (shapes, dtypes, options); returns the sizes. Raises ValueError."""
+    if q.ndim != 3:
+        raise ValueError(f"q must be [T, num_q_heads, head_dim]; got shape {list(q.shape)}")
+    if k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
+        raise ValueError(
+            "k_pool and v_pool must both have the kv_cache_shape layout "
+            "[num_layers, num_blocks, num_kv_heads, block_size, head_dim]; "
+            f"got k_pool {list(k_pool.shape)} and v_pool {list(v_pool.shape)}"
+        )
+    num_tokens, num_q_heads, head_dim = q.shape
+    num_layers, num_blocks, num_kv_heads, block_size, pool_head_dim = k_pool.shape
+    if pool_head_dim != head_dim:
+        raise ValueError(f"q head_dim ({head_dim}) != pool head_dim ({pool_head_dim})")
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
+        )
+    dtypes = {q.dtype, k_pool.dtype, v_pool.dtype}
+    if len(dtypes) != 1 or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"q, k_pool and v_pool must share one of {[str(d) for d in SUPPORTED_DTYPES]}; "
+            f"got q {q.dtype}, k_pool {k_pool.dtype}, v_pool {v_pool.dtype}"
+        )
+    if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
+        raise ValueError(
+            "block_tables must be int32 [max_seqs, max_blocks]; "
+            f"got {block_tables.dtype} {list(block_tables.shape)}"
+        )
+    max_seqs, max_blocks = block_tables.shape
+    _check_int_vector("cu_q_lens", cu_q_lens, (max_seqs + 1,))
+    _check_int_vector("kv_lens", kv_lens, (max_seqs,))
+    if num_seqs.size != 1 or num_seqs.ndim > 1 or num_seqs.dtype != jnp.int32:
+        raise ValueError(
+            f"num_seqs must be an int32 scalar or [1]; got {num_seqs.dtype} {list(num_seqs.shape)}"
+        )
+    if layer.ndim != 0 or layer.dtype != jnp.int32:
+        raise ValueError(f"layer must be an int32 scalar; got {layer.dtype} {list(layer.shape)}")
+    if not isinstance(sm_scale, int | float) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a positive Python float; got {sm_scale!r}")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or an int >= 1; got {sliding_window!r}")
+    if soft_cap is not None and (not isinstance(soft_cap, int | float) or not soft_cap > 0):
+        raise ValueError(f"soft_cap must be None or a positive float; got {soft_cap!r}")
+    return RaggedDims(
+        num_tokens, num_q_heads, head_dim, num_layers, num_blocks, num_kv_heads, block_size,
+        max_seqs, max_blocks,
+    )  # fmt: skip
+
+
+def validate_attention_values(
+    block_tables: np.ndarray,
+    cu_q_lens: np.ndarray,
+    kv_lens: np.ndarray,
+    num_seqs: np.ndarray | int,
+    layer: np.ndarray | int,
+    *,
+    num_tokens: int,
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+) -> None:
+    """Dynamic checks on host numpy values (the runtime's step inputs); raises ValueError.
+
+    Padded sequences (index >= num_seqs) are not checked beyond their table entries: kernels
+    never compute them.
+    """
+    tables, cu, kv = np.asarray(block_tables), np.asarray(cu_q_lens), np.asarray(kv_lens)
+    n = int(np.asarray(num_seqs).reshape(()))
+    max_seqs, max_blocks = tables.shape
+    if not 0 <= n <= max_seqs:
+        raise ValueError(f"num_seqs = {n} is outside [0, max_seqs={max_seqs}]")
+    if not 0 <= int(layer) < num_layers:
+        raise ValueError(f"layer = {int(layer)} is outside [0, num_layers={num_layers})")
+    outside = np.argwhere((tables < 0) | (tables >= num_blocks))
+    if outside.size:
+        s, j = outside[0]
+        raise ValueError(
+            f"block_tables[{s}, {j}] = {tables[s, j]} is outside [0, num_blocks={num_blocks}); "
+            "unused entries must point at the sink block 0"
+        )
+    if cu[0] != 0 or np.any(np.diff(cu[: n + 1]) < 0) or cu[n] > num_tokens:
+        raise ValueError(
+            f"cu_q_lens[:num_seqs + 1] = {cu[: n + 1].tolist()} must start at 0, never decrease "
+            f"and end at most at num_tokens = {num_tokens}"
+        )
+    q_lens = np.diff(cu[: n + 1])
+    for s in range(n):
+        if not q_lens[s] <= kv[s] <= max_blocks * block_size:
+            raise ValueError(
+                f"kv_lens[{s}] = {kv[s]} must be >= its q_len ({q_lens[s]}) and <= "
+                f"max_blocks * block_size = {max_blocks * block_size}"
+            )
+        used = tables[s, : -(-int(kv[s]) // block_size)]
+        if np.any(used == 0):
+            raise ValueError(
+                f"sequence {s} reads the sink block 0 in its first {used.size} table entries "
+                f"{used.tolist()}; the sink is never allocated to a real sequence"
+            )
+
+
+def cap_scores(scores: jax.Array, soft_cap: float | None) -> jax.Array:
+    """Gemma-style logit soft cap: soft_cap * tanh(scores / soft_cap)."""
+    if soft_cap is None:
+        return scores
+    return soft_cap * jnp.tanh(scores / soft_cap)
+
+
+def allowed(
+    pos: jax.Array, row_ctx: jax.Array, kv_len: jax.Array, sliding_window: int | None
+) -> jax.Array:
+    """Which (row, position) pairs may attend; broadcasts `pos [.., 1, C]` and `row_ctx [.., M, 1]`.
+
+    `row_ctx` is the last position each query row may see; `pos < kv_len` keeps rows beyond a
+    sequence's queries (block padding) away from stale slots.
+    """
+    mask = (pos <= row_ctx) & (pos < kv_len)
+    if sliding_window is not None:
+        mask &= pos > row_ctx - sliding_window
+    return mask
+
+
+def _batch_dims(x: jax.Array) -> tuple[int, ...]:
+    return tuple(range(x.ndim - 2))
+
+
+def qk(q: jax.Array, k: jax.Array) -> jax.Array:
+    """Scores `[..., M, D] x [..., C, D] -> [..., M, C]` in float32 (k not transposed)."""
+    b = _batch_dims(q)
+    dims = (((q.ndim - 1,), (k.ndim - 1,)), (b, b))
+    return lax.dot_general(q, k, dims, preferred_element_type=jnp.float32)
+
+
+def pv(p: jax.Array, v: jax.Array) -> jax.Array:
+    """Weighted values `[..., M, C] x [..., C, D] -> [..., M, D]` in float32."""
+    b = _batch_dims(p)
+    dims = (((p.ndim - 1,), (v.ndim - 2,)), (b, b))
+    return lax.dot_general(p.astype(v.dtype), v, dims, preferred_element_type=jnp.float32)
+
+
+def online_softmax_step(
+    carry: tuple[jax.Array, jax.Array, jax.Array],
+    scores: jax.Array,  # [..., M, C] float32, already scaled and capped
+    mask: jax.Array,  # [..., M, C] bool
+    v: jax.Array,  # [..., C, D], zeroed at positions >= kv_len
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One flash-attention update of (max [.., M, 1], denominator [.., M, 1], acc [.., M, D])."""
+    m_prev, denom_prev, acc_prev = carry
+    scores = jnp.where(mask, scores, MASK_VALUE)
+    m_next = jnp.maximum(m_prev, scores.max(axis=-1, keepdims=True))
+    alpha = jnp.exp(m_prev - m_next)
+    p = jnp.where(mask, jnp.exp(scores - m_next), 0.0)
+    denom_next = alpha * denom_prev + p.sum(axis=-1, keepdims=True)
+    return m_next, denom_next, alpha * acc_prev + pv(p, v)
+
+
+def online_softmax_init(rows_shape: tuple[int, ...], head_dim: int):
+    """Initial (running max, denominator, acc) for rows of shape `rows_shape` (ending in M)."""
+    m = jnp.full((*rows_shape, 1), MASK_VALUE, jnp.float32)
+    denom = jnp.zeros((*rows_shape, 1), jnp.float32)
+    return m, denom, jnp.zeros((*rows_shape, head_dim), jnp.float32)
+
+
+def online_softmax_finish(denom: jax.Array, acc: jax.Array) -> jax.Array:
+    """acc / denom, with rows that saw nothing (denom == 0) exactly 0."""
+    return jnp.where(denom > 0, acc / jnp.where(denom > 0, denom, 1.0), 0.0)
+
+
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+    """Append `rows` zero rows on axis 0 so fixed-size row blocks never run off the end."""
+    return jnp.pad(x, ((0, rows),) + ((0, 0),) * (x.ndim - 1))
+
+
+def pad_table_columns(block_tables: jax.Array, multiple: int) -> jax.Array:
+    """Pad block tables with sink entries (0) to a multiple of `multiple` columns."""
+    return jnp.pad(block_tables, ((0, 0), (0, -block_tables.shape[1] % multiple)))
+
+
+def token_seq_ids(cu_q_lens: jax.Array, num_seqs: jax.Array, num_tokens: int) -> jax.Array:
+    """[T] sequence of each token; tokens past cu_q_lens[num_seqs] get the padding id S.
+
+    Only cu_q_lens[:num_seqs + 1] is read, so padded sequences' entries may hold anything.
+    """
+    n = num_seqs.reshape(())
+    max_seqs = cu_q_lens.shape[0] - 1
+    tokens = jnp.arange(num_tokens, dtype=jnp.int32)
+    ends = jnp.where(jnp.arange(max_seqs) < n, cu_q_lens[1:], jnp.iinfo(jnp.int32).max)
+    seq = jnp.searchsorted(ends, tokens, side="right").astype(jnp.int32)
+    return jnp.where(tokens < cu_q_lens[n], seq, max_seqs)

@@ -1,0 +1,186 @@
+"""Coarse-grid Pallas kernel for ragged paged attention, written for CPU interpret mode.
+
+Interpret mode turns the grid into a serial XLA while loop and every kernel op into ordinary XLA
+ops, so what costs time is the number of loop iterations and ops, not parallelism. Hence:
+- one program per sequence (padded sequences exit at once); inside it a `fori_loop` over query
+  blocks and, per block, a `fori_loop` over chunks of `pages_per_chunk` pages with an online
+  softmax; trip counts are dynamic, so short sequences cost little;
+- decode rows (q_len == 1) take a one-row path, longer chunks `block_q`-row blocks;
+- each chunk does all KV heads at once as head-batched matmuls on [Hkv, rows, C] operands
+  (a page of the pool layout is [Hkv, block_size, D], so pages concatenate without a transpose);
+- the pools are `memory_space=pl.ANY` refs read with `.at`-style indexing at the traced layer,
+  so no layer slice is copied (timing does not grow with pool size).
+The output buffer aliases a zero input: rows no sequence owns (padding tokens) stay exactly 0.
+A block's rows past its sequence's end are restored from the buffer before the store, so a
+block never clobbers the next sequence's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jserve.pallas.ragged_common import (
+    RaggedDims,
+    allowed,
+    cap_scores,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_step,
+    pad_rows,
+    pad_table_columns,
+    qk,
+    validate_attention_shapes,
+)
+
+# Measured with bench/kernels.py on the 2-core CPU (SmolLM2 shapes): 8 pages (128 tokens) per
+# chunk beat 4 and 16; see the module's tests and the benchmark for the figures.
+DEFAULT_PAGES_PER_CHUNK = 8
+DEFAULT_BLOCK_Q = 32
+
+
+def validate_interpret_config(block_q: int, pages_per_chunk: int) -> None:
+    """Static checks of the kernel's tiling options; raises ValueError."""
+    for name, value in (("block_q", block_q), ("pages_per_chunk", pages_per_chunk)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+
+
+def _kernel(
+    # Inputs, all whole arrays (pl.ANY):
+    cu_q_lens_ref,  # [S + 1]
+    kv_lens_ref,  # [S]
+    tables_ref,  # [S, max_blocks padded to a multiple of pages_per_chunk]
+    num_seqs_ref,  # [1]
+    layer_ref,  # [1]
+    q_ref,  # [T + block_q, Hq, D]
+    k_ref,  # [L, num_blocks, Hkv, block_size, D]
+    v_ref,  # [L, num_blocks, Hkv, block_size, D]
+    zeros_ref,  # [T + block_q, Hq, D], aliased to o_ref
+    # Output:
+    o_ref,  # [T + block_q, Hq, D]
+    *,
+    dims: RaggedDims,
+    block_q: int,
+    pages_per_chunk: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    del zeros_ref  # Only its aliasing matters: o_ref starts as zeros.
+    seq = pl.program_id(0)
+    num_kv_heads, group, head_dim = dims.num_kv_heads, dims.group_size, dims.head_dim
+    chunk = pages_per_chunk * dims.block_size
+
+    def attend(q_start, q_len, kv_len, layer, q0, rows):
+        """Outputs [rows, Hq, D] (float32) of query rows q0 .. q0 + rows - 1 of the sequence."""
+        q = q_ref[pl.ds(q_start + q0, rows)].astype(jnp.float32) * sm_scale  # [rows, Hq, D]
+        # Row r of a head group is query token r % rows: [Hkv, group * rows, D].
+        q = q.reshape(rows, num_kv_heads, group, head_dim).transpose(1, 2, 0, 3)
+        q = q.reshape(num_kv_heads, group * rows, head_dim)
+        first_ctx = kv_len - q_len + q0  # last position the first row may see
+        row_ctx = first_ctx + lax.broadcasted_iota(jnp.int32, (group * rows, 1), 0) % rows
+        last_ctx = jnp.minimum(first_ctx + rows, kv_len) - 1
+        lo = 0 if sliding_window is None else jnp.maximum(first_ctx - sliding_window + 1, 0)
+
+        def chunk_step(c, carry):
+            pages = tables_ref[seq, pl.ds(c * pages_per_chunk, pages_per_chunk)]
+            k = jnp.concatenate([k_ref[layer, pages[j]] for j in range(pages_per_chunk)], 1)
+            v = jnp.concatenate([v_ref[layer, pages[j]] for j in range(pages_per_chunk)], 1)
+            pos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)  # [1, C]
+            v = jnp.where((pos < kv_len)[..., None], v.astype(jnp.float32), 0.0)
+            scores = cap_scores(qk(q, k.astype(jnp.float32)), soft_cap)  # [Hkv, rows*G, C]
+            mask = allowed(pos, row_ctx, kv_len, sliding_window)  # [rows*G, C]
+            return online_softmax_step(carry, scores, mask, v)
+
+        init = online_softmax_init((num_kv_heads, group * rows), head_dim)
+        _, denom, acc = lax.fori_loop(lo // chunk, last_ctx // chunk + 1, chunk_step, init)
+        out = online_softmax_finish(denom, acc).reshape(num_kv_heads, group, rows, head_dim)
+        return out.transpose(2, 0, 1, 3).reshape(rows, num_kv_heads * group, head_dim)
+
+    @pl.when(seq < num_seqs_ref[0])
+    def _():
+        q_start = cu_q_lens_ref[seq]
+        q_len = cu_q_lens_ref[seq + 1] - q_start
+        kv_len, layer = kv_lens_ref[seq], layer_ref[0]
+
+        @pl.when(q_len == 1)
+        def _decode():
+            out = attend(q_start, q_len, kv_len, layer, 0, 1)
+            o_ref[pl.ds(q_start, 1)] = out.astype(o_ref.dtype)
+
+        @pl.when(q_len > 1)
+        def _prefill():
+            def block_step(b, carry):
+                q0 = b * block_q
+                out = attend(q_start, q_len, kv_len, layer, q0, block_q).astype(o_ref.dtype)
+                rows = pl.ds(q_start + q0, block_q)
+                mine = (q0 + lax.broadcasted_iota(jnp.int32, (block_q, 1, 1), 0)) < q_len
+                o_ref[rows] = jnp.where(mine, out, o_ref[rows])
+                return carry
+
+            lax.fori_loop(0, pl.cdiv(q_len, block_q), block_step, 0)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_chunk"),
+)
+def ragged_paged_attention_interpret(
+    q: jax.Array,  # [T, Hq, D]
+    k_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
+    v_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
+    block_tables: jax.Array,  # [S, max_blocks] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    kv_lens: jax.Array,  # [S] int32
+    num_seqs: jax.Array,  # [] or [1] int32
+    layer: jax.Array,  # [] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int = DEFAULT_BLOCK_Q,
+    pages_per_chunk: int = DEFAULT_PAGES_PER_CHUNK,
+) -> jax.Array:
+    """Ragged paged attention by the coarse-grid kernel in interpret mode (CPU); see
+    `ragged_paged_attention` for the arguments. Padded tokens' outputs are exactly 0."""
+    dims = validate_attention_shapes(
+        q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
+        sm_scale, sliding_window, soft_cap,
+    )  # fmt: skip
+    validate_interpret_config(block_q, pages_per_chunk)
+    q_padded = pad_rows(q, block_q)
+    kernel = functools.partial(
+        _kernel,
+        dims=dims,
+        block_q=block_q,
+        pages_per_chunk=pages_per_chunk,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    whole = pl.BlockSpec(memory_space=pl.ANY)
+    out = pl.pallas_call(
+        kernel,
+        grid=(dims.max_seqs,),
+        in_specs=[whole] * 9,
+        out_specs=whole,
+        out_shape=jax.ShapeDtypeStruct(q_padded.shape, q.dtype),
+        input_output_aliases={8: 0},
+        interpret=True,
+    )(
+        cu_q_lens,
+        kv_lens,
+        pad_table_columns(block_tables, pages_per_chunk),
+        num_seqs.reshape(1),
+        layer.reshape(1),
+        q_padded,
+        k_pool,
+        v_pool,
+        jnp.zeros_like(q_padded),
+    )
+    return out[: dims.num_tokens]

@@ -1,0 +1,139 @@
+"""Adversarial ragged batches and the float64 numpy attention every implementation must match.
+
+A case is given as `(q_len, kv_len)` per real sequence. Everything an implementation must not
+read is NaN: other layers, the sink block, slots past each sequence's kv_len, table entries past
+a sequence's pages (they point at the sink), padded sequences' tables and padding query rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax.numpy import bfloat16
+
+from jserve.pallas import kv_cache_shape
+
+# Relative error = max |out - ref| / max |ref| over real rows (ref in float64).
+TOLERANCE = {np.dtype(np.float32): 1e-5, np.dtype(bfloat16): 2e-2}
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static sizes of a case: heads, head_dim, block size, layers and padded buckets."""
+
+    num_q_heads: int = 9
+    num_kv_heads: int = 3
+    head_dim: int = 64
+    block_size: int = 16
+    num_layers: int = 2
+    layer: int = 1
+    num_tokens: int | None = None  # T bucket; default: real tokens + 3
+    max_seqs: int | None = None  # S bucket; default: real sequences + 2
+    max_blocks: int | None = None  # table columns; default: enough + 1
+    dtype: str = "float32"
+
+
+@dataclasses.dataclass
+class RaggedCase:
+    """Host arrays of one call (argument order of ragged_paged_attention) and its sequences."""
+
+    q: np.ndarray  # [T, Hq, D]
+    k_pool: np.ndarray  # [L, num_blocks, Hkv, block_size, D]
+    v_pool: np.ndarray
+    block_tables: np.ndarray  # [S, max_blocks] int32
+    cu_q_lens: np.ndarray  # [S + 1] int32
+    kv_lens: np.ndarray  # [S] int32
+    num_seqs: np.ndarray  # [1] int32
+    layer: np.ndarray  # [] int32
+    seqs: list[tuple[int, int]]
+
+    def args(self) -> tuple[np.ndarray, ...]:
+        return (
+            self.q, self.k_pool, self.v_pool, self.block_tables, self.cu_q_lens, self.kv_lens,
+            self.num_seqs, self.layer,
+        )  # fmt: skip
+
+
+def build_case(
+    seqs: list[tuple[int, int]], geo: Geometry = Geometry(), seed: int = 0
+) -> RaggedCase:
+    """A batch with the given (q_len, kv_len) sequences, pages scattered over the pool."""
+    rng = np.random.default_rng(seed)
+    dtype = np.dtype(bfloat16) if geo.dtype == "bfloat16" else np.dtype(geo.dtype)
+    bs, d = geo.block_size, geo.head_dim
+    needed = [-(-kv // bs) for _, kv in seqs]
+    num_tokens = geo.num_tokens or sum(q for q, _ in seqs) + 3
+    max_seqs = geo.max_seqs or len(seqs) + 2
+    max_blocks = geo.max_blocks or max(needed, default=0) + 1
+    assert sum(q for q, _ in seqs) <= num_tokens and len(seqs) <= max_seqs
+    assert max(needed, default=0) <= max_blocks
+    num_blocks = 1 + sum(needed) + 3  # sink + used + a few never referenced
+    shape = kv_cache_shape(geo.num_layers, num_blocks, bs, geo.num_kv_heads, d)
+    k_pool = np.full(shape, np.nan, np.float32)
+    v_pool = np.full(shape, np.nan, np.float32)
+    free = 1 + rng.permutation(num_blocks - 1)  # never the sink
+    tables = np.zeros((max_seqs, max_blocks), np.int32)
+    cu = np.zeros(max_seqs + 1, np.int32)
+    kv_lens = np.zeros(max_seqs, np.int32)
+    q = np.full((num_tokens, geo.num_q_heads, d), np.nan, np.float32)
+    for s, (q_len, kv_len) in enumerate(seqs):
+        blocks, free = free[: needed[s]], free[needed[s] :]
+        tables[s, : needed[s]] = blocks
+        for pos in range(kv_len):
+            block, off = blocks[pos // bs], pos % bs
+            k_pool[geo.layer, block, :, off] = rng.standard_normal((geo.num_kv_heads, d))
+            v_pool[geo.layer, block, :, off] = rng.standard_normal((geo.num_kv_heads, d))
+        cu[s + 1] = cu[s] + q_len
+        kv_lens[s] = kv_len
+        q[cu[s] : cu[s + 1]] = rng.standard_normal((q_len, geo.num_q_heads, d))
+    n = len(seqs)
+    # Padded sequences: garbage lengths prove they are never read; their tables are the sink.
+    cu[n + 1 :] = cu[n] + 1_000
+    kv_lens[n:] = 1_000_000
+    return RaggedCase(
+        q.astype(dtype), k_pool.astype(dtype), v_pool.astype(dtype), tables, cu, kv_lens,
+        np.array([n], np.int32), np.array(geo.layer, np.int32), list(seqs),
+    )  # fmt: skip
+
+
+def naive_attention(
+    case: RaggedCase, sm_scale: float, sliding_window: int | None, soft_cap: float | None
+) -> np.ndarray:
+    """Float64 attention reading only each sequence's live positions; padding rows are 0."""
+    q = case.q.astype(np.float64)
+    num_tokens, num_q_heads, d = q.shape
+    out = np.zeros((num_tokens, num_q_heads, d))
+    layer = int(case.layer)
+    _, _, num_kv_heads, bs, _ = case.k_pool.shape
+    group = num_q_heads // num_kv_heads
+    for s, (q_len, kv_len) in enumerate(case.seqs):
+        pages = case.block_tables[s, : -(-kv_len // bs)]
+        k = case.k_pool[layer, pages].astype(np.float64)  # [pages, Hkv, bs, D]
+        v = case.v_pool[layer, pages].astype(np.float64)
+        k = k.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, d)[:, :kv_len]
+        v = v.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, d)[:, :kv_len]
+        k, v = np.repeat(k, group, axis=0), np.repeat(v, group, axis=0)  # [Hq, kv_len, D]
+        start = case.cu_q_lens[s]
+        for i in range(q_len):
+            ctx = kv_len - q_len + i
+            lo = 0 if sliding_window is None else max(0, ctx - sliding_window + 1)
+            scores = np.einsum("hd,hkd->hk", q[start + i], k[:, lo : ctx + 1]) * sm_scale
+            if soft_cap is not None:
+                scores = soft_cap * np.tanh(scores / soft_cap)
+            p = np.exp(scores - scores.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)
+            out[start + i] = np.einsum("hk,hkd->hd", p, v[:, lo : ctx + 1])
+    return out
+
+
+def relative_error(case: RaggedCase, out: np.ndarray, ref: np.ndarray) -> float:
+    """max |out - ref| / max |ref| over the real rows."""
+    real = int(case.cu_q_lens[int(case.num_seqs[0])])
+    out = np.asarray(out, np.float64)[:real]
+    return float(np.max(np.abs(out - ref[:real])) / max(np.max(np.abs(ref[:real])), 1e-30))
+
+
+def padding_rows(case: RaggedCase, out: np.ndarray) -> np.ndarray:
+    """The outputs of padded tokens (past cu_q_lens[num_seqs]), which must be exactly 0."""
+    return np.asarray(out, np.float32)[int(case.cu_q_lens[int(case.num_seqs[0])]) :]
