@@ -49,6 +49,8 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         message = exc.text or exc.reason
         if exc.status == 404:
             message = f"no route {request.method} {request.path}"
+        elif exc.status == 405:
+            message = f"method {request.method} is not allowed on {request.path}"
         elif exc.status == 413:
             limit = request.app[STATE].max_body_bytes
             message = f"request body is larger than the limit of {limit} bytes"
