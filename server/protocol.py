@@ -101,7 +101,8 @@ def _refuse_unsupported(body: dict) -> None:
 
 
 def _common(body: dict, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
-    """Keyword arguments for SamplingParams shared by both endpoints (absent ones omitted)."""
+    """SamplingParams keyword arguments of both endpoints: absent fields are left out (so the
+    defaults apply), except max_tokens, whose None means "fill the context"."""
     kwargs: dict[str, Any] = {"logprobs": logprobs}
     for name in _NUMBER_FIELDS:
         kwargs[name] = typed_field(body, name, NUMBER)
@@ -112,7 +113,7 @@ def _common(body: dict, max_tokens: int | None, logprobs: int | None) -> dict[st
     kwargs["stop"] = _stop(body)
     kwargs["stop_token_ids"] = _int_list(body, "stop_token_ids")
     present = {k: v for k, v in kwargs.items() if v is not None}
-    return {**present, "max_tokens": max_tokens}  # None is meaningful: "fill the context"
+    return {**present, "max_tokens": max_tokens}
 
 
 def _sampling_params(kwargs: dict[str, Any]) -> SamplingParams:

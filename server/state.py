@@ -73,12 +73,17 @@ def set_engine(app: web.Application, engine: EngineClient) -> None:
     app[STATE].engine = engine
 
 
+def _reject_non_finite(constant: str) -> float:
+    # Python's json accepts NaN and Infinity; JSON does not, and NaN slips past range checks.
+    raise ValueError(f"{constant} is not a JSON number")
+
+
 async def read_json_object(request: web.Request) -> dict:
     """The request body as a JSON object, or a 400 saying what is wrong with it."""
     raw = await request.read()
     try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        body = json.loads(raw, parse_constant=_reject_non_finite)
+    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):
         raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")

@@ -19,6 +19,8 @@ COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 BAD_INPUTS = [
     (COMPLETIONS, b"{not json", 400, None, "not valid JSON"),
     (COMPLETIONS, b"[1, 2]", 400, None, "must be a JSON object"),
+    (COMPLETIONS, b'{"prompt": "a", "timeout": NaN}', 400, None, "NaN is not a JSON number"),
+    (COMPLETIONS, b'{"prompt": "\xff"}', 400, None, "not valid JSON"),
     (COMPLETIONS, {"max_tokens": 3}, 400, "prompt", "'prompt' is required"),
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "must not be empty"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt", "non-empty"),
