@@ -60,6 +60,10 @@ PRE_TOKENIZERS = {
     "llama-v3": lambda: _regex_then_bytes(_LLAMA3_SPLIT),
     "qwen2": lambda: _regex_then_bytes(_QWEN2_SPLIT),
 }
+# Llama 3 (and llama.cpp for these ids): a pre-token that is itself in the vocabulary is taken
+# whole, without applying merges (`ignore_merges` in its tokenizer.json), and BOS is added unless
+# the file says otherwise.
+_LLAMA3_PRE_TOKENIZERS = frozenset({"llama-bpe", "llama3", "llama-v3"})
 
 
 @cache
@@ -149,7 +153,9 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader) -> GGUFTokenizerData:
         raise ValueError(f"{path}: tokenizer.ggml.tokens has duplicate entries")
     pairs = [tuple(m.split(" ", 1)) for m in merges]
     try:
-        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False)
+        bpe = models.BPE(
+            vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE_TOKENIZERS
+        )
     except Exception as err:  # the Rust side raises a bare Exception, e.g. a merge's unknown token
         raise ValueError(f"{path}: tokenizer.ggml.merges do not fit the vocabulary: {err}") from err
     backend = BackendTokenizer(bpe)
@@ -168,7 +174,7 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader) -> GGUFTokenizerData:
 
     bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
     eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
-    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", False))
+    add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE_TOKENIZERS))
     add_eos = bool(_field(reader, "tokenizer.ggml.add_eos_token", False))
     post = _special_token_wrapper(
         tokens, bos_id if add_bos else None, eos_id if add_eos else None, path

@@ -72,6 +72,7 @@ def hf_smollm2_tokenizer(hf_gguf_tokenizer):
 # A byte-level vocabulary small enough to write in milliseconds: two control tokens, the 256
 # byte tokens, and the tokens these merges make.
 TINY_MERGES = ["h e", "l l", "he ll", "hell o", "Ġ hello", "1 2", "12 3", "Ġ Ġ", "Ċ Ċ"]
+UNMERGEABLE = "Ġworld"  # in the vocabulary, but no merge makes it
 TINY_TEMPLATE = (
     "{% for m in messages %}{{ bos_token + m['role'] + ': ' + m['content'] + eos_token }}"
     "{% endfor %}{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
@@ -80,12 +81,13 @@ TINY_TEMPLATE = (
 
 @pytest.fixture
 def write_tiny_gguf(tmp_path: Path) -> Callable[..., Path]:
-    """Write a GGUF holding only a tiny tokenizer; keyword arguments override its metadata."""
+    """Write a GGUF holding only a tiny tokenizer; keyword arguments set its metadata
+    (`add_bos=None` leaves tokenizer.ggml.add_bos_token out)."""
 
-    def write(pre: str = "llama-bpe", model: str = "gpt2", add_bos: bool = True) -> Path:
+    def write(pre: str = "llama-bpe", model: str = "gpt2", add_bos: bool | None = True) -> Path:
         alphabet = byte_to_unicode()
         tokens = ["<s>", "</s>", *(alphabet[b] for b in range(256))]
-        tokens += [m.replace(" ", "") for m in TINY_MERGES]
+        tokens += [m.replace(" ", "") for m in TINY_MERGES] + [UNMERGEABLE]
         path = tmp_path / f"tiny-{pre}-{model}.gguf"
         writer = gguf.GGUFWriter(path, arch="llama")
         writer.add_tokenizer_model(model)
@@ -95,7 +97,8 @@ def write_tiny_gguf(tmp_path: Path) -> Callable[..., Path]:
         writer.add_token_types([3, 3] + [1] * (len(tokens) - 2))
         writer.add_bos_token_id(0)
         writer.add_eos_token_id(1)
-        writer.add_add_bos_token(add_bos)
+        if add_bos is not None:
+            writer.add_add_bos_token(add_bos)
         writer.add_chat_template(TINY_TEMPLATE)
         writer.write_header_to_file()
         writer.write_kv_data_to_file()

@@ -8,6 +8,7 @@ import re
 import gguf
 import pytest
 
+from jserve.loaders.gguf_tokenizer import byte_to_unicode
 from jserve.loaders.tokenizer import Tokenizer
 
 CORPUS = [
@@ -139,6 +140,18 @@ def test_other_pre_tokenizers_match_transformers(pre, add_bos, write_tiny_gguf):
     assert ours.apply_chat_template(messages, add_generation_prompt=False) == (
         theirs.apply_chat_template(messages, tokenize=False)
     )
+
+
+def test_llama3_takes_vocabulary_words_whole_and_adds_bos_by_default(write_tiny_gguf):
+    # llama.cpp and Llama 3's tokenizer.json (ignore_merges); transformers' GGUF loader does not.
+    llama3 = Tokenizer.from_gguf_reader(gguf.GGUFReader(write_tiny_gguf(add_bos=None)))
+    gpt2 = Tokenizer.from_gguf_reader(gguf.GGUFReader(write_tiny_gguf("default", add_bos=None)))
+    world = llama3.token_to_id("Ġworld")
+    assert llama3.encode(" world hello") == [0, world, llama3.token_to_id("Ġhello")]
+    assert gpt2.encode(" world", add_special_tokens=False) == [
+        gpt2.token_to_id(byte_to_unicode()[b]) for b in b" world"
+    ]
+    assert (llama3.add_bos, gpt2.add_bos) == (True, False)
 
 
 def test_unsupported_pre_tokenizer_names_file_and_value(write_tiny_gguf):
