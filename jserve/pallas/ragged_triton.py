@@ -1,0 +1,240 @@
+"""Ragged paged attention as a Pallas kernel lowered to Triton (CUDA GPUs).
+
+Grid `(work item, KV head, KV split)`: a work item is one `block_q`-token query block of one
+sequence (items are numbered in the wrapper from cu_q_lens, so decode rows and prefill chunks
+share one launch), and KV splits divide the item's KV range so decode at long context still
+fills the GPU (flash-decoding); a small jnp epilogue merges the splits' partial softmaxes.
+Each program serves the `group` query heads of one KV head at once: rows are (token, head)
+pairs, the head group padded to a power of two, because Triton tiles are powers of two and
+`tl.dot` needs at least 16 rows. K/V rows are gathered straight from the paged pool through the
+block table (`pool[layer, page, head, offset, :]`, each row contiguous); V rows past kv_len are
+masked loads that read nothing. Partial results are masked stores, so a block's rows past its
+sequence's end never clobber the next sequence's rows.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jserve.pallas.ragged_common import (
+    RaggedDims,
+    allowed,
+    cap_scores,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_step,
+    qk,
+    validate_attention_shapes,
+)
+
+# Untuned guesses (no GPU was available when this was written): 32-row query tiles, 64-token KV
+# chunks, 8 KV splits.
+DEFAULT_ROWS = 32
+DEFAULT_CHUNK_TOKENS = 64
+DEFAULT_NUM_KV_SPLITS = 8
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _is_pow2(n: int) -> bool:
+    return n >= 1 and n & (n - 1) == 0
+
+
+def validate_triton_config(
+    dims: RaggedDims, block_q: int, pages_per_chunk: int, num_kv_splits: int
+) -> None:
+    """Static checks of Triton's tile rules (powers of two, dot sizes >= 16); raises ValueError."""
+    rows = block_q * _next_pow2(dims.group_size)
+    chunk = pages_per_chunk * dims.block_size
+    for name, value in (("block_q", block_q), ("pages_per_chunk", pages_per_chunk)):
+        if not isinstance(value, int) or not _is_pow2(value):
+            raise ValueError(f"{name} must be a power of two; got {value!r}")
+    if not isinstance(num_kv_splits, int) or num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be an int >= 1; got {num_kv_splits!r}")
+    checks = {
+        "head_dim": dims.head_dim,
+        "block_q * next_pow2(group_size)": rows,
+        "pages_per_chunk * block_size": chunk,
+    }
+    bad = {name: v for name, v in checks.items() if not (_is_pow2(v) and v >= 16)}
+    if bad:
+        raise ValueError(
+            f"the Triton kernel needs powers of two >= 16 for {bad} (tile sizes and tl.dot); "
+            "choose block_q / pages_per_chunk accordingly or use impl='reference'"
+        )
+
+
+def default_triton_config(dims: RaggedDims) -> tuple[int, int]:
+    """(block_q, pages_per_chunk) giving DEFAULT_ROWS rows and DEFAULT_CHUNK_TOKENS tokens."""
+    block_q = max(1, DEFAULT_ROWS // _next_pow2(dims.group_size))
+    return block_q, max(1, DEFAULT_CHUNK_TOKENS // dims.block_size)
+
+
+def _kernel(
+    item_seq_ref,  # [items] sequence of each work item, max_seqs when unused
+    item_q0_ref,  # [items] first query row of the item within its sequence
+    cu_q_lens_ref,  # [S + 1]
+    kv_lens_ref,  # [S]
+    tables_ref,  # [S, max_blocks]
+    layer_ref,  # [1]
+    q_ref,  # [Hkv, (T + block_q) * group_pad, D], row = token * group_pad + head in group
+    k_ref,  # [L, num_blocks, Hkv, block_size, D]
+    v_ref,  # [L, num_blocks, Hkv, block_size, D]
+    acc_ref,  # out [splits, Hkv, rows_total, D] unnormalized partial outputs
+    max_ref,  # out [splits, Hkv, rows_total] running max
+    denom_ref,  # out [splits, Hkv, rows_total] softmax denominator
+    *,
+    dims: RaggedDims,
+    block_q: int,
+    group_pad: int,
+    pages_per_chunk: int,
+    num_kv_splits: int,
+    sm_scale: float,
+    sliding_window: int | None,
+    soft_cap: float | None,
+):
+    item, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    seq = item_seq_ref[item]
+    rows, chunk, bs = block_q * group_pad, pages_per_chunk * dims.block_size, dims.block_size
+
+    @pl.when(seq < dims.max_seqs)
+    def _():
+        q_start = cu_q_lens_ref[seq]
+        q_len, kv_len = cu_q_lens_ref[seq + 1] - q_start, kv_lens_ref[seq]
+        q0, layer = item_q0_ref[item], layer_ref[0]
+        row0 = (q_start + q0) * group_pad
+        q = q_ref[head, pl.ds(row0, rows), :].astype(jnp.float32) * sm_scale  # [rows, D]
+        token = q0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group_pad
+        row_ctx = kv_len - q_len + token  # [rows, 1]
+        first_ctx = kv_len - q_len + q0
+        last_ctx = jnp.minimum(first_ctx + block_q, kv_len) - 1
+        lo = 0 if sliding_window is None else jnp.maximum(first_ctx - sliding_window + 1, 0)
+        c_lo, c_hi = lo // chunk, last_ctx // chunk + 1
+        per_split = pl.cdiv(c_hi - c_lo, num_kv_splits)
+        s_lo = c_lo + split * per_split
+        s_hi = jnp.minimum(s_lo + per_split, c_hi)
+        dim = lax.broadcasted_iota(jnp.int32, (1, dims.head_dim), 1)
+
+        def chunk_step(c, carry):
+            pos = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)  # [C, 1]
+            page = tables_ref[seq, pos // bs]  # [C, 1]
+            at = (layer, page, head, pos % bs, dim)  # gathers [C, D]
+            k = k_ref[at]
+            live = jnp.broadcast_to(pos < kv_len, (chunk, dims.head_dim))
+            v = plgpu.load(v_ref.at[at], mask=live, other=0.0)
+            scores = cap_scores(qk(q, k.astype(jnp.float32)), soft_cap)  # [rows, C]
+            mask = allowed(pos.reshape(1, chunk), row_ctx, kv_len, sliding_window)
+            return online_softmax_step(carry, scores, mask, v)
+
+        init = online_softmax_init((rows,), dims.head_dim)
+        m, denom, acc = lax.fori_loop(s_lo, s_hi, chunk_step, init)
+        mine = token < q_len  # rows past the sequence's end belong to the next one
+        out_rows = pl.ds(row0, rows)
+        plgpu.store(
+            acc_ref.at[split, head, out_rows, :],
+            acc,
+            mask=jnp.broadcast_to(mine, (rows, dims.head_dim)),
+        )
+        plgpu.store(max_ref.at[split, head, out_rows], m.reshape(rows), mask=mine.reshape(rows))
+        plgpu.store(
+            denom_ref.at[split, head, out_rows], denom.reshape(rows), mask=mine.reshape(rows)
+        )
+
+
+def _work_items(
+    cu_q_lens: jax.Array, num_seqs: jax.Array, block_q: int, num_items: int
+) -> tuple[jax.Array, jax.Array]:
+    """(sequence, first query row) of each query block; unused items get sequence S."""
+    max_seqs = cu_q_lens.shape[0] - 1
+    real = jnp.arange(max_seqs) < num_seqs.reshape(())
+    blocks = jnp.where(real, pl.cdiv(cu_q_lens[1:] - cu_q_lens[:-1], block_q), 0)
+    ends = jnp.cumsum(blocks)
+    items = jnp.arange(num_items, dtype=jnp.int32)
+    seq = jnp.searchsorted(ends, items, side="right").astype(jnp.int32)
+    first_item = ends[jnp.minimum(seq, max_seqs - 1)] - blocks[jnp.minimum(seq, max_seqs - 1)]
+    return seq, ((items - first_item) * block_q).astype(jnp.int32)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=(
+        "sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_chunk", "num_kv_splits",
+        "interpret",
+    ),
+)  # fmt: skip
+def ragged_paged_attention_triton(
+    q: jax.Array,  # [T, Hq, D]
+    k_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
+    v_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
+    block_tables: jax.Array,  # [S, max_blocks] int32
+    cu_q_lens: jax.Array,  # [S + 1] int32
+    kv_lens: jax.Array,  # [S] int32
+    num_seqs: jax.Array,  # [] or [1] int32
+    layer: jax.Array,  # [] int32
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    block_q: int | None = None,
+    pages_per_chunk: int | None = None,
+    num_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
+    interpret: bool = False,
+) -> jax.Array:
+    """Ragged paged attention by the Triton kernel (interpret=True runs it on CPU); see
+    `ragged_paged_attention` for the arguments. Padded tokens' outputs are exactly 0."""
+    dims = validate_attention_shapes(
+        q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
+        sm_scale, sliding_window, soft_cap,
+    )  # fmt: skip
+    default_block_q, default_pages = default_triton_config(dims)
+    block_q = block_q or default_block_q
+    pages_per_chunk = pages_per_chunk or default_pages
+    validate_triton_config(dims, block_q, pages_per_chunk, num_kv_splits)
+    num_tokens, hkv, group, d = dims.num_tokens, dims.num_kv_heads, dims.group_size, dims.head_dim
+    group_pad = _next_pow2(group)
+    # [T, Hq, D] -> [Hkv, (T + block_q) * group_pad, D]; pad heads and rows are zeros.
+    qt = q.reshape(num_tokens, hkv, group, d)
+    qt = jnp.pad(qt, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
+    qt = qt.transpose(1, 0, 2, 3).reshape(hkv, -1, d)
+    rows_total = qt.shape[1]
+    num_items = pl.cdiv(num_tokens, block_q) + dims.max_seqs
+    item_seq, item_q0 = _work_items(cu_q_lens, num_seqs, block_q, num_items)
+    kernel = functools.partial(
+        _kernel,
+        dims=dims,
+        block_q=block_q,
+        group_pad=group_pad,
+        pages_per_chunk=pages_per_chunk,
+        num_kv_splits=num_kv_splits,
+        sm_scale=sm_scale,
+        sliding_window=sliding_window,
+        soft_cap=soft_cap,
+    )
+    f32 = jnp.float32
+    acc, m, denom = pl.pallas_call(
+        kernel,
+        grid=(num_items, hkv, num_kv_splits),
+        out_shape=(
+            jax.ShapeDtypeStruct((num_kv_splits, hkv, rows_total, d), f32),
+            jax.ShapeDtypeStruct((num_kv_splits, hkv, rows_total), f32),
+            jax.ShapeDtypeStruct((num_kv_splits, hkv, rows_total), f32),
+        ),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+    )(item_seq, item_q0, cu_q_lens, kv_lens, block_tables, layer.reshape(1), qt, k_pool, v_pool)
+    # Merge the splits' partial softmaxes (an empty split has m = MASK_VALUE: weight 0). Rows no
+    # program wrote (padding tokens, pad heads) hold garbage and are dropped below.
+    weight = jnp.exp(m - m.max(axis=0, keepdims=True))[..., None]
+    out = online_softmax_finish((weight * denom[..., None]).sum(0), (weight * acc).sum(0))
+    out = out.reshape(hkv, num_tokens + block_q, group_pad, d)[:, :num_tokens, :group]
+    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, hkv * group, d)
+    real = jnp.arange(num_tokens) < cu_q_lens[num_seqs.reshape(())]
+    return jnp.where(real[:, None, None], out, 0.0).astype(q.dtype)
