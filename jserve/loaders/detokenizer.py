@@ -25,7 +25,8 @@ class IncrementalDetokenizer:
 
     Call `add_tokens` with each new id (or a few), then `finish` once the sequence ends: it
     releases text held back because it ended in U+FFFD (e.g. a last token that stops mid-character
-    for good). `text` is everything emitted so far.
+    for good). `text` is everything emitted so far. Several ids added at once are emitted
+    together: if their text ends mid-character, all of it waits for the next step.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
@@ -85,7 +86,7 @@ class StopStringCheck:
 def check_stop_strings(
     text: str, stop_strings: Sequence[str], search_from: int = 0
 ) -> StopStringCheck:
-    """Find the earliest stop string in `text` and how much of `text` can be streamed.
+    """Find the stop string that starts first in `text`, and how much of `text` can be streamed.
 
     Streaming use, per step: `text` is the detokenizer's `text`, `search_from` its length before
     this step's delta (earlier text was already searched); emit `text[emitted:check.end]`; stop
