@@ -69,7 +69,7 @@ class BlockManager:
         for index in range((request.num_tokens - 1) // size):
             start = index * size
             block_id = cache.get(
-                self._block_hash(request, index), request.all_token_ids[start : start + size]
+                self._block_hash(request, index), tuple(request.all_token_ids[start : start + size])
             )
             if block_id is None:
                 break
@@ -129,7 +129,7 @@ class BlockManager:
             cache.insert(
                 self._block_hash(request, index),
                 request.block_ids[index],
-                request.all_token_ids[start : start + size],
+                tuple(request.all_token_ids[start : start + size]),
             )
         request.num_hashed_blocks = num_full
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 
 from jserve.core.request import FinishReason
@@ -12,15 +13,19 @@ class ScheduledSeq:
     """One sequence's share of a step.
 
     `token_ids` are positions `start_pos .. start_pos + len(token_ids) - 1` of the request's
-    tokens (prompt then output). `block_ids` is the request's whole block table, covering at
-    least `start_pos + len(token_ids)` positions; it is the scheduler's live list, valid until
-    the next `schedule()` call (copy it if you keep it longer). When `sample` is True the chunk
-    ends at the last known token, so its last position's logits produce the next token.
+    tokens (prompt then output), as an int64 `array` (`np.frombuffer` reads it without a copy).
+    `block_ids` is the request's whole block table, covering at least
+    `start_pos + len(token_ids)` positions. It is the scheduler's own list, not a copy (copies
+    doubled the host cost at 1,024 sequences): tables only ever grow by appending, and a freed
+    table is replaced rather than cleared, so the entries this step needs never change - but
+    read it before the next `schedule()`, after which it may hold more entries. When `sample`
+    is True the chunk ends at the last known token, so its last position's logits produce the
+    next token.
     """
 
     request_id: str
     start_pos: int
-    token_ids: list[int]
+    token_ids: array
     block_ids: list[int]
     sample: bool
 

@@ -24,7 +24,7 @@ _ROOT_HASH = b"\0" * 16
 def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: Any) -> bytes:
     """Key of one full block. `parent_hash` is None for a sequence's first block."""
     digest = hashlib.blake2b(parent_hash or _ROOT_HASH, digest_size=16)
-    digest.update(array("q", token_ids).tobytes())
+    digest.update(token_ids if isinstance(token_ids, array) else array("q", token_ids))
     if extra_key is not None:
         digest.update(repr(extra_key).encode())
     return digest.digest()
@@ -36,7 +36,9 @@ class PrefixCache:
     def __init__(self) -> None:
         self._block_of_hash: dict[bytes, int] = {}
         self._hash_of_block: dict[int, bytes] = {}
-        self._tokens_of_block: dict[int, list[int]] = {}
+        # Tuples of ints, which the garbage collector stops tracking: a full cache then adds
+        # nothing to the cost of a full collection (lists of tokens made those take 50+ ms).
+        self._tokens_of_block: dict[int, tuple[int, ...]] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, LRU first
         self.queries = 0  # tokens of admitted requests that were looked up
         self.hits = 0  # of those, tokens found in the cache
@@ -48,14 +50,14 @@ class PrefixCache:
     def num_evictable(self) -> int:
         return len(self._evictable)
 
-    def get(self, block_hash: bytes, token_ids: list[int]) -> int | None:
+    def get(self, block_hash: bytes, token_ids: tuple[int, ...]) -> int | None:
         """Block id cached under `block_hash` whose tokens equal `token_ids`, else None."""
         block_id = self._block_of_hash.get(block_hash)
         if block_id is None or self._tokens_of_block[block_id] != token_ids:
             return None
         return block_id
 
-    def insert(self, block_hash: bytes, block_id: int, token_ids: list[int]) -> None:
+    def insert(self, block_hash: bytes, block_id: int, token_ids: tuple[int, ...]) -> None:
         """Index a freshly computed full block; keeps the existing entry for a duplicate key."""
         if block_hash in self._block_of_hash or block_id in self._hash_of_block:
             return

@@ -1,0 +1,1 @@
+"""Scheduling-core tests (a package, so their module names cannot clash with other suites')."""

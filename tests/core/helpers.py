@@ -1,0 +1,53 @@
+"""Small drivers shared by the scheduling-core tests."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from jserve.config import CacheConfig, SchedulerConfig
+from jserve.core.plan import StepPlan
+from jserve.core.request import Request
+from jserve.core.scheduler import Scheduler
+
+EOS = 2
+FILLER = 7  # a sampled token that never stops anything
+
+
+def make_scheduler(block_size: int = 4, num_blocks: int = 64, **config) -> Scheduler:
+    config.setdefault("max_num_seqs", 8)
+    config.setdefault("max_num_batched_tokens", 32)
+    config.setdefault("max_model_len", 128)
+    config.setdefault("free_block_watermark", 0.0)
+    return Scheduler(SchedulerConfig(**config), CacheConfig(block_size, num_blocks))
+
+
+def make_request(request_id: str, prompt_len: int, first_token: int = 1000, **kwargs) -> Request:
+    kwargs.setdefault("max_tokens", 4)
+    kwargs.setdefault("stop_token_ids", {EOS})
+    kwargs.setdefault("arrival_time", 0.0)
+    prompt = list(range(first_token, first_token + prompt_len))
+    return Request(request_id, prompt, **kwargs)
+
+
+def chunks(plan: StepPlan) -> list[tuple[str, int, int, bool]]:
+    """(request id, start, number of tokens, sample) of each scheduled seq."""
+    return [(s.request_id, s.start_pos, s.num_tokens, s.sample) for s in plan.seqs]
+
+
+def step(
+    scheduler: Scheduler,
+    token: Callable[[str], int] = lambda request_id: FILLER,
+    now: float | None = 0.0,
+) -> tuple[StepPlan, list[Request]]:
+    """One iteration in which every sampling seq gets `token(request_id)`."""
+    plan = scheduler.schedule(now)
+    sampled = {s.request_id: token(s.request_id) for s in plan.seqs if s.sample}
+    return plan, scheduler.update_from_output(plan, sampled)
+
+
+def run_until_idle(scheduler: Scheduler, max_steps: int = 1000) -> list[StepPlan]:
+    plans = []
+    while scheduler.has_unfinished_requests():
+        assert len(plans) < max_steps, "the scheduler did not drain"
+        plans.append(step(scheduler)[0])
+    return plans

@@ -1,0 +1,41 @@
+"""Shape buckets: powers of two up to the budget, the budget always last; bisect picks."""
+
+from __future__ import annotations
+
+import pytest
+
+from jserve.core.buckets import make_seq_buckets, make_token_buckets, pick_bucket
+
+
+def test_token_buckets():
+    assert make_token_buckets(512) == (16, 32, 64, 128, 256, 512)
+    assert make_token_buckets(384) == (16, 32, 64, 128, 256, 384)
+    assert make_token_buckets(16) == (16,)
+    assert make_token_buckets(10) == (10,)
+
+
+def test_seq_buckets():
+    assert make_seq_buckets(32) == (8, 16, 32)
+    assert make_seq_buckets(48) == (8, 16, 32, 48)
+    assert make_seq_buckets(4) == (4,)
+    assert make_seq_buckets(5, smallest=1) == (1, 2, 4, 5)
+
+
+def test_pick_bucket():
+    buckets = make_token_buckets(384)
+    assert [pick_bucket(buckets, n) for n in (0, 1, 16, 17, 256, 257, 384)] == [
+        16,
+        16,
+        16,
+        32,
+        256,
+        384,
+        384,
+    ]
+    with pytest.raises(ValueError, match="385 does not fit the largest bucket 384"):
+        pick_bucket(buckets, 385)
+
+
+def test_bad_bounds():
+    with pytest.raises(ValueError, match="bucket bounds must be >= 1, got smallest=16, largest=0"):
+        make_token_buckets(0)

@@ -1,0 +1,137 @@
+"""Config and SamplingParams validation: defaults like vLLM's, and errors that say what is wrong."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jserve.config import CacheConfig, SchedulerConfig
+from jserve.sampling_params import SamplingParams
+
+from .helpers import make_scheduler
+
+
+def test_scheduler_config_defaults_are_valid_and_frozen():
+    config = SchedulerConfig()
+    assert (config.max_num_seqs, config.max_num_batched_tokens, config.max_model_len) == (
+        32,
+        512,
+        2048,
+    )
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_num_seqs = 4  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
+        ({"max_model_len": -1}, "max_model_len must be >= 1, got -1"),
+        ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "(32) must be >= max_num_seqs (64)"),
+        ({"long_prefill_token_threshold": 600}, "long_prefill_token_threshold must be in [0, "),
+        ({"long_prompt_threshold": 0}, "long_prompt_threshold must be >= 1, got 0"),
+        ({"long_lane_max_share": 0.0}, "long_lane_max_share must be in (0, 1], got 0.0"),
+        ({"long_lane_max_share": 1.5}, "long_lane_max_share must be in (0, 1], got 1.5"),
+        ({"max_waiting_requests": 0}, "max_waiting_requests must be >= 1, got 0"),
+        ({"free_block_watermark": 1.0}, "free_block_watermark must be in [0, 1), got 1.0"),
+        ({"aging_iterations": 0}, "aging_iterations must be >= 1, got 0"),
+        ({"policy": "fifo"}, "policy must be one of ('continuous', 'static'), got 'fifo'"),
+        (
+            {"enable_chunked_prefill": False},
+            "max_num_batched_tokens (512) must be >= max_model_len (2048)",
+        ),
+        (
+            {
+                "enable_chunked_prefill": False,
+                "max_model_len": 512,
+                "long_prefill_token_threshold": 64,
+            },
+            "needs enable_chunked_prefill=True",
+        ),
+    ],
+)
+def test_scheduler_config_rejects(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        SchedulerConfig(**kwargs)
+    assert message in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"block_size": 0}, "block_size must be >= 1, got 0"),
+        ({"num_blocks": 1}, "num_blocks must be >= 2 (block 0 is the padding sink), got 1"),
+    ],
+)
+def test_cache_config_rejects(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        CacheConfig(**kwargs)
+
+
+def test_scheduler_rejects_a_pool_too_small_for_one_request():
+    with pytest.raises(ValueError, match=r"needs 32 blocks of 4 tokens plus 0 watermark"):
+        make_scheduler(block_size=4, num_blocks=32, max_model_len=128)
+    make_scheduler(block_size=4, num_blocks=33, max_model_len=128)  # 32 usable: exactly enough
+
+
+def test_sampling_params_defaults_match_vllm():
+    params = SamplingParams()
+    assert (params.n, params.temperature, params.top_p, params.top_k, params.min_p) == (
+        1,
+        1.0,
+        1.0,
+        0,
+        0.0,
+    )
+    assert (params.max_tokens, params.min_tokens) == (16, 0)
+    assert (params.seed, params.logprobs) == (None, None)
+    assert (params.stop, params.stop_token_ids, params.ignore_eos) == ([], [], False)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (
+        0.0,
+        0.0,
+        1.0,
+    )
+    assert params.skip_special_tokens is True
+
+
+def test_sampling_params_normalises_stop_and_top_k():
+    params = SamplingParams(stop="###", stop_token_ids=(5, 6), top_k=-1, max_tokens=None)
+    assert params.stop == ["###"]
+    assert params.stop_token_ids == [5, 6]
+    assert params.top_k == 0
+    assert params.max_tokens is None
+    assert SamplingParams(stop=("a", "b")).stop == ["a", "b"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"n": 0}, "n must be an integer >= 1, got 0"),
+        ({"n": True}, "n must be an integer >= 1, got True"),
+        ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
+        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
+        ({"top_k": -2}, "top_k must be 0 or -1 (off) or an integer >= 1, got -2"),
+        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
+        ({"seed": 1.5}, "seed must be an integer or None, got 1.5"),
+        ({"max_tokens": 0}, "max_tokens must be an integer >= 1 or None, got 0"),
+        ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
+        ({"min_tokens": 20, "max_tokens": 10}, "min_tokens (20) must be <= max_tokens (10)"),
+        ({"stop": ""}, "stop must be a non-empty string or a list of non-empty strings"),
+        ({"stop_token_ids": [-3]}, "stop_token_ids must be integers >= 0, got [-3]"),
+        ({"logprobs": 21}, "logprobs must be None or an integer in [0, 20], got 21"),
+        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
+        ({"frequency_penalty": -3.0}, "frequency_penalty must be in [-2, 2], got -3.0"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 2], got 0.0"),
+    ],
+)
+def test_sampling_params_rejects(kwargs, message):
+    with pytest.raises(ValueError) as error:
+        SamplingParams(**kwargs)
+    assert message in str(error.value)
+
+
+def test_sampling_params_accepts_edges():
+    SamplingParams(temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, logprobs=0, seed=-5)
+    SamplingParams(logprobs=20, presence_penalty=-2.0, repetition_penalty=2.0, min_tokens=16)
