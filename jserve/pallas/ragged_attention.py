@@ -1,0 +1,93 @@
+"""The one public ragged paged attention entry: picks an implementation by backend.
+
+cpu -> the coarse-grid interpret kernel: on SmolLM2's shapes it was 3-6x faster than the jnp
+reference for decode (bench/kernels.py, bench/RESULTS.md), and the reference's per-token page
+gather does not scale to prefill chunks. gpu -> the Triton kernel, tpu -> the Mosaic kernel;
+any other backend -> the jnp reference.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jserve.pallas.ragged_interpret import ragged_paged_attention_interpret
+from jserve.pallas.ragged_mosaic import ragged_paged_attention_mosaic
+from jserve.pallas.ragged_reference import ragged_paged_attention_reference
+from jserve.pallas.ragged_triton import ragged_paged_attention_triton
+
+IMPLS = ("reference", "interpret", "triton", "mosaic")
+_BY_BACKEND = {"cpu": "interpret", "gpu": "triton", "cuda": "triton", "tpu": "mosaic"}
+_NATIVE_BACKENDS = {"triton": ("gpu", "cuda"), "mosaic": ("tpu",)}
+
+
+def choose_impl(backend: str | None = None) -> str:
+    """The implementation "auto" means on `backend` (default: jax.default_backend())."""
+    return _BY_BACKEND.get(backend or jax.default_backend(), "reference")
+
+
+def ragged_paged_attention(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
+    layer: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+    impl: str = "auto",
+    interpret: bool | None = None,
+) -> jax.Array:
+    """Attention of a ragged batch of queries over a paged KV pool, for one layer.
+
+    Sequence `s` owns query rows `cu_q_lens[s]:cu_q_lens[s + 1]` (its q_len) and has
+    `kv_lens[s]` cached positions, this step's tokens included (write them with `write_kv`
+    first). Its query `i` attends to positions `p <= kv_lens[s] - q_len + i` (and
+    `p > kv_lens[s] - q_len + i - sliding_window` with a window). Only sequences
+    `< num_seqs` are read; tokens at or past `cu_q_lens[num_seqs]` are padding and their
+    outputs are exactly 0. Block tables are only read for a sequence's first
+    `ceil(kv_lens[s] / block_size)` entries plus, for whole-chunk reads, entries after them,
+    which must point at the sink block 0 (as must padded sequences' rows).
+
+    Args:
+      q: [T, Hq, D] queries of all scheduled tokens, T padded to a bucket.
+      k_pool: [L, num_blocks, Hkv, block_size, D] keys of all layers (`kv_cache_shape`).
+      v_pool: [L, num_blocks, Hkv, block_size, D] values of all layers.
+      block_tables: [S, max_blocks] int32 pool block of each sequence's i-th block; S padded.
+      cu_q_lens: [S + 1] int32 cumulative query lengths; only [:num_seqs + 1] is read.
+      kv_lens: [S] int32 context length of each sequence including this step's tokens.
+      num_seqs: [] or [1] int32 number of real sequences.
+      layer: [] int32 (may be traced) layer of the pools to read.
+      sm_scale: softmax scale applied to q, e.g. head_dim ** -0.5.
+      sliding_window: None, or the number of most recent positions each query may see.
+      soft_cap: None, or c for scores -> c * tanh(scores / c).
+      impl: "auto" (by jax.default_backend(): cpu -> "interpret", gpu -> "triton",
+        tpu -> "mosaic", else "reference"), or one of IMPLS.
+      interpret: for "triton" / "mosaic": None runs natively on their backend and interprets
+        elsewhere; True forces the interpreter. "interpret" always interprets (False is an
+        error); "reference" takes None only.
+
+    Returns:
+      [T, Hq, D] attention outputs in q's dtype.
+    """
+    chosen = choose_impl() if impl == "auto" else impl
+    if chosen not in IMPLS:
+        raise ValueError(f"impl must be 'auto' or one of {IMPLS}; got {impl!r}")
+    args = (q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer)
+    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if chosen == "reference":
+        if interpret is not None:
+            raise ValueError(f"impl='reference' has no interpret mode; got interpret={interpret}")
+        return ragged_paged_attention_reference(*args, **options)
+    if chosen == "interpret":
+        if interpret is False:
+            raise ValueError("impl='interpret' only runs in interpret mode; got interpret=False")
+        return ragged_paged_attention_interpret(*args, **options)
+    if interpret is None:
+        interpret = jax.default_backend() not in _NATIVE_BACKENDS[chosen]
+    if chosen == "triton":
+        return ragged_paged_attention_triton(*args, **options, interpret=interpret)
+    return ragged_paged_attention_mosaic(*args, **options, interpret=interpret)
