@@ -1,0 +1,17 @@
+"""jserve: a JAX/XLA LLM inference engine.
+
+`from jserve import LLM, SamplingParams` is the offline API. LLM is imported lazily so that
+`import jserve.core` (the pure-Python scheduler) never pulls in JAX.
+"""
+
+from jserve.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name == "LLM":
+        from jserve.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module 'jserve' has no attribute {name!r}")

@@ -7,6 +7,9 @@ import logging
 import sys
 import time
 
+from jserve.engine_args import add_engine_arguments
+from server.cli import add_serve_arguments
+
 log = logging.getLogger("jserve")
 
 
@@ -68,6 +71,15 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve(args: argparse.Namespace) -> int:
+    from jserve.async_engine import AsyncLLMEngine
+    from jserve.engine_args import engine_args_from_namespace
+    from server.cli import serve_main
+
+    engine_args = engine_args_from_namespace(args)
+    return serve_main(args, lambda: AsyncLLMEngine.start(engine_args))
+
+
 def _convert(args: argparse.Namespace) -> int:
     from jserve.loaders.model_source import convert
 
@@ -89,6 +101,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0)
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     gen.set_defaults(func=_generate)
+
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_arguments(serve)
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_serve)
 
     conv = sub.add_parser("convert", help="write a model as a jserve (orbax) checkpoint directory")
     conv.add_argument("src", help="a .gguf file or model directory; 'default' for SmolLM2")

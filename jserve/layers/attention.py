@@ -3,16 +3,20 @@
 The model calls `attention(...)` once per layer with this step's queries, keys and values and an
 attention-metadata object; which implementation runs is decided by the metadata's type, at trace
 time. `DenseCausal` (one sequence, no KV cache) is the plain path used for single-sequence
-reference runs; the paged path over the block pool plugs in here too.
+reference runs; `PagedAttentionMetadata` writes this step's K/V into the block pool and runs
+ragged paged attention over it (the serving path).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jserve.pallas import ragged_paged_attention, write_kv
 
 
 @jax.tree_util.register_static
@@ -22,6 +26,19 @@ class DenseCausal:
 
     Tokens past the real length may be padding: causality keeps them out of real rows.
     """
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class PagedAttentionMetadata:
+    """Where this step's tokens live in the block pool. S is the padded sequence bucket."""
+
+    slot_mapping: jax.Array  # [T] int32 flat pool slot of each token (pads: the sink block)
+    block_tables: jax.Array  # [S, max_blocks] int32 (unused entries: the sink block)
+    cu_q_lens: jax.Array  # [S + 1] int32 token offsets of each sequence on the T axis
+    kv_lens: jax.Array  # [S] int32 context length including this step's tokens
+    num_seqs: jax.Array  # [1] int32 real sequences
+    impl: str = dataclasses.field(default="auto", metadata={"static": True})
 
 
 def attention(
@@ -38,6 +55,13 @@ def attention(
     """Returns (out [T, Hq, D], updated kv_cache)."""
     if isinstance(meta, DenseCausal):
         return dense_causal_attention(q, k, v, sm_scale, sliding_window), kv_cache
+    if isinstance(meta, PagedAttentionMetadata):
+        k_pool, v_pool = write_kv(*kv_cache, k, v, meta.slot_mapping, layer)
+        out = ragged_paged_attention(
+            q, k_pool, v_pool, meta.block_tables, meta.cu_q_lens, meta.kv_lens, meta.num_seqs,
+            layer, sm_scale=sm_scale, sliding_window=sliding_window, impl=meta.impl,
+        )  # fmt: skip
+        return out, (k_pool, v_pool)
     raise TypeError(f"no attention implementation for metadata of type {type(meta).__name__}")
 
 

@@ -1,0 +1,160 @@
+"""AsyncLLMEngine: the asyncio front of LLMEngine, for the server.
+
+How a request flows (two threads, two kinds of queue):
+1. `generate()` runs on the event loop. It makes an asyncio.Queue for the request, registers
+   it, and puts an "add" command in the inbox (a thread-safe deque) and wakes the step thread.
+2. The step thread (one, started by `start()`) loops: it drains the inbox (adds, aborts) into
+   the LLMEngine, expires timed-out requests, runs `engine.step()` while there is work, and
+   hands each RequestOutput to its request's asyncio.Queue with `loop.call_soon_threadsafe`.
+   JAX releases the GIL while a step computes, so the event loop stays responsive. With no
+   work it sleeps on a condition variable until the next command.
+3. `generate()` awaits its queue and yields outputs. Outputs are cumulative, so when several
+   are queued it skips to the newest one: a slow reader never falls behind the engine.
+4. A rejected add (RequestRejected) or a dead engine (EngineDeadError) arrives in the queue as
+   an exception and is raised from `generate()`.
+5. Abort (client gone, or the consumer stops iterating): an "abort" command frees the request's
+   KV blocks at the next loop turn, at most one step later.
+6. If a step raises, the engine is dead: `state` becomes "dead", every in-flight request gets
+   EngineDeadError, and new requests are refused with it. Nothing hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from jserve.engine import LLMEngine
+from jserve.engine_args import EngineArgs
+from jserve.errors import EngineDeadError, RequestRejected
+from jserve.outputs import EngineStats, RequestOutput
+from jserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncLLMEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.model_name = engine.model_name
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
+        self.state = "ready"
+        self.dead_reason: str | None = None
+        self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._wake = threading.Condition()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="jserve-step-loop", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    async def start(cls, args: EngineArgs) -> AsyncLLMEngine:
+        """Load and precompile off the event loop, then start the step thread."""
+        engine = await asyncio.to_thread(LLMEngine, args)
+        return cls(engine)
+
+    # ---- the server's interface ----------------------------------------------------------
+
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        *,
+        priority: str = "interactive",
+        timeout: float | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        if self.state != "ready":
+            raise EngineDeadError(self.dead_reason or f"engine is {self.state}")
+        if request_id in self._queues:
+            raise RequestRejected("invalid", f"request id {request_id!r} is already in use")
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._queues[request_id] = (loop, queue)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._send("add", (request_id, prompt, params, priority, deadline))
+        finished = False
+        try:
+            while not finished:
+                item = await queue.get()
+                while not queue.empty() and not isinstance(item, BaseException):
+                    item = queue.get_nowait()  # cumulative outputs: the newest says it all
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._send("abort", request_id)
+
+    async def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+    async def shutdown(self) -> None:
+        with self._wake:
+            self._stopping = True
+            self._wake.notify()
+        await asyncio.to_thread(self._thread.join)
+        if self.state == "ready":
+            self.state = "stopping"
+
+    # ---- the step thread -----------------------------------------------------------------
+
+    def _send(self, kind: str, payload: Any) -> None:
+        with self._wake:
+            self._inbox.append((kind, payload))
+            self._wake.notify()
+
+    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        entry = self._queues.get(request_id)
+        if entry is not None:
+            loop, queue = entry
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _drain_inbox(self) -> None:
+        engine = self.engine
+        while self._inbox:
+            kind, payload = self._inbox.popleft()
+            if kind == "abort":
+                out = engine.abort_request(payload)
+                if out is not None:
+                    self._deliver(payload, out)
+                continue
+            request_id, prompt, params, priority, deadline = payload
+            try:
+                engine.add_request(request_id, prompt, params, lane=priority, deadline=deadline)
+            except (RequestRejected, ValueError) as e:
+                if not isinstance(e, RequestRejected):
+                    e = RequestRejected("invalid", str(e))
+                self._deliver(request_id, e)
+
+    def _run(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                with self._wake:
+                    while not self._inbox and not engine.has_unfinished_requests():
+                        if self._stopping:
+                            return
+                        self._wake.wait()
+                    if self._stopping and not engine.has_unfinished_requests():
+                        return
+                self._drain_inbox()
+                for out in engine.step():
+                    self._deliver(out.request_id, out)
+        except BaseException as e:  # a dead engine must fail its requests, never hang them
+            log.exception("engine step failed; failing all in-flight requests")
+            self.state = "dead"
+            self.dead_reason = f"{type(e).__name__}: {e}"
+            error = EngineDeadError(self.dead_reason)
+            for request_id in list(self._queues):
+                self._deliver(request_id, error)

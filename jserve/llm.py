@@ -1,0 +1,106 @@
+"""The offline API, shaped like vLLM's `LLM` because users already write that code.
+
+from jserve import LLM, SamplingParams
+llm = LLM()  # the default SmolLM2-135M-Instruct
+outs = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=32))
+print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from jserve.engine import LLMEngine, Prompt
+from jserve.engine_args import EngineArgs
+from jserve.outputs import RequestOutput
+from jserve.sampling_params import SamplingParams
+
+Conversation = list[dict[str, Any]]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        unknown = set(engine_args) - EngineArgs.field_names()
+        if unknown:
+            raise TypeError(
+                f"unknown engine argument(s) {sorted(unknown)}; "
+                f"known: {sorted(EngineArgs.field_names())}"
+            )
+        self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion with continuous batching; outputs in prompt order.
+
+        A prompt is a string or {"prompt_token_ids": [...]}; `sampling_params` is one for all
+        or a list with one per prompt.
+        """
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            params_list = [sampling_params] * len(prompts)
+        else:
+            params_list = list(sampling_params)
+            if len(params_list) != len(prompts):
+                raise ValueError(
+                    f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                    "give one, or one per prompt"
+                )
+        ids = []
+        for prompt, params in zip(prompts, params_list, strict=True):
+            request_id = str(self._counter)
+            self._counter += 1
+            self.engine.add_request(request_id, prompt, params)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Conversation | Sequence[Conversation],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to each conversation, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [
+            {
+                "prompt_token_ids": tok.encode(
+                    tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+                    add_special_tokens=False,
+                )
+            }
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        pending = set(request_ids)
+        bar = tqdm(
+            total=len(request_ids), desc="Processed prompts", file=sys.stderr, disable=not use_tqdm
+        )
+        while pending:
+            for out in self.engine.step():
+                if out.finished and out.request_id in pending:
+                    final[out.request_id] = out
+                    pending.discard(out.request_id)
+                    bar.update(1)
+        bar.close()
+        return [final[rid] for rid in request_ids]

@@ -1,0 +1,113 @@
+"""The device side of a step: the KV pool, one compiled executable per bucket, and running them.
+
+The runner owns the (donated) KV pool and the parameters; it never decides what runs. The model
+step is compiled ahead of time for every (token bucket, sequence bucket) pair at start-up and
+kept keyed by that pair, so serving only ever calls finished executables.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jserve.layers.attention import PagedAttentionMetadata
+from jserve.models.config import ModelConfig
+from jserve.models.llama import MODEL_AXIS
+from jserve.pallas import kv_cache_shape
+from jserve.runtime.step_inputs import StepInputs
+
+log = logging.getLogger(__name__)
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
+    """Bytes one block takes across all layers, K and V (asked of the kernel's layout)."""
+    two_blocks = kv_cache_shape(cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+    one_block_one_pool = math.prod(two_blocks) // 2
+    return 2 * one_block_one_pool * jnp.dtype(dtype).itemsize
+
+
+def _model_step(
+    graphdef: nnx.GraphDef,  # static: the model's structure
+    state: nnx.State,  # parameters
+    kv_cache: tuple[jax.Array, jax.Array],  # (k_pool, v_pool), donated
+    inputs: StepInputs,
+    attn_impl: str,  # static: attention implementation name
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Returns (logits [S, V] float32 of each sequence's last token, the new kv_cache)."""
+    model = nnx.merge(graphdef, state)
+    meta = PagedAttentionMetadata(
+        slot_mapping=inputs.slot_mapping,
+        block_tables=inputs.block_tables,
+        cu_q_lens=inputs.cu_q_lens,
+        kv_lens=inputs.kv_lens,
+        num_seqs=inputs.num_seqs,
+        impl=attn_impl,
+    )
+    return model(inputs.token_ids, inputs.positions, kv_cache, meta, inputs.logits_indices)
+
+
+_model_step_jit = jax.jit(_model_step, static_argnums=(0, 4), donate_argnums=(2,))
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        graphdef: nnx.GraphDef,
+        state: nnx.State,
+        mesh: jax.sharding.Mesh,
+        *,
+        num_blocks: int,
+        block_size: int,
+        dtype: Any,
+        attn_impl: str = "auto",
+    ) -> None:
+        self.cfg = cfg
+        self.graphdef = graphdef
+        self.state = state
+        self.attn_impl = attn_impl
+        shape = kv_cache_shape(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim
+        )
+        # KV heads follow the attention heads' split over the mesh's model axis.
+        sharding = jax.sharding.NamedSharding(
+            mesh, jax.sharding.PartitionSpec(None, None, MODEL_AXIS, None, None)
+        )
+        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        self.kv_cache = (zeros(), zeros())
+        self._executables: dict[tuple[int, int], Any] = {}
+
+    def precompile(
+        self,
+        example_inputs: Callable[[int, int], StepInputs],
+        pairs: list[tuple[int, int]],
+        progress: Callable[[int, int, float], None] | None = None,
+    ) -> float:
+        """Compile the model step for each (tokens, seqs) bucket pair; returns seconds taken."""
+        t0 = time.perf_counter()
+        for i, (t, s) in enumerate(pairs):
+            lowered = _model_step_jit.lower(
+                self.graphdef, self.state, self.kv_cache, example_inputs(t, s), self.attn_impl
+            )
+            self._executables[(t, s)] = lowered.compile()
+            if progress is not None:
+                progress(i + 1, len(pairs), time.perf_counter() - t0)
+        return time.perf_counter() - t0
+
+    def run(self, inputs: StepInputs) -> jax.Array:
+        """Run one step; returns logits [S, V] (on device) and keeps the new KV pool."""
+        exe = self._executables.get((inputs.num_tokens, inputs.max_seqs))
+        if exe is None:
+            raise RuntimeError(
+                f"no executable for bucket (tokens={inputs.num_tokens}, seqs={inputs.max_seqs}); "
+                f"precompiled: {sorted(self._executables)}"
+            )
+        logits, self.kv_cache = exe(self.state, self.kv_cache, inputs)
+        return logits
