@@ -31,6 +31,7 @@ class Geometry:
     num_tokens: int | None = None  # T bucket; default: real tokens + 3
     max_seqs: int | None = None  # S bucket; default: real sequences + 2
     max_blocks: int | None = None  # table columns; default: enough + 1
+    num_blocks: int | None = None  # pool blocks; default: sink + used + 3 never referenced
     dtype: str = "float32"
 
 
@@ -68,7 +69,8 @@ def build_case(
     max_blocks = geo.max_blocks or max(needed, default=0) + 1
     assert sum(q for q, _ in seqs) <= num_tokens and len(seqs) <= max_seqs
     assert max(needed, default=0) <= max_blocks
-    num_blocks = 1 + sum(needed) + 3  # sink + used + a few never referenced
+    num_blocks = geo.num_blocks or 1 + sum(needed) + 3
+    assert num_blocks >= 1 + sum(needed)
     shape = kv_cache_shape(geo.num_layers, num_blocks, bs, geo.num_kv_heads, d)
     k_pool = np.full(shape, np.nan, np.float32)
     v_pool = np.full(shape, np.nan, np.float32)
@@ -130,6 +132,8 @@ def naive_attention(
 def relative_error(case: RaggedCase, out: np.ndarray, ref: np.ndarray) -> float:
     """max |out - ref| / max |ref| over the real rows."""
     real = int(case.cu_q_lens[int(case.num_seqs[0])])
+    if real == 0:
+        return 0.0
     out = np.asarray(out, np.float64)[:real]
     return float(np.max(np.abs(out - ref[:real])) / max(np.max(np.abs(ref[:real])), 1e-30))
 
@@ -137,3 +141,29 @@ def relative_error(case: RaggedCase, out: np.ndarray, ref: np.ndarray) -> float:
 def padding_rows(case: RaggedCase, out: np.ndarray) -> np.ndarray:
     """The outputs of padded tokens (past cu_q_lens[num_seqs]), which must be exactly 0."""
     return np.asarray(out, np.float32)[int(case.cu_q_lens[int(case.num_seqs[0])]) :]
+
+
+def run_impl(impl: str, case: RaggedCase, **options) -> np.ndarray:
+    """Output of one implementation on a case (kernels for other backends interpreted)."""
+    import jax.numpy as jnp
+
+    from jserve.pallas import ragged_paged_attention
+
+    interpret = True if impl in ("triton", "mosaic") else None
+    args = [jnp.asarray(a) for a in case.args()]
+    return np.asarray(ragged_paged_attention(*args, impl=impl, interpret=interpret, **options))
+
+
+def assert_matches_naive(impl: str, case: RaggedCase, **options) -> float:
+    """Run `impl` and check it against the float64 naive attention; returns the error."""
+    sm_scale = case.q.shape[-1] ** -0.5
+    out = run_impl(impl, case, sm_scale=sm_scale, **options)
+    ref = naive_attention(case, sm_scale, options.get("sliding_window"), options.get("soft_cap"))
+    assert out.shape == case.q.shape and out.dtype == case.q.dtype
+    assert not np.isnan(out.astype(np.float32)).any(), f"{impl}: NaN in the output"
+    err = relative_error(case, out, ref)
+    tol = TOLERANCE[case.q.dtype]
+    assert err <= tol, f"{impl}: relative error {err:.2e} > {tol:.0e} for {case.seqs}"
+    pad = padding_rows(case, out)
+    assert np.all(pad == 0), f"{impl}: padding rows are not exactly 0 (max {np.abs(pad).max()})"
+    return err

@@ -1,0 +1,127 @@
+"""The dispatcher, the engine's layer-scan pattern, and GPU/TPU kernels lowering on this CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jserve.pallas import IMPLS, choose_impl, ragged_paged_attention, write_kv
+from tests.pallas.ragged_cases import (
+    TOLERANCE,
+    Geometry,
+    build_case,
+    naive_attention,
+    relative_error,
+)
+
+CASE = build_case([(1, 40), (5, 21), (1, 1)], Geometry())
+
+
+def _args(case=CASE):
+    return [jnp.asarray(a) for a in case.args()]
+
+
+def test_choose_impl_by_backend():
+    assert [choose_impl(b) for b in ("cpu", "gpu", "cuda", "tpu", "rocm")] == [
+        "interpret", "triton", "triton", "mosaic", "reference",
+    ]  # fmt: skip
+    assert choose_impl() == "interpret"  # this machine is CPU-only
+    assert IMPLS == ("reference", "interpret", "triton", "mosaic")
+
+
+def test_auto_is_the_interpret_kernel_on_cpu():
+    auto = ragged_paged_attention(*_args(), sm_scale=0.125)
+    kernel = ragged_paged_attention(*_args(), sm_scale=0.125, impl="interpret")
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(kernel))
+
+
+@pytest.mark.parametrize(
+    ("impl", "interpret", "message"),
+    [
+        ("cuda", None, "impl must be 'auto' or one of"),
+        ("reference", True, "impl='reference' has no interpret mode"),
+        ("interpret", False, "impl='interpret' only runs in interpret mode"),
+    ],
+)
+def test_dispatch_rejects_bad_choices(impl, interpret, message):
+    with pytest.raises(ValueError, match=message):
+        ragged_paged_attention(*_args(), sm_scale=0.125, impl=impl, interpret=interpret)
+
+
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_write_then_attend_inside_layer_scan(impl):
+    """The engine's step: scan over layers carrying both pools, write K/V then attend, with a
+    traced layer index; each layer must see only its own cache."""
+    num_layers = 3
+    case = build_case([(1, 40), (6, 22), (1, 16)], Geometry(num_layers=num_layers, layer=0))
+    bs = case.k_pool.shape[3]
+    # Layer l's cache is layer 0's scaled, so every layer has a different right answer.
+    k_all = np.stack([case.k_pool[0] * (1 + layer) for layer in range(num_layers)])
+    v_all = np.stack([case.v_pool[0] - layer for layer in range(num_layers)])
+    slots = np.zeros(case.q.shape[0], np.int32)  # pad tokens write the sink block
+    for s, (q_len, kv_len) in enumerate(case.seqs):
+        for i in range(q_len):
+            pos = kv_len - q_len + i
+            slots[case.cu_q_lens[s] + i] = case.block_tables[s, pos // bs] * bs + pos % bs
+    blocks, offsets = slots // bs, slots % bs
+    new_k = k_all[:, blocks, :, offsets].transpose(1, 0, 2, 3)  # [L, T, Hkv, D]
+    new_v = v_all[:, blocks, :, offsets].transpose(1, 0, 2, 3)
+    k_stale, v_stale = k_all.copy(), v_all.copy()
+    k_stale[:, blocks, :, offsets] = np.nan  # this step's slots hold stale NaN until written
+    v_stale[:, blocks, :, offsets] = np.nan
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(k_pool, v_pool, new_k, new_v, slots, q, tables, cu, kv_lens, num_seqs):
+        def layer_body(pools, xs):
+            layer, k, v = xs
+            k_pool, v_pool = write_kv(*pools, k, v, slots, layer)
+            out = ragged_paged_attention(
+                q, k_pool, v_pool, tables, cu, kv_lens, num_seqs, layer, sm_scale=0.125,
+                impl=impl,
+            )  # fmt: skip
+            return (k_pool, v_pool), out
+
+        xs = (jnp.arange(num_layers, dtype=jnp.int32), new_k, new_v)
+        return jax.lax.scan(layer_body, (k_pool, v_pool), xs)
+
+    (k_out, _), outs = step(
+        *map(jnp.asarray, (k_stale, v_stale, new_k, new_v, slots, case.q, case.block_tables)),
+        *map(jnp.asarray, (case.cu_q_lens, case.kv_lens, case.num_seqs)),
+    )
+    for layer in range(num_layers):
+        full = dataclasses.replace(case, k_pool=k_all, v_pool=v_all, layer=np.int32(layer))
+        ref = naive_attention(full, 0.125, None, None)
+        assert relative_error(full, np.asarray(outs[layer]), ref) <= TOLERANCE[np.dtype("f4")]
+    live = ~np.isnan(k_all)
+    np.testing.assert_array_equal(np.asarray(k_out)[live], k_all[live])
+
+
+LOWERING_CASES = {
+    "smollm_f32": (Geometry(), {}),
+    "gqa8_d128_bf16_window_cap": (
+        Geometry(num_q_heads=8, num_kv_heads=1, head_dim=128, block_size=32, dtype="bfloat16"),
+        dict(sliding_window=64, soft_cap=30.0),
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("impl", "platform", "marker"),
+    [("triton", "cuda", "__gpu$xla.gpu.triton"), ("mosaic", "tpu", "tpu_custom_call")],
+)
+@pytest.mark.parametrize("name", sorted(LOWERING_CASES))
+def test_kernel_lowers_for_its_accelerator(impl, platform, marker, name):
+    """Pallas -> Triton IR / Mosaic lowering runs here without the device; the device's own
+    compiler (ptxas, libtpu) is not exercised."""
+    geometry, options = LOWERING_CASES[name]
+    case = build_case([(1, 40), (7, 70)], geometry)
+    attention = functools.partial(
+        ragged_paged_attention, sm_scale=0.1, impl=impl, interpret=False, **options
+    )
+    lowered = jax.jit(attention).trace(*_args(case)).lower(lowering_platforms=(platform,))
+    assert marker in lowered.as_text()

@@ -1,0 +1,162 @@
+"""Every ragged paged attention implementation against float64 numpy attention on CPU.
+
+Named adversarial cases, then hypothesis-generated ragged batches (bigger budgets behind
+@pytest.mark.slow). Kernels for GPU and TPU run in interpret mode; the TPU interpreter costs
+about a second per call, so it gets a few named cases in CI and the rest under `slow`.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.pallas.ragged_cases import Geometry, assert_matches_naive, build_case
+
+SMOLLM = Geometry()  # 9 query heads, 3 KV heads, head_dim 64, block 16, float32
+GQA1_D128_B32 = Geometry(num_q_heads=4, num_kv_heads=4, head_dim=128, block_size=32)
+GQA8_D128 = Geometry(num_q_heads=8, num_kv_heads=1, head_dim=128)
+GQA3_D64_B32 = Geometry(num_q_heads=6, num_kv_heads=2, block_size=32)
+
+# name -> (seqs as (q_len, kv_len), geometry, options)
+NAMED = {
+    "decode_block_edges": ([(1, 17), (1, 16), (1, 15), (1, 1), (1, 33), (1, 32)], SMOLLM, {}),
+    "prefill_block_edges": ([(16, 16), (17, 17), (1, 1), (40, 40)], SMOLLM, {}),
+    "mixed_chunks": ([(1, 100), (12, 47), (1, 64), (30, 95)], SMOLLM, {}),
+    "single_token": ([(1, 1)], SMOLLM, {}),
+    "gqa1_d128_b32": ([(1, 31), (9, 64), (33, 65)], GQA1_D128_B32, {}),
+    "gqa8_d128": ([(1, 48), (20, 20), (5, 70)], GQA8_D128, {}),
+    "gqa3_b32": ([(3, 33), (1, 95)], GQA3_D64_B32, {}),
+    "window_and_cap": ([(1, 100), (40, 70), (1, 9)], SMOLLM, dict(sliding_window=24, soft_cap=8.0)),
+    "window_only": ([(5, 64), (1, 33)], GQA3_D64_B32, dict(sliding_window=17)),
+    "bf16_mixed": ([(1, 100), (12, 47), (33, 33)], Geometry(dtype="bfloat16"), {}),
+    "layer0_of_3": ([(1, 20), (6, 6)], Geometry(num_layers=3, layer=0), {}),
+    "no_real_sequences": ([], Geometry(num_tokens=8, max_seqs=4, max_blocks=2), {}),
+    "big_buckets": ([(1, 5), (2, 9)], Geometry(num_tokens=40, max_seqs=9, max_blocks=12), {}),
+}
+LONG = {
+    "long_decode_4096": ([(1, 4096), (1, 4081), (1, 4095)], SMOLLM, {}),
+    "long_prefill_chunk_4096": ([(48, 4096), (1, 2049)], SMOLLM, {}),
+    "long_gqa8_d128_4096": ([(1, 4096), (7, 4000)], GQA8_D128, {}),
+}
+MOSAIC_CI = ("decode_block_edges", "mixed_chunks", "window_and_cap", "bf16_mixed")
+TRITON_LONG_CI = ("long_decode_4096",)
+
+
+def _check(impl: str, name: str, table: dict) -> None:
+    seqs, geometry, options = table[name]
+    assert_matches_naive(impl, build_case(seqs, geometry, seed=len(name)), **options)
+
+
+@pytest.mark.parametrize("name", sorted(NAMED))
+@pytest.mark.parametrize("impl", ["reference", "interpret", "triton"])
+def test_named_case(impl, name):
+    _check(impl, name, NAMED)
+
+
+@pytest.mark.parametrize("name", sorted(LONG))
+@pytest.mark.parametrize("impl", ["reference", "interpret"])
+def test_long_context(impl, name):
+    _check(impl, name, LONG)
+
+
+@pytest.mark.parametrize("name", TRITON_LONG_CI)
+def test_triton_long_context(name):
+    _check("triton", name, LONG)
+
+
+@pytest.mark.parametrize("name", MOSAIC_CI)
+def test_mosaic_named_case(name):
+    _check("mosaic", name, NAMED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(set(NAMED) - set(MOSAIC_CI)))
+def test_mosaic_named_case_slow(name):
+    _check("mosaic", name, NAMED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(LONG))
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+def test_kernel_long_context_slow(impl, name):
+    _check(impl, name, LONG)
+
+
+# Hypothesis: fixed buckets per geometry, so examples reuse compiled executables.
+GEOMETRIES = [
+    Geometry(num_tokens=64, max_seqs=8, max_blocks=22, num_blocks=120),
+    Geometry(num_q_heads=4, num_kv_heads=4, head_dim=128, block_size=32,
+             num_tokens=64, max_seqs=8, max_blocks=11, num_blocks=60),
+    Geometry(num_q_heads=8, num_kv_heads=1, head_dim=128,
+             num_tokens=64, max_seqs=8, max_blocks=22, num_blocks=120),
+    Geometry(num_q_heads=6, num_kv_heads=2, block_size=32, dtype="bfloat16",
+             num_tokens=64, max_seqs=8, max_blocks=11, num_blocks=60),
+]  # fmt: skip
+OPTIONS = [{}, dict(sliding_window=37, soft_cap=30.0)]
+MAX_CONTEXT = 320
+
+
+@st.composite
+def ragged_batches(draw):
+    """(seqs, geometry, options): decode-only, prefill-only or mixed, lengths near blocks."""
+    geometry = draw(st.sampled_from(GEOMETRIES))
+    bs = geometry.block_size
+    kind = draw(st.sampled_from(["decode", "prefill", "mixed"]))
+    near_block = st.builds(
+        lambda k, d: min(max(k * bs + d, 1), MAX_CONTEXT),
+        st.integers(0, MAX_CONTEXT // bs),
+        st.sampled_from([-1, 0, 1]),
+    )
+    kv_len = st.one_of(near_block, st.integers(1, MAX_CONTEXT))
+    seqs, tokens = [], 0
+    for _ in range(draw(st.integers(1, geometry.max_seqs))):
+        kv = draw(kv_len)
+        is_decode = kind == "decode" or (kind == "mixed" and draw(st.booleans()))
+        q = 1 if is_decode else draw(st.sampled_from([kv, draw(st.integers(1, kv))]))
+        q = min(q, geometry.num_tokens - tokens)
+        if q < 1:
+            break
+        seqs.append((q, max(kv, q)))
+        tokens += q
+    return seqs, geometry, draw(st.sampled_from(OPTIONS))
+
+
+def _hypothesis_check(impls, batch, seed):
+    seqs, geometry, options = batch
+    case = build_case(seqs, geometry, seed=seed)
+    for impl in impls:
+        assert_matches_naive(impl, case, **options)
+
+
+def budget(examples: int) -> settings:
+    """Hypothesis settings: no deadline (the first call of a shape compiles), N examples."""
+    return settings(
+        max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    )
+
+
+@budget(30)
+@given(batch=ragged_batches(), seed=st.integers(0, 2**16))
+def test_hypothesis_reference_and_interpret(batch, seed):
+    _hypothesis_check(["reference", "interpret"], batch, seed)
+
+
+@budget(10)
+@given(batch=ragged_batches(), seed=st.integers(0, 2**16))
+def test_hypothesis_triton(batch, seed):
+    _hypothesis_check(["triton"], batch, seed)
+
+
+@pytest.mark.slow
+@budget(300)
+@given(batch=ragged_batches(), seed=st.integers(0, 2**16))
+def test_hypothesis_all_cpu_impls_slow(batch, seed):
+    _hypothesis_check(["reference", "interpret", "triton"], batch, seed)
+
+
+@pytest.mark.slow
+@budget(40)
+@given(batch=ragged_batches(), seed=st.integers(0, 2**16))
+def test_hypothesis_mosaic_slow(batch, seed):
+    _hypothesis_check(["mosaic"], batch, seed)

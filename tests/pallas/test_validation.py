@@ -1,0 +1,126 @@
+"""Validators name the offending argument and value; kernel tiling rules are checked up front."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jserve.pallas import validate_attention_shapes, validate_attention_values
+from jserve.pallas.ragged_interpret import validate_interpret_config
+from jserve.pallas.ragged_mosaic import validate_mosaic_config
+from jserve.pallas.ragged_triton import validate_triton_config
+from tests.pallas.ragged_cases import Geometry, build_case
+
+CASE = build_case([(1, 17), (3, 40)], Geometry())  # T=7, S=4, max_blocks=4, 9 pool blocks
+
+
+def _shape_args(**change):
+    names = ("q", "k_pool", "v_pool", "block_tables", "cu_q_lens", "kv_lens", "num_seqs", "layer")
+    args = {name: jnp.asarray(a) for name, a in zip(names, CASE.args(), strict=True)}
+    args |= dict(sm_scale=0.125, sliding_window=None, soft_cap=None)
+    return args | change
+
+
+def test_valid_shapes_give_the_sizes():
+    dims = validate_attention_shapes(**_shape_args())
+    assert (dims.num_tokens, dims.num_q_heads, dims.head_dim) == (7, 9, 64)
+    assert (dims.num_layers, dims.num_kv_heads, dims.block_size) == (2, 3, 16)
+    assert (dims.max_seqs, dims.max_blocks, dims.group_size) == (4, 4, 3)
+
+
+f32, i32 = jnp.float32, jnp.int32
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(q=jnp.zeros((7, 9), f32)), r"q must be \[T, num_q_heads, head_dim\]; got shape \[7,"),
+        (dict(q=jnp.zeros((7, 8, 64), f32)), r"num_q_heads \(8\) must be a multiple of num_kv_h"),
+        (dict(q=jnp.zeros((7, 9, 32), f32)), r"q head_dim \(32\) != pool head_dim \(64\)"),
+        (dict(q=jnp.zeros((7, 9, 64), jnp.bfloat16)), "got q bfloat16, k_pool float32"),
+        (dict(v_pool=jnp.zeros((2, 9, 3, 16), f32)), "k_pool and v_pool must both"),
+        (dict(block_tables=jnp.zeros((4, 4), jnp.float32)), "block_tables must be int32"),
+        (dict(cu_q_lens=jnp.zeros(4, i32)), r"cu_q_lens must be int32 \[5\]; got int32 \[4\]"),
+        (dict(kv_lens=jnp.zeros(5, i32)), r"kv_lens must be int32 \[4\]"),
+        (dict(num_seqs=jnp.zeros(2, i32)), "num_seqs must be an int32 scalar or"),
+        (dict(layer=jnp.zeros(1, i32)), r"layer must be an int32 scalar; got int32 \[1\]"),
+        (dict(sm_scale=0.0), "sm_scale must be a positive Python float; got 0.0"),
+        (dict(sliding_window=0), "sliding_window must be None or an int >= 1; got 0"),
+        (dict(soft_cap=-1.0), "soft_cap must be None or a positive float; got -1.0"),
+    ],
+)  # fmt: skip
+def test_shape_validation_messages(change, message):
+    with pytest.raises(ValueError, match=message):
+        validate_attention_shapes(**_shape_args(**change))
+
+
+def _values(**change):
+    args = dict(
+        block_tables=CASE.block_tables, cu_q_lens=CASE.cu_q_lens, kv_lens=CASE.kv_lens,
+        num_seqs=CASE.num_seqs, layer=CASE.layer,
+    )  # fmt: skip
+    return args | change
+
+
+SIZES = dict(num_tokens=7, num_layers=2, num_blocks=9, block_size=16)
+
+
+def test_valid_values_pass():
+    validate_attention_values(**_values(), **SIZES)
+
+
+def _with(array: np.ndarray, index, value) -> np.ndarray:
+    out = array.copy()
+    out[index] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(num_seqs=np.array([5])), r"num_seqs = 5 is outside \[0, max_seqs=4\]"),
+        (dict(layer=np.array(2)), r"layer = 2 is outside \[0, num_layers=2\)"),
+        (dict(block_tables=_with(CASE.block_tables, (3, 1), 9)),
+         r"block_tables\[3, 1\] = 9 is outside \[0, num_blocks=9\)"),
+        (dict(cu_q_lens=_with(CASE.cu_q_lens, 1, 5)), r"cu_q_lens\[:num_seqs \+ 1\] = \[0, 5, 4\]"),
+        (dict(cu_q_lens=_with(CASE.cu_q_lens, 2, 8)), "end at most at num_tokens = 7"),
+        (dict(kv_lens=_with(CASE.kv_lens, 1, 2)), r"kv_lens\[1\] = 2 must be >= its q_len \(3\)"),
+        (dict(kv_lens=_with(CASE.kv_lens, 1, 65)), "max_blocks \\* block_size = 64"),
+        (dict(block_tables=_with(CASE.block_tables, (1, 2), 0)),
+         "sequence 1 reads the sink block 0"),
+    ],
+)  # fmt: skip
+def test_value_validation_messages(change, message):
+    with pytest.raises(ValueError, match=message):
+        validate_attention_values(**_values(**change), **SIZES)
+
+
+def test_interpret_config():
+    validate_interpret_config(32, 8)
+    with pytest.raises(ValueError, match="block_q must be an int >= 1; got 0"):
+        validate_interpret_config(0, 8)
+
+
+def test_triton_config_needs_powers_of_two():
+    dims = validate_attention_shapes(**_shape_args())
+    validate_triton_config(dims, 8, 4, 8)
+    with pytest.raises(ValueError, match="pages_per_chunk must be a power of two; got 3"):
+        validate_triton_config(dims, 8, 3, 8)
+    with pytest.raises(ValueError, match=r"'pages_per_chunk \* block_size': 8"):
+        validate_triton_config(dims._replace(block_size=8), 8, 1, 8)
+    with pytest.raises(ValueError, match="'head_dim': 80"):
+        validate_triton_config(dims._replace(head_dim=80), 8, 4, 8)
+    with pytest.raises(ValueError, match="num_kv_splits must be an int >= 1; got 0"):
+        validate_triton_config(dims, 8, 4, 0)
+
+
+def test_mosaic_config_needs_sublane_tiles():
+    dims = validate_attention_shapes(**_shape_args())
+    validate_mosaic_config(dims, 16, 4)
+    with pytest.raises(
+        ValueError, match=r"block_q \* group_size = 4 \* 3 must be a multiple of 16"
+    ):
+        validate_mosaic_config(dims, 4, 4)
+    with pytest.raises(ValueError, match=r"block_size \(8\) must be a multiple of 16"):
+        validate_mosaic_config(dims._replace(block_size=8), 16, 4)
