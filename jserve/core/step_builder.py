@@ -1,0 +1,264 @@
+"""The three passes that turn the scheduler's queues into one StepPlan.
+
+A `StepBuilder` lives for one `Scheduler.schedule()` call and holds that step's state (token
+budget left, long-lane tokens used, the seqs chosen so far); it changes the scheduler's
+running list, waiting queues and block tables as it admits and preempts.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from operator import attrgetter
+from typing import TYPE_CHECKING
+
+from jserve.core.plan import ScheduledSeq, StepPlan
+from jserve.core.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from jserve.core.scheduler import Scheduler
+
+_priority = attrgetter("priority")
+
+
+class StepBuilder:
+    def __init__(self, scheduler: Scheduler, plan: StepPlan) -> None:
+        self.scheduler = scheduler
+        self.config = scheduler.config
+        self.block_manager = scheduler.block_manager
+        self.block_size = scheduler.block_size
+        self.step = scheduler.num_steps
+        self.plan = plan
+        self.budget = self.config.max_num_batched_tokens
+        self.long_used = 0
+        self._long_cap: int | None = None
+        self.decodes: list[ScheduledSeq] = []
+        self.prefills: list[ScheduledSeq] = []
+
+    def build(self) -> StepPlan:
+        static = self.config.policy == "static"
+        if static and not self.scheduler.running:
+            self.admit_static_batch()
+        self.schedule_running_decodes()
+        self.schedule_running_prefills()
+        if not static and not self.plan.preempted_ids:
+            # Blocks ran out this step: admitting now would only set up the next preemption.
+            self.admit_waiting()
+        plan = self.plan
+        plan.seqs = self.decodes + self.prefills
+        plan.num_decodes = len(self.decodes)
+        plan.num_batched_tokens = self.config.max_num_batched_tokens - self.budget
+        return plan
+
+    # ---- the passes ------------------------------------------------------------------------
+
+    def schedule_running_decodes(self) -> None:
+        """(a) One token for every running request that has exactly one uncomputed token."""
+        running = self.scheduler.running
+        block_size = self.block_size
+        step = self.step
+        decodes = self.decodes
+        index = 0
+        while index < len(running):
+            request = running[index]
+            start = request.num_computed_tokens
+            if len(request.all_token_ids) - start != 1:
+                index += 1
+                continue
+            if start >= len(request.block_ids) * block_size and not self._grow_or_preempt(
+                request, 1
+            ):
+                continue  # `request` preempted itself; it was the last one
+            decodes.append(
+                ScheduledSeq(
+                    request.request_id,
+                    start,
+                    request.all_token_ids[start:],
+                    request.block_ids,
+                    True,
+                )
+            )
+            request.scheduled_step = step
+            index += 1
+        self.budget -= len(decodes)
+
+    def schedule_running_prefills(self) -> None:
+        """(b) The next chunk of every running request still short of its known tokens."""
+        running = self.scheduler.running
+        index = 0
+        while index < len(running) and self.budget > 0:
+            request = running[index]
+            if request.scheduled_step == self.step:
+                index += 1
+                continue
+            num_new = self._chunk_size(request, request.num_tokens - request.num_computed_tokens)
+            if num_new and self.config.enable_chunked_prefill:
+                # Take what free blocks hold rather than preempting someone for the rest;
+                # preempt only when not even one more token fits.
+                fits = (
+                    len(request.block_ids) + self.block_manager.num_free_blocks
+                ) * self.block_size - request.num_computed_tokens
+                if 0 < fits < num_new:
+                    num_new = fits
+            if num_new == 0:
+                index += 1
+                continue
+            if not self._grow_or_preempt(request, num_new):
+                continue  # preempted itself: it was the lowest-priority one left
+            self._add_chunk(request, num_new)
+            index += 1
+
+    def admit_waiting(self) -> None:
+        """(c) Waiting requests by lane order, FIFO inside a lane, while room is left."""
+        waiting = self.scheduler.waiting
+        running = self.scheduler.running
+        max_num_seqs = self.config.max_num_seqs
+        for lane in waiting.lanes_in_order(self.step):
+            queue = waiting.queue(lane)
+            index = 0
+            while index < len(queue):
+                if len(running) >= max_num_seqs or self.budget == 0:
+                    return
+                verdict = self._try_admit(queue[index])
+                if verdict == "admitted":
+                    del queue[index]
+                    waiting.note_removed()
+                elif verdict == "skip":
+                    index += 1
+                elif verdict == "next_lane":
+                    break
+                else:
+                    return
+
+    def admit_static_batch(self) -> None:
+        """Static batching: take up to max_num_seqs waiting requests whose whole known tokens
+        fit in free blocks; they run (prefill, then decode) until the last one finishes.
+        Siblings of a group are admitted like any request here (no fork)."""
+        block_manager = self.block_manager
+        waiting = self.scheduler.waiting
+        for lane in waiting.lanes_in_order(self.step):
+            queue = waiting.queue(lane)
+            while queue and len(self.scheduler.running) < self.config.max_num_seqs:
+                request = queue[0]
+                hits = block_manager.lookup_prefix(request)
+                needed = -(-request.num_tokens // self.block_size) - len(hits)
+                free_after = (
+                    block_manager.num_free_blocks - block_manager.num_reused_free(hits) - needed
+                )
+                if free_after < self.scheduler.watermark_blocks:
+                    return
+                queue.popleft()
+                waiting.note_removed()
+                self._start_running(request, hits, fork=False)
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _try_admit(self, request: Request) -> str:
+        """Admit `request` with its first chunk: "admitted", "skip" (a sibling waiting for its
+        group's prefill), "next_lane" (long lane's share used up) or "stop"."""
+        block_manager = self.block_manager
+        leader = self.scheduler.group_leaders.get(request.group_id) if request.group_id else None
+        fork = leader is not None and leader is not request and not request.output_token_ids
+        if fork:
+            if leader.num_computed_tokens < leader.num_prompt_tokens:
+                return "skip"
+            # Full prompt blocks only: the leader never writes them again, while the block
+            # holding the prompt's tail also receives the leader's output tokens.
+            hits = leader.block_ids[: (request.num_prompt_tokens - 1) // self.block_size]
+        else:
+            hits = block_manager.lookup_prefix(request)
+        num_new = self._chunk_size(request, request.num_tokens - len(hits) * self.block_size)
+        if num_new == 0:
+            # With chunked prefill and budget left, only the long lane's share can say no.
+            chunked = self.config.enable_chunked_prefill
+            return "next_lane" if chunked and self.budget > 0 else "stop"
+        needed = -(-(len(hits) * self.block_size + num_new) // self.block_size) - len(hits)
+        free_after = block_manager.num_free_blocks - block_manager.num_reused_free(hits) - needed
+        if free_after < self.scheduler.watermark_blocks:
+            return "stop"
+        self._start_running(request, hits, fork)
+        block_manager.allocate(request, num_new)
+        self._add_chunk(request, num_new)
+        return "admitted"
+
+    def _start_running(self, request: Request, hits: list[int], fork: bool) -> None:
+        if fork:
+            self.block_manager.fork(request, hits)
+        elif self.block_manager.prefix_cache is not None:
+            self.block_manager.use_prefix(request, hits)
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = request.num_computed_tokens
+        request.status = RequestStatus.RUNNING
+        insort(self.scheduler.running, request, key=_priority)
+
+    def _chunk_size(self, request: Request, remaining: int) -> int:
+        """Tokens of `remaining` that `request` may compute this step (0: none)."""
+        config = self.config
+        limit = self.budget
+        if config.long_prefill_token_threshold:
+            limit = min(limit, config.long_prefill_token_threshold)
+        if not config.enable_chunked_prefill:
+            return remaining if remaining <= limit else 0
+        if request.lane == "long":
+            limit = min(limit, self._long_lane_cap() - self.long_used)
+        return min(remaining, limit)
+
+    def _long_lane_cap(self) -> int:
+        """Long-lane prefill tokens allowed this step: a share of the budget while other work
+        shares the step, the whole budget when long prompts are all there is."""
+        if self._long_cap is None:
+            waiting = self.scheduler.waiting
+            alone = (
+                not self.decodes
+                and all(request.lane == "long" for request in self.scheduler.running)
+                and not waiting.queue("interactive")
+                and not waiting.queue("batch")
+            )
+            budget = self.config.max_num_batched_tokens
+            share = int(self.config.long_lane_max_share * budget)
+            self._long_cap = budget if alone else max(1, share)
+        return self._long_cap
+
+    def _add_chunk(self, request: Request, num_new: int) -> None:
+        start = request.num_computed_tokens
+        end = start + num_new
+        self.prefills.append(
+            ScheduledSeq(
+                request.request_id,
+                start,
+                request.all_token_ids[start:end],
+                request.block_ids,
+                end == request.num_tokens,
+            )
+        )
+        request.scheduled_step = self.step
+        self.budget -= num_new
+        if request.lane == "long":
+            self.long_used += num_new
+
+    def _grow_or_preempt(self, request: Request, num_new: int) -> bool:
+        """Get blocks for `num_new` more tokens of running `request`, preempting the
+        lowest-priority running requests as needed; False if `request` itself was preempted."""
+        while not self.block_manager.allocate(request, num_new):
+            victim = self.scheduler.running[-1]
+            self._preempt(victim)
+            if victim is request:
+                return False
+        return True
+
+    def _preempt(self, victim: Request) -> None:
+        """Free the victim's blocks and requeue it at the front of its lane, tokens kept."""
+        self.scheduler.running.pop()  # the victim is always the last, lowest-priority one
+        if victim.scheduled_step == self.step:
+            # Only a decode can be scheduled yet rank below the request that needs its blocks
+            # (prefills are visited in priority order); decodes were appended in that order.
+            seq = self.decodes.pop()
+            assert seq.request_id == victim.request_id
+            self.budget += 1
+            victim.scheduled_step = -1
+        self.block_manager.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.PREEMPTED
+        self.scheduler.num_preemptions += 1
+        self.scheduler.waiting.push_front(victim, self.step)
+        self.plan.preempted_ids.append(victim.request_id)
