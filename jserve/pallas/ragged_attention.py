@@ -1,7 +1,7 @@
 """The one public ragged paged attention entry: picks an implementation by backend.
 
 cpu -> the coarse-grid interpret kernel: on SmolLM2's shapes it was 3-6x faster than the jnp
-reference for decode (bench/kernels.py, bench/RESULTS.md), and the reference's per-token page
+reference for decode (bench/kernels.py), and the reference's per-token page
 gather does not scale to prefill chunks. gpu -> the Triton kernel, tpu -> the Mosaic kernel;
 any other backend -> the jnp reference.
 """

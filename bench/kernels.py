@@ -1,0 +1,182 @@
+"""Ragged paged attention benchmark: every implementation available on this backend.
+
+Cases (SmolLM2-135M attention: 9 query heads, 3 KV heads, head_dim 64, block size 16): decode
+at 8 and 32 sequences x 512 and 2,048 context, decode 32 x 4,096, and a mixed 512-token batch
+(28 decodes + 4 prefill chunks). Each implementation is jitted, warmed up, then timed as the
+median of several runs. "Bytes" is what attention must move at least: the live K/V positions
+plus q and the output; bandwidth = bytes / median time. On CUDA a device-to-device copy is
+timed in the same run and bandwidth is also given as a fraction of it.
+
+    python bench/kernels.py                 # full run, markdown table on stdout
+    python bench/kernels.py --json out.json # also write the figures as JSON
+    python bench/kernels.py --smoke         # tiny shapes, seconds (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.pallas import choose_impl, kv_cache_shape, ragged_paged_attention
+
+NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 2
+IMPLS_BY_BACKEND = {
+    "cpu": ("reference", "interpret"),
+    "gpu": ("reference", "triton"),
+    "tpu": ("reference", "mosaic"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    seqs: tuple[tuple[int, int], ...]  # (q_len, kv_len) per sequence
+
+
+def _mixed(decodes: int, decode_ctx: int, chunks: int, chunk_len: int, chunk_ctx: int) -> Case:
+    seqs = [(1, decode_ctx - 97 * i % (decode_ctx // 2)) for i in range(decodes)]
+    seqs += [(chunk_len, chunk_ctx * (i + 1) // chunks) for i in range(chunks)]
+    name = f"mixed {decodes} decodes + {chunks} x {chunk_len}-token chunks"
+    return Case(name, tuple(seqs))
+
+
+FULL_CASES = [
+    Case("decode 8 x 512", ((1, 512),) * 8),
+    Case("decode 8 x 2048", ((1, 2048),) * 8),
+    Case("decode 32 x 512", ((1, 512),) * 32),
+    Case("decode 32 x 2048", ((1, 2048),) * 32),
+    Case("decode 32 x 4096", ((1, 4096),) * 32),
+    _mixed(28, 2048, 4, 121, 2048),
+]
+SMOKE_CASES = [Case("decode 2 x 64", ((1, 64),) * 2), _mixed(2, 64, 1, 8, 40)]
+
+
+def make_inputs(case: Case, dtype, seed: int = 0) -> tuple[jax.Array, ...]:
+    """Device arrays for one call: random pools, pages scattered over the pool, layer 1."""
+    rng = np.random.default_rng(seed)
+    needed = [-(-kv // BLOCK_SIZE) for _, kv in case.seqs]
+    num_blocks = 1 + sum(needed)
+    shape = kv_cache_shape(NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    k_pool = rng.standard_normal(shape, np.float32)
+    v_pool = rng.standard_normal(shape, np.float32)
+    free = 1 + rng.permutation(num_blocks - 1)
+    tables = np.zeros((len(case.seqs), max(needed)), np.int32)
+    for s, n in enumerate(needed):
+        tables[s, :n], free = free[:n], free[n:]
+    cu = np.concatenate([[0], np.cumsum([q for q, _ in case.seqs])]).astype(np.int32)
+    kv_lens = np.array([kv for _, kv in case.seqs], np.int32)
+    q = rng.standard_normal((int(cu[-1]), NUM_Q_HEADS, HEAD_DIM), np.float32)
+    host = (q, k_pool, v_pool)
+    return (
+        *(jnp.asarray(x, dtype) for x in host),
+        *(jnp.asarray(x) for x in (tables, cu, kv_lens)),
+        jnp.asarray(len(case.seqs), jnp.int32),
+        jnp.asarray(1, jnp.int32),
+    )
+
+
+def bytes_moved(case: Case, itemsize: int) -> int:
+    """Live K and V positions read plus q read and output written."""
+    kv = sum(kv for _, kv in case.seqs) * NUM_KV_HEADS * HEAD_DIM * 2
+    tokens = sum(q for q, _ in case.seqs) * NUM_Q_HEADS * HEAD_DIM * 2
+    return (kv + tokens) * itemsize
+
+
+def median_seconds(fn, args, reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def copy_bandwidth(num_bytes: int, reps: int) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second)."""
+    x = jnp.ones((num_bytes // 4,), jnp.float32)
+    copy = jax.jit(lambda a: a + 0.0)
+    return 2 * num_bytes / median_seconds(copy, (x,), reps)
+
+
+def run(cases: list[Case], impls: tuple[str, ...], dtype, reps: int) -> list[dict]:
+    rows = []
+    for case in cases:
+        args = make_inputs(case, dtype)
+        moved = bytes_moved(case, jnp.dtype(dtype).itemsize)
+        for impl in impls:
+            fn = jax.jit(
+                functools.partial(ragged_paged_attention, sm_scale=HEAD_DIM**-0.5, impl=impl)
+            )
+            seconds = median_seconds(fn, args, reps)
+            rows.append(
+                dict(
+                    case=case.name,
+                    impl=impl,
+                    tokens=int(args[0].shape[0]),
+                    ms=seconds * 1e3,
+                    mbytes=moved / 1e6,
+                    gbps=moved / seconds / 1e9,
+                )
+            )
+        del args
+    return rows
+
+
+def markdown(rows: list[dict], copy_gbps: float | None) -> str:
+    head = "| case | impl | tokens | median ms | MB moved | GB/s |"
+    sep = "|---|---|---:|---:|---:|---:|"
+    if copy_gbps:
+        head += " of copy BW |"
+        sep += "---:|"
+    lines = [head, sep]
+    for r in rows:
+        line = (
+            f"| {r['case']} | {r['impl']} | {r['tokens']} | {r['ms']:.2f} | "
+            f"{r['mbytes']:.1f} | {r['gbps']:.1f} |"
+        )
+        if copy_gbps:
+            line += f" {r['gbps'] / copy_gbps:.0%} |"
+        lines.append(line)
+    if copy_gbps:
+        lines.append(f"\nDevice-to-device copy: {copy_gbps:.0f} GB/s (read + write).")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, for CI")
+    parser.add_argument("--reps", type=int, default=None, help="timed runs per measurement")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--json", type=Path, default=None, help="also write rows as JSON")
+    args = parser.parse_args(argv)
+    backend = jax.default_backend()
+    impls = IMPLS_BY_BACKEND.get(backend, ("reference",))
+    reps = args.reps or (2 if args.smoke else 10)
+    cases = SMOKE_CASES if args.smoke else FULL_CASES
+    copy_gbps = None
+    if backend == "gpu":
+        copy_gbps = copy_bandwidth(2**24 if args.smoke else 2**30, reps) / 1e9
+    rows = run(cases, impls, jnp.dtype(args.dtype), reps)
+    print(
+        f"backend {backend} ({jax.devices()[0].device_kind}), {args.dtype}, "
+        f"auto impl = {choose_impl()}, median of {reps} runs\n"
+    )
+    print(markdown(rows, copy_gbps))
+    if args.json:
+        payload = dict(backend=backend, dtype=args.dtype, copy_gbps=copy_gbps, rows=rows)
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
