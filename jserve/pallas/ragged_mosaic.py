@@ -84,7 +84,8 @@ def _kernel(
     head, block = pl.program_id(0), pl.program_id(1)
     chunk = pages_per_chunk * dims.block_size
     layer = layer_ref[0]
-    q = q_ref[...].astype(jnp.float32) * sm_scale
+    # Scaled in float32, then back to the pool dtype: bf16 pools feed the MXU bf16 x bf16.
+    q = (q_ref[...].astype(jnp.float32) * sm_scale).astype(k_buf.dtype)
     row_seq, row_ctx = row_seq_ref[...], row_ctx_ref[...]
 
     def copies(seq, c, slot):
@@ -132,7 +133,7 @@ def _kernel(
             v = v_buf[slot].reshape(chunk, dims.head_dim)
             live = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < kv_len
             v = jnp.where(live, v, jnp.zeros_like(v))
-            scores = cap_scores(qk(q, k), soft_cap)  # [rows, C]
+            scores = cap_scores(qk(q, k), soft_cap)  # [rows, C] float32
             pos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
             mask = allowed(pos, row_ctx, kv_len, sliding_window) & (row_seq == seq)
             return online_softmax_step(carry, scores, mask, v)

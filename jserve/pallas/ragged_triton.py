@@ -111,7 +111,9 @@ def _kernel(
         q_len, kv_len = cu_q_lens_ref[seq + 1] - q_start, kv_lens_ref[seq]
         q0, layer = item_q0_ref[item], layer_ref[0]
         row0 = (q_start + q0) * group_pad
-        q = q_ref[head, pl.ds(row0, rows), :].astype(jnp.float32) * sm_scale  # [rows, D]
+        # Scaled in float32, then back to the pool dtype: bf16 pools use bf16 tensor-core dots.
+        q = q_ref[head, pl.ds(row0, rows), :]  # [rows, D]
+        q = (q.astype(jnp.float32) * sm_scale).astype(k_ref.dtype)
         token = q0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group_pad
         row_ctx = kv_len - q_len + token  # [rows, 1]
         first_ctx = kv_len - q_len + q0
@@ -130,7 +132,7 @@ def _kernel(
             k = k_ref[at]
             live = jnp.broadcast_to(pos < kv_len, (chunk, dims.head_dim))
             v = plgpu.load(v_ref.at[at], mask=live, other=0.0)
-            scores = cap_scores(qk(q, k.astype(jnp.float32)), soft_cap)  # [rows, C]
+            scores = cap_scores(qk(q, k), soft_cap)  # [rows, C] float32
             mask = allowed(pos.reshape(1, chunk), row_ctx, kv_len, sliding_window)
             return online_softmax_step(carry, scores, mask, v)
 
