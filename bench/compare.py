@@ -1,0 +1,185 @@
+"""Side-by-side serving comparisons of jserve configurations, one invocation each.
+
+    python bench/compare.py static-vs-continuous      # throughput ratio (goal >= 2x)
+    python bench/compare.py prefix-cache              # TTFT ratio on a shared prefix (goal >= 3x)
+    python bench/compare.py chunked-prefill           # decode ITL p99 while long prompts arrive
+    python bench/compare.py latency-vs-load --rates 0.25,0.5,1,2,inf
+    python bench/compare.py all --smoke               # every preset on mock servers, seconds
+
+For a preset: start `jserve serve` with config A on a free loopback port, run the preset's
+workload with bench/serve.py's core, stop the server (SIGTERM), then the same for config B, and
+print a table of both sides with the gain of B over A (B/A for throughputs, A/B for latencies,
+so > 1 always means B is better). Writes serve_PRESET.json and serve_PRESET_LABEL.png under
+--out. `--server-args "..."` is added to both sides' command lines (e.g. a --model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import shlex
+import sys
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from compare_presets import PRESETS, Preset
+from load_curve import add_curve_arguments, run_latency_vs_load
+from serve import benchmark, first_model, to_json
+from serve_client import LoadConfig
+from serve_metrics import format_summary, plot_run
+from server_process import ServerProcess, jserve_command, mock_command
+from workloads import TextMaker, workload_digest
+
+# (label, summary key, stat, higher is better)
+TABLE_ROWS = [
+    ("requests/s", "request_throughput", None, True),
+    ("output tokens/s", "output_throughput", None, True),
+    ("total tokens/s", "total_token_throughput", None, True),
+    ("TTFT mean (ms)", "ttft_ms", "mean", False),
+    ("TTFT p50 (ms)", "ttft_ms", "p50", False),
+    ("TTFT p99 (ms)", "ttft_ms", "p99", False),
+    ("TPOT p50 (ms)", "tpot_ms", "p50", False),
+    ("TPOT p99 (ms)", "tpot_ms", "p99", False),
+    ("ITL p50 (ms)", "itl_ms", "p50", False),
+    ("ITL p99 (ms)", "itl_ms", "p99", False),
+    ("E2E p50 (ms)", "e2e_ms", "p50", False),
+    ("E2E p99 (ms)", "e2e_ms", "p99", False),
+]
+
+
+def gain(a: float | None, b: float | None, higher_is_better: bool) -> float | None:
+    if a is None or b is None or min(a, b) <= 0:
+        return None
+    return b / a if higher_is_better else a / b
+
+
+def ratio_table(preset: Preset, reports: dict[str, dict]) -> tuple[str, list[dict]]:
+    """The printed table and its rows (for the JSON)."""
+    a, b = reports[preset.a.label], reports[preset.b.label]
+    scopes = [("", None)] + [(f"[{g}] ", g) for g in sorted(a["groups"])]
+    rows = []
+    for prefix, group in scopes:
+        for label, key, stat, higher in TABLE_ROWS:
+            values = []
+            for report in (a, b):
+                summary = report["groups"][group] if group else report["summary"]
+                values.append(summary[key][stat] if stat else summary[key])
+            rows.append({"metric": prefix + label, "a": values[0], "b": values[1],
+                         "gain": gain(values[0], values[1], higher)})  # fmt: skip
+    width = max(len(r["metric"]) for r in rows) + 2
+    head = f"{'metric':<{width}}{preset.a.label:>18}{preset.b.label:>18}{'gain of B':>12}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = "".join("-".rjust(18) if v is None else f"{v:18.2f}" for v in (r["a"], r["b"]))
+        g = "-" if r["gain"] is None else f"{r['gain']:.2f}x"
+        lines.append(f"{r['metric']:<{width}}{cells}{g:>12}")
+    return "\n".join(lines), rows
+
+
+async def build_specs(preset: Preset, base_url: str, seed: int, smoke: bool) -> list:
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        maker = TextMaker(session, base_url, seed)
+        await maker.setup()
+        return await preset.build(maker, np.random.default_rng(seed), smoke)
+
+
+def run_side(preset: Preset, side_index: int, args: argparse.Namespace, out: Path) -> dict:
+    side = (preset.a, preset.b)[side_index]
+    extra = shlex.split(args.server_args)
+    if args.smoke:
+        command = mock_command([*side.mock_args, *extra])
+    else:
+        command = jserve_command([*preset.extra_server_args, *side.server_args, *extra])
+    print(f"\n### {preset.name} / {side.label}: {shlex.join(command)}", flush=True)
+    log_path = out / "logs" / f"serve_{preset.name}_{side.label}.log"
+    with ServerProcess(command, log_path, start_timeout=args.start_timeout) as server:
+        print(f"ready in {server.startup_s:.1f} s at {server.base_url}", flush=True)
+
+        async def go() -> tuple:
+            specs = await build_specs(preset, server.base_url, args.seed, args.smoke)
+            config = LoadConfig(
+                base_url=server.base_url,
+                model=await first_model(server.base_url),
+                max_concurrency=preset.max_concurrency,
+                request_timeout=args.request_timeout,
+                max_duration=args.max_duration,
+                seed=args.seed,
+            )
+            return specs, *await benchmark(config, specs, show_progress=args.progress)
+
+        specs, report, records, duration = asyncio.run(go())
+    report.update(command=shlex.join(command), startup_s=server.startup_s,
+                  workload_digest=workload_digest(specs))  # fmt: skip
+    print(format_summary(report["summary"], f"{preset.name} / {side.label}"))
+    name = f"serve_{preset.name}_{side.label}"
+    plot_run(records, duration, out / f"{name}.png", title=f"{name}: {shlex.join(command[3:])}")
+    return report
+
+
+def run_preset(preset: Preset, args: argparse.Namespace, out: Path) -> dict:
+    reports = {
+        side.label: run_side(preset, i, args, out) for i, side in enumerate((preset.a, preset.b))
+    }
+    table, rows = ratio_table(preset, reports)
+    headline = preset.headline
+    a_value, b_value = (headline.value(reports[s.label]) for s in (preset.a, preset.b))
+    headline_gain = gain(a_value, b_value, headline.higher_is_better)
+    verdict = (
+        "n/a" if headline_gain is None else ("met" if headline_gain >= headline.goal else "NOT met")
+    )
+    print(f"\n==== {preset.name}: {preset.description}")
+    print(table)
+    print(
+        f"headline: {headline.describe()} gain {headline_gain and round(headline_gain, 2)}x "
+        f"(goal >= {headline.goal}x: {verdict}){' [smoke: mock servers]' if args.smoke else ''}"
+    )
+    result = {
+        "preset": preset.name,
+        "description": preset.description,
+        "smoke": args.smoke,
+        "sides": {"a": preset.a.label, "b": preset.b.label},
+        "headline": {"metric": headline.describe(), "a": a_value, "b": b_value,
+                     "gain": headline_gain, "goal": headline.goal, "verdict": verdict},
+        "table": rows,
+        "reports": reports,
+    }  # fmt: skip
+    (out / f"serve_{preset.name}.json").write_text(to_json(result))
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("mode", choices=[*PRESETS, "latency-vs-load", "all"])
+    parser.add_argument("--out", default="bench/results", help="directory for JSON and PNG")
+    parser.add_argument("--smoke", action="store_true", help="mock servers, tiny workloads")
+    parser.add_argument("--server-args", default="", help="added to every server command line")
+    parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to /health")
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--max-duration", type=float, default=900.0, help="seconds per run")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    add_curve_arguments(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    modes = [*PRESETS, "latency-vs-load"] if args.mode == "all" else [args.mode]
+    try:
+        for mode in modes:
+            if mode == "latency-vs-load":
+                run_latency_vs_load(args, out)
+            else:
+                run_preset(PRESETS[mode], args, out)
+    except (RuntimeError, ValueError) as exc:
+        print(f"compare.py: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

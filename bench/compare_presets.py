@@ -1,0 +1,142 @@
+"""The A/B comparisons bench/compare.py runs: two jserve configurations and one workload each.
+
+Each preset names a baseline (A) and the feature under test (B), the server flags of each, a
+workload builder (full size and a tiny smoke size), how requests arrive, and the headline
+metric with its goal. In smoke mode both sides are mock servers that differ only in token delay
+(the engine flags mean nothing to the mock), so a smoke ratio tests the plumbing, not jserve.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+from workloads import LengthDist, RequestSpec, TextMaker
+
+WorkloadBuilder = Callable[[TextMaker, np.random.Generator, bool], Awaitable[list[RequestSpec]]]
+
+
+@dataclass(frozen=True)
+class Side:
+    label: str
+    server_args: tuple[str, ...]
+    mock_args: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Headline:
+    """The metric a preset is about: summary[key][stat] (of one group when `group` is set)."""
+
+    key: str
+    stat: str | None
+    higher_is_better: bool
+    goal: float
+    group: str | None = None
+
+    def value(self, report: dict) -> float | None:
+        summary = report["groups"][self.group] if self.group else report["summary"]
+        value = summary[self.key]
+        return value[self.stat] if self.stat else value
+
+    def describe(self) -> str:
+        name = f"{self.key}[{self.stat}]" if self.stat else self.key
+        return f"{name}{f' of group {self.group}' if self.group else ''}"
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    description: str
+    a: Side
+    b: Side
+    build: WorkloadBuilder
+    headline: Headline
+    max_concurrency: int | None = None
+    extra_server_args: tuple[str, ...] = field(default=())
+
+
+async def _specs(
+    maker: TextMaker, rng: np.random.Generator, n: int, prompt: str, output: str, **kw: object
+) -> list[RequestSpec]:
+    prompt_lens = LengthDist.parse(prompt).sample(rng, n)
+    output_lens = LengthDist.parse(output).sample(rng, n)
+    return [
+        RequestSpec(await maker.text(p), o, **kw)  # type: ignore[arg-type]
+        for p, o in zip(prompt_lens, output_lens, strict=True)
+    ]
+
+
+async def varying_lengths(maker: TextMaker, rng: np.random.Generator, smoke: bool) -> list:
+    """All at once; log-normal output lengths with a long tail (what static batching hates)."""
+    if smoke:
+        return await _specs(maker, rng, 12, "uniform:8:32", "uniform:2:40")
+    return await _specs(maker, rng, 64, "lognormal:64:0.6:512", "lognormal:40:1.1:400")
+
+
+async def shared_prefix(maker: TextMaker, rng: np.random.Generator, smoke: bool) -> list:
+    """One long system prompt, short distinct user turns, short answers."""
+    n, prefix_len, user, output = (8, 96, "8", "4") if smoke else (24, 1024, "32", "16")
+    system = await maker.text(prefix_len)
+    return await _specs(maker, rng, n, user, output, system=system)
+
+
+async def decodes_then_long_prompts(
+    maker: TextMaker, rng: np.random.Generator, smoke: bool
+) -> list:
+    """Group "decode": short prompts with long outputs, all sent at t=0. Group "prefill": long
+    prompts with tiny outputs arriving one by one while those decodes run."""
+    if smoke:
+        decode_n, decode_out, prefill_n, prefill_len, gap = 4, "60", 2, "100", 0.2
+    else:
+        decode_n, decode_out, prefill_n, prefill_len, gap = 8, "160", 4, "1536", 4.0
+    decodes = await _specs(maker, rng, decode_n, "32", decode_out, group="decode", arrival_s=0.0)
+    prefills = [
+        RequestSpec(s.prompt, s.max_tokens, group="prefill", arrival_s=gap * (i + 1))
+        for i, s in enumerate(await _specs(maker, rng, prefill_n, prefill_len, "4"))
+    ]
+    return decodes + prefills
+
+
+FAST_MOCK, SLOW_MOCK = ("--mock-token-delay", "0.005"), ("--mock-token-delay", "0.01")
+
+PRESETS = {
+    p.name: p
+    for p in (
+        Preset(
+            "static-vs-continuous",
+            "64 requests at once, log-normal output lengths; static batches vs iteration-level",
+            Side("static", ("--scheduling", "static"), SLOW_MOCK),
+            Side("continuous", ("--scheduling", "continuous"), FAST_MOCK),
+            varying_lengths,
+            Headline("output_throughput", None, higher_is_better=True, goal=2.0),
+            extra_server_args=("--max-num-seqs", "16"),
+        ),
+        Preset(
+            "prefix-cache",
+            "24 requests sharing a 1024-token system prompt, 4 in flight; prefix caching off/on",
+            Side("no-prefix-cache", ("--no-enable-prefix-caching",), SLOW_MOCK),
+            Side("prefix-cache", ("--enable-prefix-caching",), FAST_MOCK),
+            shared_prefix,
+            Headline("ttft_ms", "p50", higher_is_better=False, goal=3.0),
+            max_concurrency=4,
+        ),
+        Preset(
+            "chunked-prefill",
+            "8 long decodes; 1536-token prompts arrive every 4 s; chunked prefill off/on",
+            Side(
+                "whole-prefill",
+                ("--no-enable-chunked-prefill", "--max-num-batched-tokens", "2048"),
+                SLOW_MOCK,
+            ),
+            Side(
+                "chunked-prefill",
+                ("--enable-chunked-prefill", "--max-num-batched-tokens", "256"),
+                FAST_MOCK,
+            ),
+            decodes_then_long_prompts,
+            Headline("itl_ms", "p99", higher_is_better=False, goal=1.0, group="decode"),
+            extra_server_args=("--max-model-len", "2048"),
+        ),
+    )
+}

@@ -1,0 +1,200 @@
+"""Serving benchmark for any OpenAI-compatible endpoint (jserve, vLLM, SGLang).
+
+    python bench/serve.py --base-url http://127.0.0.1:8000 --num-requests 64 \\
+        --prompt-len lognormal:128:0.8:1024 --output-len lognormal:64:1.0:512 --out bench/results
+    python bench/serve.py --base-url ... --workload shared-prefix --prefix-len 1024 \\
+        --prompt-len 32 --output-len 16 --max-concurrency 4
+    python bench/serve.py --base-url ... --smoke      # a tiny workload, seconds
+
+Sends greedy requests with `ignore_eos` (and `min_tokens = max_tokens`) so output lengths are
+what the workload says, streams them, and prints requests/s, tokens/s and TTFT/TPOT/ITL/E2E
+statistics (see serve_metrics.py for the definitions). With --out DIR it writes NAME.json and
+NAME.png (latency CDFs and throughput over time). Failed requests are counted, never fatal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import sys
+from dataclasses import asdict
+from pathlib import Path
+
+import aiohttp
+from serve_client import LoadConfig, RequestRecord, run_load
+from serve_metrics import format_summary, plot_run, summarize, summarize_by_group
+from workloads import RequestSpec, add_workload_arguments, build_workload, workload_digest
+
+SMOKE_ARGS = {
+    "num_requests": 8,
+    "prompt_len": "uniform:8:48",
+    "output_len": "uniform:4:24",
+    "prefix_len": 64,
+}
+
+
+async def first_model(base_url: str) -> str:
+    """The first model /v1/models lists."""
+    async with (
+        aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session,
+        session.get(base_url + "/v1/models") as resp,
+    ):
+        if resp.status != 200:
+            raise ValueError(f"GET {base_url}/v1/models answered {resp.status}; pass --model")
+        return (await resp.json())["data"][0]["id"]
+
+
+async def prepare_workload(
+    args: argparse.Namespace, base_url: str
+) -> tuple[list[RequestSpec], dict]:
+    """The workload and a description of it for the JSON report."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        specs, exact = await build_workload(args, session, base_url)
+    info = {
+        "kind": "dataset" if args.dataset else args.workload,
+        "num_requests": len(specs),
+        "prompt_len": args.prompt_len,
+        "output_len": args.output_len,
+        "prefix_len": args.prefix_len if args.workload == "shared-prefix" else None,
+        "seed": args.seed,
+        "exact_token_lengths": exact,
+        "digest": workload_digest(specs),
+    }
+    return specs, info
+
+
+def record_row(record: RequestRecord) -> dict:
+    row = asdict(record)
+    del row["chunk_times"], row["chunk_tokens"]
+    row["num_chunks"] = len(record.chunk_times)
+    return row
+
+
+async def benchmark(
+    config: LoadConfig,
+    specs: list[RequestSpec],
+    *,
+    slo_ttft_ms: float | None = None,
+    slo_tpot_ms: float | None = None,
+    show_progress: bool = True,
+) -> tuple[dict, list[RequestRecord], float]:
+    """Run the load; returns the report (config, summary, per-group summaries, per-request
+    rows), the records and the duration."""
+    load_before = os.getloadavg()
+    records, duration = await run_load(config, specs, show_progress=show_progress)
+    slo = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms}
+    report = {
+        "config": asdict(config),
+        # Other processes on the machine skew every figure: keep the evidence with the result.
+        "loadavg_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
+        "summary": summarize(records, duration, **slo),
+        "groups": summarize_by_group(records, duration, **slo),
+        "requests": [record_row(r) for r in records],
+    }
+    return report, records, duration
+
+
+def to_json(obj: object) -> str:
+    """JSON text with infinite floats written as the string "inf" (strict JSON has none)."""
+
+    def clean(value: object) -> object:
+        if isinstance(value, float) and math.isinf(value):
+            return "inf" if value > 0 else "-inf"
+        if isinstance(value, dict):
+            return {k: clean(v) for k, v in value.items()}
+        if isinstance(value, list | tuple):
+            return [clean(v) for v in value]
+        return value
+
+    return json.dumps(clean(obj), indent=1, allow_nan=False) + "\n"
+
+
+def write_outputs(
+    report: dict, records: list[RequestRecord], duration: float, out: Path, name: str
+) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(to_json(report))
+    plot_run(records, duration, out / f"{name}.png", title=name)
+
+
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("load")
+    group.add_argument("--request-rate", type=float, default=float("inf"), help="req/s (Poisson)")
+    group.add_argument("--max-concurrency", type=int, default=None)
+    group.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    group.add_argument(
+        "--no-ignore-eos", dest="ignore_eos", action="store_false",
+        help="do not send ignore_eos/min_tokens (servers that refuse them)",
+    )  # fmt: skip
+    group.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
+    group.add_argument("--max-duration", type=float, default=1800.0, help="seconds for the run")
+    group.add_argument("--slo-ttft", type=float, default=None, help="goodput SLO, ms")
+    group.add_argument("--slo-tpot", type=float, default=None, help="goodput SLO, ms")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the first of /v1/models")
+    parser.add_argument("--out", default=None, help="directory for NAME.json and NAME.png")
+    parser.add_argument("--name", default="serve", help="file name stem under --out")
+    parser.add_argument("--smoke", action="store_true", help="a tiny workload (seconds)")
+    parser.add_argument("--no-progress", dest="progress", action="store_false")
+    add_workload_arguments(parser)
+    add_load_arguments(parser)
+    return parser
+
+
+def load_config(args: argparse.Namespace, base_url: str, model: str) -> LoadConfig:
+    return LoadConfig(
+        base_url=base_url,
+        model=model,
+        endpoint=args.endpoint,
+        request_rate=args.request_rate,
+        max_concurrency=args.max_concurrency,
+        ignore_eos=args.ignore_eos,
+        request_timeout=args.request_timeout,
+        max_duration=args.max_duration,
+        seed=args.seed,
+    )
+
+
+async def main_async(args: argparse.Namespace) -> dict:
+    base_url = args.base_url.rstrip("/")
+    model = args.model or await first_model(base_url)
+    specs, workload = await prepare_workload(args, base_url)
+    config = load_config(args, base_url, model)
+    report, records, duration = await benchmark(
+        config, specs, slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot,
+        show_progress=args.progress,
+    )  # fmt: skip
+    report = {"workload": workload, **report}
+    print(format_summary(report["summary"], f"{args.name}: {model} at {base_url}"))
+    for group, summary in report["groups"].items():
+        print(format_summary(summary, f"group {group}"))
+    if args.out:
+        write_outputs(report, records, duration, Path(args.out), args.name)
+        print(f"wrote {Path(args.out) / args.name}.json and .png")
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.smoke:
+        for key, value in SMOKE_ARGS.items():
+            setattr(args, key, value)
+    try:
+        report = asyncio.run(main_async(args))
+    except (ValueError, aiohttp.ClientError) as exc:
+        print(f"serve.py: error: {exc}", file=sys.stderr)
+        return 2
+    return 0 if report["summary"]["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

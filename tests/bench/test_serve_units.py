@@ -1,0 +1,92 @@
+"""The serving benchmark's arithmetic on hand-made inputs: lengths, arrivals, stats, knee, gain."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from compare import gain
+from load_curve import find_knee, parse_rates
+from serve import to_json
+from serve_client import RequestRecord, send_times
+from serve_metrics import summarize
+from workloads import LengthDist, RequestSpec
+
+
+@pytest.mark.parametrize(
+    "text", ["0", "uniform:5:4", "uniform:0:4", "lognormal:64", "lognormal:0:1", "normal:1:2", "x"]
+)
+def test_bad_length_distributions_are_refused(text):
+    with pytest.raises(ValueError, match="bad length distribution"):
+        LengthDist.parse(text)
+
+
+def test_length_samples_stay_in_bounds():
+    rng = np.random.default_rng(1)
+    assert LengthDist.parse("7").sample(rng, 3) == [7, 7, 7]
+    uniform = LengthDist.parse("uniform:3:5").sample(rng, 500)
+    assert set(uniform) == {3, 4, 5}
+    lognormal = LengthDist.parse("lognormal:40:1.5:100").sample(rng, 2000)
+    assert min(lognormal) >= 1 and max(lognormal) == 100  # the cap is hit with sigma 1.5
+    assert 30 <= float(np.median(lognormal)) <= 50
+
+
+def test_send_times_poisson_rate_and_fixed_arrivals():
+    specs = [RequestSpec("p", 1)] * 4000
+    times = send_times(specs, rate=5.0, seed=0)
+    assert times[0] == 0.0 and times == sorted(times)
+    assert np.mean(np.diff(times)) == pytest.approx(0.2, rel=0.05)
+    assert send_times(specs[:3], rate=float("inf"), seed=0) == [0.0, 0.0, 0.0]
+    fixed = [RequestSpec("p", 1, arrival_s=2.5), RequestSpec("p", 1)]
+    assert send_times(fixed, rate=float("inf"), seed=0) == [2.5, 0.0]
+
+
+def record(index, start, chunk_times, *, output_tokens=None, error=""):
+    r = RequestRecord(index, "all", len(chunk_times), success=not error, error=error, start=start)
+    if not error:
+        r.chunk_times, r.chunk_tokens = chunk_times, [1] * len(chunk_times)
+        r.ttft, r.e2e = chunk_times[0] - start, chunk_times[-1] - start
+        r.prompt_tokens, r.output_tokens = 10, output_tokens or len(chunk_times)
+    return r
+
+
+def test_summary_figures_by_hand():
+    records = [
+        record(0, 0.0, [0.1, 0.2, 0.3]),  # TTFT 100 ms, TPOT 100 ms, ITL 100, 100
+        record(1, 1.0, [1.5, 1.6, 1.9]),  # TTFT 500 ms, TPOT 200 ms, ITL 100, 300
+        record(2, 2.0, [], error="HTTP 400: too long"),
+    ]
+    s = summarize(records, duration=2.0, slo_ttft_ms=200, slo_tpot_ms=150)
+    assert (s["completed"], s["failed"], s["failure_reasons"]) == (2, 1, {"HTTP 400": 1})
+    assert (s["prompt_tokens"], s["output_tokens"]) == (20, 6)
+    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 3.0
+    assert s["total_token_throughput"] == 13.0
+    assert s["ttft_ms"]["mean"] == pytest.approx(300) and s["ttft_ms"]["max"] == pytest.approx(500)
+    assert s["tpot_ms"]["p50"] == pytest.approx(150)
+    assert s["itl_ms"]["p50"] == pytest.approx(100) and s["itl_ms"]["max"] == pytest.approx(300)
+    assert s["e2e_ms"]["mean"] == pytest.approx(600)
+    assert s["goodput"] == 0.5 and s["goodput_fraction"] == pytest.approx(1 / 3)  # only #0
+    assert summarize(records[2:], 1.0)["ttft_ms"]["p99"] is None
+
+
+def test_knee_is_the_last_rate_before_ttft_blows_up_or_arrivals_outrun_service():
+    def point(rate, achieved, ttft):
+        return {"rate": rate, "achieved_rps": achieved, "ttft_p99_ms": ttft}
+
+    rising = [point(1, 1.0, 100), point(2, 1.95, 150), point(4, 3.9, 250), point(8, 4.0, 900)]
+    assert find_knee(rising) == 2  # 250 > 2 x 100
+    saturated = [point(1, 1.0, 100), point(2, 1.5, 120), point(float("inf"), 3.0, 130)]
+    assert find_knee(saturated) == 1  # 1.5 req/s < 90% of 2
+    assert find_knee([point(float("inf"), 3.0, 100)]) == float("inf")
+
+
+def test_rates_and_gain_and_strict_json():
+    assert parse_rates("0.5,1,inf") == [0.5, 1.0, float("inf")]
+    for bad in ("2,1", "0,1", "a"):
+        with pytest.raises(ValueError, match="--rates"):
+            parse_rates(bad)
+    assert gain(100.0, 250.0, higher_is_better=True) == 2.5
+    assert gain(300.0, 100.0, higher_is_better=False) == 3.0
+    assert gain(None, 1.0, higher_is_better=True) is None
+    assert (
+        to_json({"rate": float("inf"), "x": [1.5]}) == '{\n "rate": "inf",\n "x": [\n  1.5\n ]\n}\n'
+    )
