@@ -33,6 +33,7 @@ from jserve.runtime.compilation import compilation_count, enable_persistent_cach
 from jserve.runtime.model_runner import ModelRunner, kv_block_bytes
 from jserve.runtime.params import make_mesh, place_model, resolve_dtype
 from jserve.runtime.sampler import Sampler
+from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.runtime.step_inputs import StepInputBuilder
 from jserve.sampling_params import SamplingParams
 
@@ -102,7 +103,9 @@ class LLMEngine:
             cfg, graphdef, state, mesh, num_blocks=num_blocks, block_size=args.block_size,
             dtype=dtype, attn_impl=args.attention_impl,
         )  # fmt: skip
-        self.sampler = Sampler(cfg.vocab_size, self.seq_buckets, self.max_model_len)
+        self.sampler = Sampler(
+            cfg.vocab_size, self.seq_buckets, self.max_model_len, self.tokenizer.stop_token_ids
+        )
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, _Child] = {}  # scheduler request id -> child
         self._deadlines: dict[str, float] = {}  # request id -> time.monotonic() deadline
@@ -153,6 +156,10 @@ class LLMEngine:
     ) -> None:
         """Queue a request; raises RequestRejected (reason + message) if it cannot be served."""
         params = params or SamplingParams()
+        try:
+            self.sampler.check(params)
+        except ValueError as e:
+            raise RequestRejected("invalid", str(e)) from None
         if request_id in self._states:
             raise RequestRejected("invalid", f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
@@ -242,7 +249,11 @@ class LLMEngine:
         for seq in plan.seqs:
             child = self._children[seq.request_id]
             req = self.scheduler.get_request(seq.request_id)
-            rows.append((child.state.params, child.seed, req))
+            rows.append(
+                SamplingRow(
+                    child.state.params, child.seed, req.prompt_token_ids, req.output_token_ids
+                )
+            )
         result = self.sampler.sample(logits, rows)
         return {seq.request_id: result.row(i) for i, seq in enumerate(plan.seqs) if seq.sample}
 
