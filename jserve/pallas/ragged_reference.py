@@ -52,8 +52,10 @@ def ragged_paged_attention_reference(
     kv_len = jnp.where(is_real, kv_lens[seq], 0)  # [T]; 0 masks every position
     row_ctx = kv_len - q_len + jnp.arange(num_tokens, dtype=jnp.int32) - q_start  # [T]
 
+    tables = jnp.where(is_real[:, None], block_tables[seq], 0)  # padding reads only the sink
+
     def gather(pool: jax.Array) -> jax.Array:  # -> [T, Hkv, max_blocks * block_size, D]
-        pages = pool[layer, block_tables[seq]]  # [T, max_blocks, Hkv, block_size, D]
+        pages = pool[layer, tables]  # [T, max_blocks, Hkv, block_size, D]
         pages = pages.astype(jnp.float32).transpose(0, 2, 1, 3, 4)
         return pages.reshape(num_tokens, num_kv_heads, -1, head_dim)
 
