@@ -8,6 +8,8 @@ list, or - when it holds a cached full block - evictable in the prefix cache.
 
 from __future__ import annotations
 
+from array import array
+
 from jserve.core.prefix_cache import PrefixCache, hash_block_tokens
 from jserve.core.request import Request
 
@@ -18,9 +20,11 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.ref_counts = [0] * num_blocks
+        # int64 arrays rather than lists: the garbage collector never walks them (two lists
+        # of 100k blocks add about 1 ms to every full collection).
+        self.ref_counts = array("q", bytes(8 * num_blocks))
         # A stack whose top is the lowest id, so a fresh pool hands out 1, 2, 3, ...
-        self._free = list(range(num_blocks - 1, SINK_BLOCK_ID, -1))
+        self._free = array("q", range(num_blocks - 1, SINK_BLOCK_ID, -1))
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
 
     @property

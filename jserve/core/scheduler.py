@@ -155,14 +155,16 @@ class Scheduler:
         requests = self._requests
         block_manager = self.block_manager
         caching = block_manager.prefix_cache is not None
+        block_size = self.block_size
         running = RequestStatus.RUNNING
         finished = []
+        # The hot loop of every step: attribute access and calls are kept to a minimum.
         for seq in plan.seqs:
             request = requests.get(seq.request_id)
             if request is None or request.status is not running:
                 continue  # aborted or finished by the engine while the step ran
-            request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
-            if caching:
+            num_computed = request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            if caching and num_computed // block_size > request.num_hashed_blocks:
                 block_manager.cache_full_blocks(request)
             if not seq.sample:
                 continue
@@ -173,12 +175,13 @@ class Scheduler:
                     f"no sampled token for request {seq.request_id!r}, whose chunk had "
                     f"sample=True; pass one token for every such seq of the plan"
                 ) from None
-            request.append_output_token(token_id)
-            num_output = len(request.output_token_ids)
-            if token_id in request.stop_token_ids and num_output >= request.min_tokens:
+            output = request.output_token_ids
+            output.append(token_id)
+            request.all_token_ids.append(token_id)
+            if token_id in request.stop_token_ids and len(output) >= request.min_tokens:
                 self._finish(request, FinishReason.STOPPED)
                 finished.append(request)
-            elif num_output >= request.max_tokens:
+            elif len(output) >= request.max_tokens:
                 self._finish(request, FinishReason.LENGTH)
                 finished.append(request)
         if finished:

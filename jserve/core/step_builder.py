@@ -33,6 +33,7 @@ class StepBuilder:
         self._long_cap: int | None = None
         self.decodes: list[ScheduledSeq] = []
         self.prefills: list[ScheduledSeq] = []
+        self.unfinished_prefills: list[Request] = []  # running, short of their known tokens
 
     def build(self) -> StepPlan:
         static = self.config.policy == "static"
@@ -52,16 +53,19 @@ class StepBuilder:
     # ---- the passes ------------------------------------------------------------------------
 
     def schedule_running_decodes(self) -> None:
-        """(a) One token for every running request that has exactly one uncomputed token."""
+        """(a) One token for every running request that has exactly one uncomputed token;
+        notes the others (prefilling) for pass (b)."""
         running = self.scheduler.running
         block_size = self.block_size
         step = self.step
         decodes = self.decodes
+        unfinished_prefills = self.unfinished_prefills
         index = 0
         while index < len(running):
             request = running[index]
             start = request.num_computed_tokens
             if len(request.all_token_ids) - start != 1:
+                unfinished_prefills.append(request)
                 index += 1
                 continue
             if start >= len(request.block_ids) * block_size and not self._grow_or_preempt(
@@ -82,14 +86,13 @@ class StepBuilder:
         self.budget -= len(decodes)
 
     def schedule_running_prefills(self) -> None:
-        """(b) The next chunk of every running request still short of its known tokens."""
-        running = self.scheduler.running
-        index = 0
-        while index < len(running) and self.budget > 0:
-            request = running[index]
-            if request.scheduled_step == self.step:
-                index += 1
-                continue
+        """(b) The next chunk of every running request still short of its known tokens, in
+        priority order (victims are taken from the tail of the running list as it goes)."""
+        for request in self.unfinished_prefills:
+            if self.budget == 0:
+                return
+            if request.status is not RequestStatus.RUNNING:
+                continue  # preempted for an earlier one in this pass
             num_new = self._chunk_size(request, request.num_tokens - request.num_computed_tokens)
             if num_new and self.config.enable_chunked_prefill:
                 # Take what free blocks hold rather than preempting someone for the rest;
@@ -99,13 +102,8 @@ class StepBuilder:
                 ) * self.block_size - request.num_computed_tokens
                 if 0 < fits < num_new:
                     num_new = fits
-            if num_new == 0:
-                index += 1
-                continue
-            if not self._grow_or_preempt(request, num_new):
-                continue  # preempted itself: it was the lowest-priority one left
-            self._add_chunk(request, num_new)
-            index += 1
+            if num_new and self._grow_or_preempt(request, num_new):
+                self._add_chunk(request, num_new)
 
     def admit_waiting(self) -> None:
         """(c) Waiting requests by lane order, FIFO inside a lane, while room is left."""

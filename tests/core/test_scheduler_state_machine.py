@@ -245,7 +245,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for request in self.live.values():
             for block in request.block_ids:
                 held[block] += 1
-        assert manager.ref_counts == held
+        assert list(manager.ref_counts) == held
         free = manager.free_block_ids()
         referenced = {b for b, count in enumerate(held) if count}
         assert not free & referenced
