@@ -12,10 +12,12 @@ One iteration, as the engine drives it:
    When a running request cannot get a block, the lowest-priority running request (latest
    arrival of the lowest lane) is preempted: its blocks are freed and it goes back to the front
    of its lane with every token kept, to recompute them (cheaply, with prefix caching).
-2. The runtime computes the plan; the scheduler must not be called meanwhile, except
-   `abort`/`finish_request`, whose requests the next `update_from_output` skips.
+2. The runtime computes the plan. Meanwhile only `add_request`, `abort` and `finish_request`
+   may be called; the next `update_from_output` skips requests they ended.
 3. `update_from_output()` advances progress, appends sampled tokens, caches newly filled blocks
    and finishes requests on a stop token or max_tokens, returning those it finished.
+`schedule()` and `update_from_output()` strictly alternate. Nothing here is thread-safe: call
+every method from the thread that drives the steps (e.g. the engine's event loop).
 """
 
 from __future__ import annotations
@@ -80,8 +82,10 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue `request`, or raise RequestRejected ("invalid", "too_long", "queue_full").
 
-        Siblings of an `n > 1` group (same `group_id`, added after the first member) skip the
-        queue cap: the group was admitted with its first member.
+        An "interactive" prompt longer than `long_prompt_threshold` moves to the "long" lane.
+        Siblings of an `n > 1` group (same `group_id` and prompt, added right after the first
+        member) skip the queue cap, since the group was admitted with its first member; they
+        wait until the first member's prompt is computed, then share its full prompt blocks.
         """
         is_sibling = request.group_id is not None and request.group_id in self.group_leaders
         try:
