@@ -10,8 +10,10 @@ repetition 1, presence and frequency 0, no logprobs, banned ids all `vocab_size`
 device's scatters drop). A row without penalties keeps whatever history its slot last held:
 neutral penalties make that history a no-op, and skipping it saves copying whole prompts.
 
-Randomness is drawn here, not on the device: each random row gets two uniforms hashed from
-(seed, generated_count) alone, so a seeded request's draws cannot depend on its batch.
+Randomness is drawn here, not on the device: each row gets two uniforms hashed from its seed
+and its number of output tokens alone, so a seeded request's draws cannot depend on its batch
+(and cost no device PRNG: threefry over [32, 49152] took about 7 ms here, a hash of two words
+per row takes microseconds).
 """
 
 from __future__ import annotations
