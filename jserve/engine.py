@@ -103,9 +103,6 @@ class LLMEngine:
             cfg, graphdef, state, mesh, num_blocks=num_blocks, block_size=args.block_size,
             dtype=dtype, attn_impl=args.attention_impl,
         )  # fmt: skip
-        self.sampler = Sampler(
-            cfg.vocab_size, self.seq_buckets, self.max_model_len, self.tokenizer.stop_token_ids
-        )
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, _Child] = {}  # scheduler request id -> child
         self._deadlines: dict[str, float] = {}  # request id -> time.monotonic() deadline
@@ -139,6 +136,10 @@ class LLMEngine:
 
         before = compilation_count()
         secs = self.runner.precompile(self.builder.example, pairs, progress)
+        self.sampler = Sampler(
+            self.model_config.vocab_size, self.seq_buckets, self.max_model_len,
+            self.tokenizer.stop_token_ids, logits_sharding=self.runner.logits_sharding,
+        )  # fmt: skip
         secs += self.sampler.precompile()
         log.info("precompiled %d executables in %.1f s", compilation_count() - before, secs)
 

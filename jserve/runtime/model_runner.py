@@ -101,6 +101,12 @@ class ModelRunner:
                 progress(i + 1, len(pairs), time.perf_counter() - t0)
         return time.perf_counter() - t0
 
+    @property
+    def logits_sharding(self) -> jax.sharding.Sharding:
+        """How the compiled steps lay out their logits (the sampler must expect the same)."""
+        exe = next(iter(self._executables.values()))
+        return exe.output_shardings[0]
+
     def run(self, inputs: StepInputs) -> jax.Array:
         """Run one step; returns logits [S, V] (on device) and keeps the new KV pool."""
         exe = self._executables.get((inputs.num_tokens, inputs.max_seqs))

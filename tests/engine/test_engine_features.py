@@ -1,0 +1,143 @@
+"""Engine behaviour on the real model: caching, seeds, stop strings, n, logprobs, no compiles."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from jserve.runtime.compilation import forbid_compilation
+from jserve.sampling_params import SamplingParams
+from tests.engine.conftest import assert_no_blocks_held, make_engine, run_to_completion
+
+ROOMY = dict(max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=400, max_model_len=512)
+SYSTEM = (
+    "You are a helpful assistant for a bakery. You answer questions about bread, cakes and "
+    "opening hours politely and briefly. The bakery opens at seven and closes at six. "
+)
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    engine = make_engine(default_model, **ROOMY)
+    yield engine
+    assert_no_blocks_held(engine)
+
+
+@pytest.fixture(autouse=True)
+def _pool_is_free_after_each_test(engine):
+    yield
+    assert_no_blocks_held(engine)
+
+
+def _generate(engine, prompts, params, prefix="r") -> list:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"{prefix}{i}", p, params)
+    final = run_to_completion(engine)
+    return [final[f"{prefix}{i}"] for i in range(len(prompts))]
+
+
+def test_prefix_caching_on_and_off_give_identical_tokens(default_model, engine):
+    prompts = [SYSTEM + q for q in ("When do you open?", "Do you sell rye bread?", "Cake?")]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    cached = _generate(engine, prompts[:1], greedy, "on")  # fills the cache
+    before = engine.stats()
+    cached += _generate(engine, prompts[1:], greedy, "on+")
+    after = engine.stats()
+    assert after.prefix_cache_hits > before.prefix_cache_hits  # the shared system prompt hit
+    uncached_engine = make_engine(default_model, **ROOMY, enable_prefix_caching=False)
+    uncached = _generate(uncached_engine, prompts, greedy, "off")
+    assert uncached_engine.stats().prefix_cache_hits == 0
+    assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]
+
+
+def test_seeded_sampling_is_batch_invariant(engine):
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234, max_tokens=16)
+    alone = _generate(engine, ["Tell me a story about a dragon."], params, "alone")[0]
+    others = SamplingParams(temperature=1.0, max_tokens=16)
+    engine.add_request("noise0", "The weather today", others)
+    engine.add_request("noise1", "def main():", others)
+    together = _generate(engine, ["Tell me a story about a dragon."], params, "batch")[0]
+    assert alone.outputs[0].token_ids == together.outputs[0].token_ids
+    unseeded = [
+        _generate(
+            engine, ["Tell me a story about a dragon."], SamplingParams(max_tokens=16), f"u{i}"
+        )
+        for i in range(2)
+    ]
+    assert unseeded[0][0].outputs[0].token_ids != unseeded[1][0].outputs[0].token_ids
+
+
+def test_stop_string_cuts_text_and_stream_deltas_concatenate(engine):
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = _generate(engine, ["Count: 1, 2, 3,"], greedy, "full")[0].outputs[0].text
+    assert " 5," in full
+    stop = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[" 5,"])
+    engine.add_request("s", "Count: 1, 2, 3,", stop)
+    streamed, previous = [], ""
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            assert text.startswith(previous)  # cumulative text only grows
+            streamed.append(text[len(previous) :])
+            previous = text
+    result = out.outputs[0]
+    assert result.text == full[: full.index(" 5,")]
+    assert "".join(streamed) == result.text
+    assert result.finish_reason == "stop" and result.stop_reason == " 5,"
+
+
+def test_n_samples_share_the_prompt(engine):
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
+    out = _generate(engine, [SYSTEM + "Say something."], params, "n")[0]
+    assert [o.index for o in out.outputs] == [0, 1, 2]
+    assert all(len(o.token_ids) == 8 for o in out.outputs)
+    assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # distinct samples
+
+
+def test_greedy_logprobs_match_transformers(engine, hf_default_model):
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=5, ignore_eos=True)
+    out = _generate(engine, ["The capital of France is"], params, "lp")[0].outputs[0]
+    ids = engine.tokenizer.encode("The capital of France is") + out.token_ids
+    with torch.no_grad():
+        logits = hf_default_model(torch.tensor([ids])).logits[0].double()
+    ref = torch.log_softmax(logits, -1).numpy()
+    n_prompt = len(ids) - len(out.token_ids)
+    for i, (token, entry) in enumerate(zip(out.token_ids, out.logprobs, strict=True)):
+        row = ref[n_prompt - 1 + i]
+        assert token in entry and len(entry) == 5  # sampled (greedy = top 1) plus top 5
+        for tid, lp in entry.items():
+            assert abs(lp.logprob - row[tid]) < 1e-3
+        top5 = np.argsort(-row)[:5]
+        assert list(entry)[:5] == top5.tolist() or set(entry) == set(top5.tolist())
+
+
+def test_abort_and_timeout_free_blocks(engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    engine.add_request("a", "Once upon a time", params)
+    engine.add_request("t", "Once upon a time", params, deadline=0.0)  # already past
+    for _ in range(3):
+        engine.step()
+    out = engine.abort_request("a")
+    assert out.finished and out.outputs[0].finish_reason == "abort"
+    final = run_to_completion(engine)
+    assert engine.abort_request("a") is None
+    assert "t" not in final or final["t"].outputs[0].finish_reason == "timeout"
+
+
+def test_64_requests_after_warmup_compile_nothing(engine):
+    rng = np.random.default_rng(0)
+    words = "bread cake oven flour sugar salt water yeast butter egg milk honey".split()
+    with forbid_compilation():
+        for i in range(64):
+            prompt = " ".join(rng.choice(words, size=int(rng.integers(1, 120))))
+            params = SamplingParams(
+                temperature=float(rng.choice([0.0, 0.8])),
+                max_tokens=int(rng.integers(1, 24)),
+                logprobs=int(rng.choice([0, 3])) if i % 3 == 0 else None,
+                presence_penalty=0.5 if i % 5 == 0 else 0.0,
+                ignore_eos=True,
+            )
+            engine.add_request(f"c{i}", prompt, params)
+        final = run_to_completion(engine)
+    assert len(final) == 64
