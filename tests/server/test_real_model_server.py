@@ -1,0 +1,219 @@
+"""A real `jserve serve` process on the default model, driven as users drive it.
+
+One server for the module (start-up precompiles every bucket; the XLA cache makes it seconds
+after the first run). The last test stops it with SIGTERM mid-stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import openai
+import pytest
+from server_harness import metric, metric_sum
+
+from jserve.sampling_params import SamplingParams
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+ENGINE_FLAGS = {"max_num_seqs": 32, "max_num_batched_tokens": 256, "max_model_len": 1024}
+
+
+@pytest.fixture(scope="module")
+def server(default_model):  # default_model fills the conversion cache first
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jserve.cli", "serve", "--port", "0", "--shutdown-timeout", "30",
+         *flags],
+        cwd=REPO_ROOT, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
+    )  # fmt: skip
+    url = None
+    deadline = time.monotonic() + 600
+    while url is None:
+        line = proc.stderr.readline()
+        assert line and time.monotonic() < deadline, f"server exited (rc {proc.poll()})"
+        found = re.search(r"listening on (http://\S+)", line)
+        url = found.group(1) if found else None
+    while True:  # /health says "starting" until the engine has precompiled
+        line = proc.stderr.readline()
+        assert line and time.monotonic() < deadline, f"server exited (rc {proc.poll()})"
+        if "engine ready" in line:
+            break
+    yield proc, url
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused")
+
+
+@pytest.fixture(scope="module")
+def offline(default_model):
+    """The same engine settings in-process: the server must give LLM.generate's greedy text."""
+    from jserve.engine import LLMEngine
+    from jserve.engine_args import EngineArgs
+
+    return LLMEngine(EngineArgs(**ENGINE_FLAGS), loaded=default_model)
+
+
+def _offline_text(engine, prompt, params: SamplingParams) -> list[str]:
+    engine.add_request("x", prompt, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                return [o.text for o in out.outputs]
+    raise AssertionError("no output")
+
+
+def _metrics(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(f"{url}/metrics") as response:
+        return response.read().decode()
+
+
+def test_completions_greedy_match_offline_api(client, offline):
+    model = client.models.list().data[0].id
+    prompt = "The capital of France is"
+    params = dict(max_tokens=16, temperature=0.0)
+    full = client.completions.create(model=model, prompt=prompt, **params)
+    expected = _offline_text(offline, prompt, SamplingParams(**params))[0]
+    assert full.choices[0].text == expected
+    assert full.usage.completion_tokens == 16 or full.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=model, prompt=prompt, stream=True, **params)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
+def test_chat_greedy_match_offline_api(client, offline):
+    model = client.models.list().data[0].id
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    reply = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=24, temperature=0
+    )
+    tok = offline.tokenizer
+    ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
+    expected = _offline_text(
+        offline, {"prompt_token_ids": ids}, SamplingParams(max_tokens=24, temperature=0)
+    )[0]
+    assert reply.choices[0].message.content == expected
+    assert "Paris" in expected
+    stream = client.chat.completions.create(
+        model=model, messages=messages, max_tokens=24, temperature=0, stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
+
+
+def test_n_logprobs_and_stop_strings(client):
+    model = client.models.list().data[0].id
+    two = client.completions.create(
+        model=model, prompt="Once upon a time", max_tokens=8, n=2, seed=3, temperature=1.0
+    )
+    assert sorted(c.index for c in two.choices) == [0, 1]
+    lp = client.completions.create(
+        model=model, prompt="The capital of France is", max_tokens=5, temperature=0, logprobs=3
+    )
+    logprobs = lp.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == 5
+    assert all(len(top) >= 3 for top in logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    stopped = client.completions.create(
+        model=model, prompt="Count: 1, 2, 3,", max_tokens=30, temperature=0, stop=[" 6"]
+    )
+    assert stopped.choices[0].finish_reason == "stop"
+    assert " 6" not in stopped.choices[0].text and " 5" in stopped.choices[0].text
+
+
+async def _stream(session, url, prompt, max_tokens, read_events=None) -> tuple[str, dict | None]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    text, usage, events = "", None, 0
+    async with session.post(f"{url}/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+        async for raw in response.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: ") :])
+            usage = event.get("usage") or usage
+            text += "".join(c["text"] for c in event["choices"])
+            events += 1
+            if read_events is not None and events >= read_events:
+                return text, None  # leave mid-stream: the connection closes
+    return text, usage
+
+
+def test_32_concurrent_streams_and_metrics_add_up(server, offline):
+    url = server[1]
+    prompts = [f"Item {i}: the best thing about number {i} is" for i in range(32)]
+    before = _metrics(url)
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            return await asyncio.gather(*(_stream(session, url, p, 12) for p in prompts))
+
+    results = asyncio.run(main())
+    after = _metrics(url)
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    for prompt, (text, usage) in zip(prompts, results, strict=True):
+        assert usage["completion_tokens"] == 12
+        assert text == _offline_text(offline, prompt, greedy)[0]
+    gained = metric_sum(after, "jserve:request_success_total") - metric_sum(
+        before, "jserve:request_success_total"
+    )
+    assert gained == 32
+    generated = metric(after, "jserve:generation_tokens_total") - metric(
+        before, "jserve:generation_tokens_total"
+    )
+    assert generated == sum(u["completion_tokens"] for _, u in results)
+
+
+def test_disconnected_clients_free_kv_within_a_second(server):
+    url = server[1]
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            await asyncio.gather(
+                *(_stream(session, url, f"Story {i}:", 500, read_events=2) for i in range(8))
+            )
+        gone = time.monotonic()
+        while time.monotonic() - gone < 1.0:
+            text = _metrics(url)
+            if metric(text, "jserve:num_requests_running") == 0 and (
+                metric(text, "jserve:kv_cache_usage_perc") == 0
+            ):
+                return time.monotonic() - gone
+            await asyncio.sleep(0.02)
+        raise AssertionError(f"KV still in use 1 s after the clients left:\n{text}")
+
+    asyncio.run(main())
+
+    async def again():
+        async with aiohttp.ClientSession() as session:
+            return await _stream(session, url, "Still serving?", 4)
+
+    assert asyncio.run(again())[1]["completion_tokens"] == 4
+
+
+def test_sigterm_mid_stream_completes_it_and_exits_0(server):
+    proc, url = server
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            task = asyncio.create_task(_stream(session, url, "A long tale:", 40))
+            await asyncio.sleep(1.0)  # the stream is under way
+            proc.send_signal(signal.SIGTERM)
+            return await task
+
+    text, usage = asyncio.run(main())
+    assert usage["completion_tokens"] == 40 and text
+    assert proc.wait(timeout=60) == 0
