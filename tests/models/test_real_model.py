@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from jserve.runtime.dense_generate import generate_dense, last_token_logits
+from tests.models.dense_generate import generate_dense, last_token_logits
 
 LOGIT_TOL = 1e-3
 GREEDY_TOKENS = 32
