@@ -7,10 +7,9 @@ greedy continuation of that prompt alone.
 
 from __future__ import annotations
 
-import torch
-
 from jserve.sampling_params import SamplingParams
 from tests.engine.conftest import assert_no_blocks_held, run_to_completion
+from tests.hf_oracle import hf_greedy
 
 NUM_TOKENS = 32
 PARAGRAPH = (
@@ -59,15 +58,7 @@ def test_batched_greedy_matches_transformers(tight_engine, hf_default_model):
     final = run_to_completion(engine)
     assert engine.scheduler.stats().num_preemptions > preemptions_before  # the pool was tight
     for i, ids in enumerate(prompts):
-        with torch.no_grad():
-            expected = hf_default_model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NUM_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(ids) :].tolist()
+        expected = hf_greedy(hf_default_model, ids, NUM_TOKENS)
         got = final[f"g{i}"].outputs[0].token_ids
         assert got == expected, f"prompt {i} ({len(ids)} tokens)"
     assert_no_blocks_held(engine)

