@@ -91,11 +91,13 @@ def run_latency_vs_load(args: argparse.Namespace, out: Path) -> dict:
                        start_timeout=args.start_timeout) as server:  # fmt: skip
 
         async def sweep() -> list[dict]:
-            async with aiohttp.ClientSession() as session:
-                specs, _ = await build_workload(args, session, server.base_url)
             model = await first_model(server.base_url)
             points = []
-            for rate in rates:
+            for i, rate in enumerate(rates):
+                # Fresh prompts per rate: repeats would hit the prefix cache filled by the last.
+                rate_args = argparse.Namespace(**{**vars(args), "seed": args.seed + i})
+                async with aiohttp.ClientSession() as session:
+                    specs, _ = await build_workload(rate_args, session, server.base_url)
                 config = LoadConfig(server.base_url, model, request_rate=rate,
                                     request_timeout=args.request_timeout,
                                     max_duration=args.max_duration, seed=args.seed)  # fmt: skip
