@@ -45,6 +45,9 @@ TABLE_ROWS = [
     ("ITL p99 (ms)", "itl_ms", "p99", False),
     ("E2E p50 (ms)", "e2e_ms", "p50", False),
     ("E2E p99 (ms)", "e2e_ms", "p99", False),
+    ("engine steps", "engine_steps", None, False),
+    ("tokens per step", "tokens_per_step", None, True),
+    ("wall ms per step", "wall_ms_per_step", None, False),
 ]
 
 
@@ -64,7 +67,9 @@ def ratio_table(preset: Preset, reports: dict[str, dict]) -> tuple[str, list[dic
             values = []
             for report in (a, b):
                 summary = report["groups"][group] if group else report["summary"]
-                values.append(summary[key][stat] if stat else summary[key])
+                values.append(summary[key][stat] if stat else summary.get(key))
+            if values == [None, None]:  # e.g. server-side step counts of a group
+                continue
             rows.append({"metric": prefix + label, "a": values[0], "b": values[1],
                          "gain": gain(values[0], values[1], higher)})  # fmt: skip
     width = max(len(r["metric"]) for r in rows) + 2

@@ -26,6 +26,7 @@ from pathlib import Path
 import aiohttp
 from serve_client import LoadConfig, RequestRecord, run_load
 from serve_metrics import format_summary, plot_run, summarize, summarize_by_group
+from server_stats import run_stats, scrape
 from workloads import RequestSpec, add_workload_arguments, build_workload, workload_digest
 
 SMOKE_ARGS = {
@@ -83,14 +84,19 @@ async def benchmark(
 ) -> tuple[dict, list[RequestRecord], float]:
     """Run the load; returns the report (config, summary, per-group summaries, per-request
     rows), the records and the duration."""
-    load_before = os.getloadavg()
+    load_before, metrics_before = os.getloadavg(), await scrape(config.base_url)
     records, duration = await run_load(config, specs, show_progress=show_progress)
+    server = run_stats(metrics_before, await scrape(config.base_url), duration)
     slo = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms}
+    summary = summarize(records, duration, **slo)
+    summary.update({k: server.get(k) for k in ("engine_steps", "tokens_per_step",
+                                               "wall_ms_per_step")})  # fmt: skip
     report = {
         "config": asdict(config),
         # Other processes on the machine skew every figure: keep the evidence with the result.
         "loadavg_1min": {"before": load_before[0], "after": os.getloadavg()[0]},
-        "summary": summarize(records, duration, **slo),
+        "server_metrics_deltas": server["deltas"],
+        "summary": summary,
         "groups": summarize_by_group(records, duration, **slo),
         "requests": [record_row(r) for r in records],
     }

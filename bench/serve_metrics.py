@@ -100,6 +100,10 @@ def format_summary(summary: dict, title: str) -> str:
     if summary["slo_ttft_ms"] is not None or summary["slo_tpot_ms"] is not None:
         slo = f"TTFT<={summary['slo_ttft_ms']} ms, TPOT<={summary['slo_tpot_ms']} ms"
         row(f"Goodput (req/s, {slo})", f"{summary['goodput']:.3f}")
+    if summary.get("engine_steps"):
+        row("Engine steps (server /metrics)", summary["engine_steps"])
+        row("Tokens per step / wall ms per step",
+            f"{summary['tokens_per_step']:.1f} / {summary['wall_ms_per_step']:.1f}")  # fmt: skip
     lines.append(f"{'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         stats = summary[key]

@@ -9,6 +9,7 @@ from load_curve import find_knee, parse_rates
 from serve import to_json
 from serve_client import RequestRecord, send_times
 from serve_metrics import summarize
+from server_stats import parse_cumulative, run_stats
 from workloads import LengthDist, RequestSpec
 
 
@@ -90,3 +91,29 @@ def test_rates_and_gain_and_strict_json():
     assert (
         to_json({"rate": float("inf"), "x": [1.5]}) == '{\n "rate": "inf",\n "x": [\n  1.5\n ]\n}\n'
     )
+
+
+def test_server_stats_from_prometheus_text():
+    before = parse_cumulative(
+        "# HELP vllm:iteration_tokens_total Tokens per step.\n"
+        'vllm:iteration_tokens_total_count{engine="0",model_name="m"} 10.0\n'
+        'vllm:iteration_tokens_total_sum{engine="0",model_name="m"} 100.0\n'
+        'vllm:iteration_tokens_total_bucket{engine="0",le="1.0"} 3.0\n'
+        'vllm:request_success_total{finished_reason="length"} 2.0\n'
+        'vllm:request_success_total{finished_reason="stop"} 1.0\n'
+        "vllm:num_requests_running 4.0\n"
+        "python_gc_objects_collected_total 99.0\n"
+    )
+    assert before == {
+        "vllm:iteration_tokens_total_count": 10.0,
+        "vllm:iteration_tokens_total_sum": 100.0,
+        "vllm:request_success_total": 3.0,
+    }
+    after = {**before, "vllm:iteration_tokens_total_count": 50.0,
+             "vllm:iteration_tokens_total_sum": 900.0}  # fmt: skip
+    stats = run_stats(before, after, duration=2.0)
+    assert stats["engine_steps"] == 40 and stats["tokens_per_step"] == 20.0
+    assert stats["wall_ms_per_step"] == 50.0
+    assert stats["deltas"] == {"vllm:iteration_tokens_total_count": 40.0,
+                               "vllm:iteration_tokens_total_sum": 800.0}  # fmt: skip
+    assert "engine_steps" not in run_stats({}, {}, 1.0)
