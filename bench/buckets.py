@@ -1,0 +1,318 @@
+"""What each precompiled bucket costs, and how much of a workload's compute is padding.
+
+For every (token bucket T, sequence bucket S) the engine precompiles:
+- compile time: XLA's backend compile of the model step, cold (a fresh compilation cache
+  directory unless --compilation-cache-dir is given);
+- median `ModelRunner.run` time after warm-up, and real tokens/s, on three kinds of inputs:
+  decode (min(S, T) sequences, one token each, at context C), prefill (one sequence, T tokens
+  from position 0) and mixed (S - 1 decodes at context C plus one prefill chunk filling T).
+Then bench/offline.py's workload runs through the engine, recording each step's bucket and real
+tokens: padding share = sum(T - real tokens) / sum(T), and each bucket's share of the run's time.
+
+    python bench/buckets.py                        # default engine settings
+    python bench/buckets.py --max-num-seqs 16      # any engine flag
+    python bench/buckets.py --smoke --out /tmp/b   # tiny, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from array import array
+from collections import defaultdict
+from pathlib import Path
+
+import jax
+import numpy as np
+import offline
+from jax import monitoring
+
+from jserve.core.block_manager import SINK_BLOCK_ID
+from jserve.core.plan import ScheduledSeq, StepPlan
+from jserve.engine import LLMEngine
+from jserve.engine_args import add_engine_arguments, engine_args_from_namespace
+from jserve.loaders.model_source import load_model
+from jserve.runtime.compilation import forbid_compilation
+from jserve.runtime.step_inputs import StepInputBuilder, StepInputs
+
+KINDS = ("decode", "prefill", "mixed")
+SMOKE = {
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+    "max_model_len": 128,
+    "num_kv_blocks": 64,
+    "context": 16,
+    "warmup": 1,
+    "reps": 2,
+}
+MODEL_STEP = "jit(_model_step)"  # the runner's jitted step, as JAX's compile events name it
+
+
+class ModelStepCompiles:
+    """Backend compile seconds of each model-step executable, in compile order."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        monitoring.register_event_duration_secs_listener(self._on_event)
+
+    def _on_event(self, event: str, duration: float, **kwargs: object) -> None:
+        is_backend_compile = event == "/jax/core/compile/backend_compile_duration"
+        if is_backend_compile and kwargs.get("fun_name") == MODEL_STEP:
+            self.seconds.append(duration)
+
+
+def step_kind(num_decodes: int, num_seqs: int) -> str:
+    return "decode" if num_decodes == num_seqs else "prefill" if num_decodes == 0 else "mixed"
+
+
+def representative_inputs(engine: LLMEngine, kind: str, t: int, s: int, context: int):
+    """Inputs of bucket (t, s) filled as `kind` (see the module docstring), and real tokens."""
+    if kind == "decode":
+        chunks = [(context, 1)] * min(s, t)
+    elif kind == "prefill":
+        chunks = [(0, t)]
+    else:
+        num_decodes = min(s - 1, t - 1)
+        chunks = [(context, 1)] * num_decodes + [(0, t - num_decodes)]
+    block_size = engine.args.block_size
+    usable = [b for b in range(engine.scheduler.block_manager.num_blocks) if b != SINK_BLOCK_ID]
+    seqs, next_block = [], 0
+    for i, (start, n) in enumerate(chunks):
+        num_blocks = math.ceil((start + n) / block_size)
+        blocks = [usable[(next_block + j) % len(usable)] for j in range(num_blocks)]
+        next_block += num_blocks
+        tokens = array("q", range(1000 + i, 1000 + i + n))
+        seqs.append(ScheduledSeq(f"seq{i}", start, tokens, blocks, sample=True))
+    num_tokens = sum(n for _, n in chunks)
+    plan = StepPlan(
+        seqs=seqs,
+        num_decodes=sum(n == 1 and start > 0 for start, n in chunks),
+        num_batched_tokens=num_tokens,
+    )
+    # A builder whose only buckets are (t, s) pads to exactly this pair.
+    max_blocks = math.ceil(engine.max_model_len / block_size)
+    return StepInputBuilder((t,), (s,), block_size, max_blocks).build(plan), num_tokens
+
+
+def median_step_seconds(engine: LLMEngine, inputs: StepInputs, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        jax.block_until_ready(engine.runner.run(inputs))
+    times = []
+    with forbid_compilation():
+        for _ in range(reps):
+            start = time.perf_counter()
+            jax.block_until_ready(engine.runner.run(inputs))
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bucket_table(engine: LLMEngine, compiles: list[float], args) -> list[dict]:
+    rows = []
+    for (t, s), compile_s in zip(engine.bucket_pairs(), compiles, strict=True):
+        print(f"timing bucket T={t} S={s} ...", file=sys.stderr, flush=True)
+        row = {"T": t, "S": s, "compile_s": compile_s}
+        for kind in KINDS:
+            inputs, real = representative_inputs(engine, kind, t, s, args.context)
+            seconds = median_step_seconds(engine, inputs, args.warmup, args.reps)
+            row[kind] = {"tokens": real, "step_ms": 1e3 * seconds, "tok_per_s": real / seconds}
+        rows.append(row)
+    return rows
+
+
+class StepLog:
+    """Wraps the engine's input builder to record each step's bucket and real contents."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self._build = engine.builder.build
+        engine.builder.build = self  # the instance attribute shadows the method
+        self.steps: list[dict] = []
+
+    def __call__(self, plan: StepPlan) -> StepInputs:
+        inputs = self._build(plan)
+        self.steps.append(
+            {
+                "T": inputs.num_tokens,
+                "S": inputs.max_seqs,
+                "tokens": plan.num_batched_tokens,
+                "seqs": len(plan.seqs),
+                "kind": step_kind(plan.num_decodes, len(plan.seqs)),
+            }
+        )
+        return inputs
+
+
+def workload_padding(engine: LLMEngine, args, rows: list[dict]) -> dict:
+    """Run bench/offline.py's workload; padding shares and where the step time went."""
+    preset = offline.SMOKE if args.smoke else offline.FULL
+    pool = offline.text_token_pool(engine.tokenizer)
+    workload = offline.make_workload(
+        pool, args.num_requests, preset["prompt_len"], preset["output_len"], args.seed
+    )
+    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, offline.greedy(out_len))
+    log = StepLog(engine)
+    print(f"running {args.num_requests} requests ...", file=sys.stderr, flush=True)
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        log.steps[-1]["wall_s"] = time.perf_counter() - start
+    steps = log.steps
+    runner_ms = {(r["T"], r["S"], kind): r[kind]["step_ms"] for r in rows for kind in KINDS}
+    by_bucket = defaultdict(lambda: {"steps": 0, "computed": 0, "real": 0, "wall_s": 0.0})
+    for step in steps:
+        b = by_bucket[(step["T"], step["S"])]
+        b["steps"] += 1
+        b["computed"] += step["T"]
+        b["real"] += step["tokens"]
+        b["wall_s"] += step["wall_s"]
+    total_wall = sum(step["wall_s"] for step in steps)
+    computed = sum(step["T"] for step in steps)
+    return {
+        "num_requests": args.num_requests,
+        "prompt_tokens": sum(map(len, workload.prompts)),
+        "output_tokens": sum(workload.output_lens),
+        "steps": len(steps),
+        "wall_s": total_wall,
+        "computed_tokens": computed,
+        "real_tokens": sum(step["tokens"] for step in steps),
+        "padding_share": sum(step["T"] - step["tokens"] for step in steps) / computed,
+        "seq_padding_share": sum(s["S"] - s["seqs"] for s in steps) / sum(s["S"] for s in steps),
+        "steps_by_kind": {k: sum(s["kind"] == k for s in steps) for k in KINDS},
+        # What the runner alone would take (table medians), against the measured engine steps.
+        "estimated_runner_s": sum(runner_ms[(s["T"], s["S"], s["kind"])] for s in steps) / 1e3,
+        "by_bucket": [
+            {
+                "T": t,
+                "S": s,
+                **b,
+                "padding_share": 1 - b["real"] / b["computed"],
+                "time_share": b["wall_s"] / total_wall,
+            }
+            for (t, s), b in sorted(by_bucket.items())
+        ],
+    }
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "| T | S | compile s | decode ms (tok/s) | prefill ms (tok/s) | mixed ms (tok/s) "
+        "| workload steps | workload time share |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    usage = {(b["T"], b["S"]): b for b in report["workload"]["by_bucket"]}
+    for row in report["buckets"]:
+        cells = " | ".join(f"{row[k]['step_ms']:.1f} ({row[k]['tok_per_s']:.0f})" for k in KINDS)
+        b = usage.get((row["T"], row["S"]), {"steps": 0, "time_share": 0.0})
+        lines.append(
+            f"| {row['T']} | {row['S']} | {row['compile_s']:.2f} | {cells} | {b['steps']} "
+            f"| {100 * b['time_share']:.1f}% |"
+        )
+    w, c = report["workload"], report["compile"]
+    compile_total = sum(r["compile_s"] for r in report["buckets"])
+    lines += [
+        "",
+        f"Cold compile of {len(report['buckets'])} model steps: {compile_total:.1f} s (backend "
+        f"compile); engine start-up {c['engine_startup_s']:.1f} s; fresh XLA cache: "
+        f"{c['fresh_cache']}.",
+        f"Workload: {w['num_requests']} requests, {w['steps']} steps {w['steps_by_kind']}, "
+        f"{w['wall_s']:.1f} s. Padding: {100 * w['padding_share']:.1f}% of computed tokens "
+        f"({w['computed_tokens']} computed, {w['real_tokens']} real), "
+        f"{100 * w['seq_padding_share']:.1f}% of sequence slots. Runner time estimated from the "
+        f"table: {w['estimated_runner_s']:.1f} s of {w['wall_s']:.1f} s of engine steps.",
+    ]
+    return "\n".join(lines)
+
+
+def heatmap(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import LogNorm
+
+    rows = report["buckets"]
+    ts, ss = sorted({r["T"] for r in rows}), sorted({r["S"] for r in rows})
+    all_ms = [r[kind]["step_ms"] for r in rows for kind in KINDS]
+    norm = LogNorm(min(all_ms), max(all_ms) * 1.001)  # one scale for every panel
+    fig, axes = plt.subplots(
+        1, len(KINDS), figsize=(4 * len(KINDS) + 1, 0.45 * len(ts) + 2), layout="constrained"
+    )
+    for ax, kind in zip(axes, KINDS, strict=True):
+        grid = np.full((len(ts), len(ss)), np.nan)
+        for r in rows:
+            grid[ts.index(r["T"]), ss.index(r["S"])] = r[kind]["step_ms"]
+        image = ax.imshow(grid, cmap="viridis", norm=norm, aspect="auto", origin="lower")
+        for (i, j), ms in np.ndenumerate(grid):
+            if not np.isnan(ms):
+                color = "black" if norm(ms) > 0.6 else "white"
+                ax.text(j, i, f"{ms:.0f}", ha="center", va="center", color=color, fontsize=8)
+        ax.set_title(f"{kind} (median ms per step)")
+        ax.set_xlabel("sequence bucket S")
+        ax.set_ylabel("token bucket T")
+        ax.set_xticks(range(len(ss)), [str(s) for s in ss])
+        ax.set_yticks(range(len(ts)), [str(t) for t in ts])
+    fig.colorbar(image, ax=axes, label="ms per step", fraction=0.02)
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_arguments(parser)
+    parser.add_argument("--context", type=int, default=256, help="decode context C")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed runs per input")
+    parser.add_argument("--reps", type=int, default=5, help="timed runs per input (median)")
+    parser.add_argument("--num-requests", type=int, help="workload size (default 64, smoke 8)")
+    parser.add_argument(
+        "--out", default="bench/results/buckets_cpu", help="writes OUT.json, OUT.md and OUT.png"
+    )
+    parser.add_argument("--smoke", action="store_true", help="tiny buckets and workload, for CI")
+    if parser.parse_known_args(argv)[0].smoke:
+        parser.set_defaults(**SMOKE)
+    args = parser.parse_args(argv)
+    if args.num_requests is None:
+        args.num_requests = offline.SMOKE["num_requests"] if args.smoke else 64
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    load_before = os.getloadavg()[0]
+    temporary = args.compilation_cache_dir is None
+    if temporary:
+        args.compilation_cache_dir = tempfile.mkdtemp(prefix="jserve-xla-")
+    cache_dir = Path(args.compilation_cache_dir)
+    fresh = not cache_dir.exists() or not any(cache_dir.iterdir())
+    compiles = ModelStepCompiles()
+    loaded = load_model(args.model)
+    start = time.perf_counter()
+    engine = LLMEngine(engine_args_from_namespace(args), loaded=loaded)
+    startup = time.perf_counter() - start
+    if temporary:
+        shutil.rmtree(cache_dir, ignore_errors=True)
+    rows = bucket_table(engine, compiles.seconds, args)
+    report = {
+        "config": {k: v for k, v in vars(args).items() if k != "compilation_cache_dir"},
+        "compile": {"fresh_cache": fresh, "engine_startup_s": startup},
+        "buckets": rows,
+        "workload": workload_padding(engine, args, rows),
+        "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]},
+    }
+    table = markdown(report)
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
+    out.with_suffix(".md").write_text(table + "\n")
+    heatmap(report, out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
