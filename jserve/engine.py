@@ -18,7 +18,6 @@ import time
 from dataclasses import dataclass
 
 import jax
-import numpy as np
 
 from jserve.config import CacheConfig, SchedulerConfig
 from jserve.core.buckets import make_seq_buckets, make_token_buckets
@@ -184,7 +183,13 @@ class LLMEngine:
                 stop_token_ids=stop_ids, arrival_time=arrival, lane=lane, deadline=deadline,
                 group_id=request_id if params.n > 1 else None,
             )  # fmt: skip
-            self.scheduler.add_request(req)  # raises RequestRejected
+            try:
+                self.scheduler.add_request(req)
+            except RequestRejected:
+                for added in children:  # all samples or none
+                    self.scheduler.abort(added)
+                    self._children.pop(added)
+                raise
             children.append(child_id)
             self._children[child_id] = _Child(state, i, (base_seed + 7919 * i) & 0x7FFFFFFF)
         self._states[request_id] = state
@@ -313,7 +318,3 @@ class LLMEngine:
             compilations=compilation_count(),
             iteration_tokens=iteration_tokens,
         )
-
-
-def to_numpy(x: jax.Array) -> np.ndarray:
-    return np.asarray(jax.device_get(x))

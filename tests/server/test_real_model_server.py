@@ -164,9 +164,14 @@ def test_32_concurrent_streams_and_metrics_add_up(server, offline):
     results = asyncio.run(main())
     after = _metrics(url)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    for prompt, (text, usage) in zip(prompts, results, strict=True):
+    for i, prompt in enumerate(prompts):
+        offline.add_request(f"c{i}", prompt, greedy)
+    expected = {}
+    while offline.has_unfinished_requests():
+        expected |= {o.request_id: o.outputs[0].text for o in offline.step() if o.finished}
+    for i, (text, usage) in enumerate(results):
         assert usage["completion_tokens"] == 12
-        assert text == _offline_text(offline, prompt, greedy)[0]
+        assert text == expected[f"c{i}"]
     gained = metric_sum(after, "jserve:request_success_total") - metric_sum(
         before, "jserve:request_success_total"
     )
@@ -202,6 +207,39 @@ def test_disconnected_clients_free_kv_within_a_second(server):
             return await _stream(session, url, "Still serving?", 4)
 
     assert asyncio.run(again())[1]["completion_tokens"] == 4
+
+
+BAD_INPUTS = [
+    ("malformed JSON", b"{not json", 400, "invalid_request_error"),
+    ("temperature out of range", {"prompt": "hi", "temperature": -1}, 400, None),
+    ("prompt too long", {"prompt": [7] * 1020, "max_tokens": 100}, 400, None),
+    ("unknown model", {"prompt": "hi", "model": "gpt-unknown"}, 404, None),
+    ("wrong type", {"prompt": "hi", "max_tokens": "ten"}, 400, None),
+]
+
+
+def test_bad_inputs_get_openai_errors_and_the_server_stays_healthy(server):
+    import urllib.error
+    import urllib.request
+
+    url = server[1]
+    for name, body, status, error_type in BAD_INPUTS:
+        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+        request = urllib.request.Request(
+            f"{url}/v1/completions", data=data, headers={"Content-Type": "application/json"}
+        )
+        try:
+            urllib.request.urlopen(request)
+            raise AssertionError(f"{name}: accepted")
+        except urllib.error.HTTPError as e:
+            assert e.code == status, name
+            error = json.loads(e.read())["error"]
+            assert error["message"], name
+            assert error_type is None or error["type"] == error_type, (name, error)
+            if name == "prompt too long":
+                assert "1020" in error["message"] and "1024" in error["message"], error
+    with urllib.request.urlopen(f"{url}/health") as response:
+        assert response.status == 200
 
 
 def test_sigterm_mid_stream_completes_it_and_exits_0(server):
