@@ -3,11 +3,13 @@
 For every (token bucket T, sequence bucket S) the engine precompiles:
 - compile time: XLA's backend compile of the model step, cold (a fresh compilation cache
   directory unless --compilation-cache-dir is given);
-- median `ModelRunner.run` time after warm-up, and real tokens/s, on three kinds of inputs:
-  decode (min(S, T) sequences, one token each, at context C), prefill (one sequence, T tokens
-  from position 0) and mixed (S - 1 decodes at context C plus one prefill chunk filling T).
-Then bench/offline.py's workload runs through the engine, recording each step's bucket and real
-tokens: padding share = sum(T - real tokens) / sum(T), and each bucket's share of the run's time.
+- median `ModelRunner.run` time after warm-up (wall, and CPU time of this process), and real
+  tokens/s, on three kinds of inputs: decode (min(S, T) sequences, one token each, at context
+  C), prefill (one sequence, T tokens from position 0) and mixed (S - 1 decodes at context C
+  plus one prefill chunk filling T).
+Then bench/offline.py's workload runs through the engine, recording each step's bucket, real
+tokens and runner time: padding share = sum(T - real tokens) / sum(T), each bucket's share of
+the run's time, and how much of the engine's step time the model step itself took.
 
     python bench/buckets.py                        # default engine settings
     python bench/buckets.py --max-num-seqs 16      # any engine flag
@@ -17,6 +19,7 @@ tokens: padding share = sum(T - real tokens) / sum(T), and each bucket's share o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -101,40 +104,64 @@ def representative_inputs(engine: LLMEngine, kind: str, t: int, s: int, context:
     return StepInputBuilder((t,), (s,), block_size, max_blocks).build(plan), num_tokens
 
 
-def median_step_seconds(engine: LLMEngine, inputs: StepInputs, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        jax.block_until_ready(engine.runner.run(inputs))
-    times = []
-    with forbid_compilation():
-        for _ in range(reps):
-            start = time.perf_counter()
-            jax.block_until_ready(engine.runner.run(inputs))
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def bucket_table(engine: LLMEngine, compiles: list[float], args) -> list[dict]:
+    """Median wall and CPU time of every (bucket, kind) cell.
+
+    Cells are timed in rounds (each round runs every cell once), so load from other processes
+    that comes and goes spreads over all cells instead of skewing a few.
+    """
+    pairs = engine.bucket_pairs()
+    if len(compiles) != len(pairs):
+        raise RuntimeError(
+            f"saw {len(compiles)} compile events named {MODEL_STEP!r} for {len(pairs)} buckets: "
+            "has the runner's jitted step been renamed?"
+        )
+    cells = {
+        (t, s, kind): representative_inputs(engine, kind, t, s, args.context)
+        for t, s in pairs
+        for kind in KINDS
+    }
+    wall, cpu = defaultdict(list), defaultdict(list)
+    for round_index in range(args.warmup + args.reps):
+        print(f"round {round_index + 1}/{args.warmup + args.reps}", file=sys.stderr, flush=True)
+        timed = round_index >= args.warmup
+        with forbid_compilation() if timed else contextlib.nullcontext():
+            for key, (inputs, _) in cells.items():
+                start_wall, start_cpu = time.perf_counter(), time.process_time()
+                jax.block_until_ready(engine.runner.run(inputs))
+                if timed:
+                    wall[key].append(time.perf_counter() - start_wall)
+                    cpu[key].append(time.process_time() - start_cpu)
     rows = []
-    for (t, s), compile_s in zip(engine.bucket_pairs(), compiles, strict=True):
-        print(f"timing bucket T={t} S={s} ...", file=sys.stderr, flush=True)
+    for (t, s), compile_s in zip(pairs, compiles, strict=True):
         row = {"T": t, "S": s, "compile_s": compile_s}
         for kind in KINDS:
-            inputs, real = representative_inputs(engine, kind, t, s, args.context)
-            seconds = median_step_seconds(engine, inputs, args.warmup, args.reps)
-            row[kind] = {"tokens": real, "step_ms": 1e3 * seconds, "tok_per_s": real / seconds}
+            real = cells[(t, s, kind)][1]
+            seconds = statistics.median(wall[(t, s, kind)])
+            row[kind] = {
+                "tokens": real,
+                "step_ms": 1e3 * seconds,
+                "cpu_ms": 1e3 * statistics.median(cpu[(t, s, kind)]),
+                "tok_per_s": real / seconds,
+            }
         rows.append(row)
     return rows
 
 
 class StepLog:
-    """Wraps the engine's input builder to record each step's bucket and real contents."""
+    """Wraps the engine's input builder and runner: each step's bucket, contents, runner time.
+
+    The runner's time is taken up to its logits being ready, which adds one sync point per
+    step between the model step and the sampler.
+    """
 
     def __init__(self, engine: LLMEngine) -> None:
-        self._build = engine.builder.build
-        engine.builder.build = self  # the instance attribute shadows the method
+        self._build, self._run = engine.builder.build, engine.runner.run
+        engine.builder.build = self.build  # instance attributes shadow the methods
+        engine.runner.run = self.run
         self.steps: list[dict] = []
 
-    def __call__(self, plan: StepPlan) -> StepInputs:
+    def build(self, plan: StepPlan) -> StepInputs:
         inputs = self._build(plan)
         self.steps.append(
             {
@@ -147,16 +174,21 @@ class StepLog:
         )
         return inputs
 
+    def run(self, inputs: StepInputs) -> jax.Array:
+        start = time.perf_counter()
+        logits = jax.block_until_ready(self._run(inputs))
+        self.steps[-1]["runner_s"] = time.perf_counter() - start
+        return logits
 
-def workload_padding(engine: LLMEngine, args, rows: list[dict]) -> dict:
+
+def workload_padding(engine: LLMEngine, args) -> dict:
     """Run bench/offline.py's workload; padding shares and where the step time went."""
     preset = offline.SMOKE if args.smoke else offline.FULL
     pool = offline.text_token_pool(engine.tokenizer)
     workload = offline.make_workload(
         pool, args.num_requests, preset["prompt_len"], preset["output_len"], args.seed
     )
-    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, offline.greedy(out_len))
+    offline.add_requests(engine, workload)
     log = StepLog(engine)
     print(f"running {args.num_requests} requests ...", file=sys.stderr, flush=True)
     while engine.has_unfinished_requests():
@@ -164,7 +196,6 @@ def workload_padding(engine: LLMEngine, args, rows: list[dict]) -> dict:
         engine.step()
         log.steps[-1]["wall_s"] = time.perf_counter() - start
     steps = log.steps
-    runner_ms = {(r["T"], r["S"], kind): r[kind]["step_ms"] for r in rows for kind in KINDS}
     by_bucket = defaultdict(lambda: {"steps": 0, "computed": 0, "real": 0, "wall_s": 0.0})
     for step in steps:
         b = by_bucket[(step["T"], step["S"])]
@@ -180,13 +211,13 @@ def workload_padding(engine: LLMEngine, args, rows: list[dict]) -> dict:
         "output_tokens": sum(workload.output_lens),
         "steps": len(steps),
         "wall_s": total_wall,
+        "runner_s": sum(step["runner_s"] for step in steps),
         "computed_tokens": computed,
         "real_tokens": sum(step["tokens"] for step in steps),
         "padding_share": sum(step["T"] - step["tokens"] for step in steps) / computed,
         "seq_padding_share": sum(s["S"] - s["seqs"] for s in steps) / sum(s["S"] for s in steps),
         "steps_by_kind": {k: sum(s["kind"] == k for s in steps) for k in KINDS},
-        # What the runner alone would take (table medians), against the measured engine steps.
-        "estimated_runner_s": sum(runner_ms[(s["T"], s["S"], s["kind"])] for s in steps) / 1e3,
+        "wall_s_by_kind": {k: sum(s["wall_s"] for s in steps if s["kind"] == k) for k in KINDS},
         "by_bucket": [
             {
                 "T": t,
@@ -222,10 +253,15 @@ def markdown(report: dict) -> str:
         f"compile); engine start-up {c['engine_startup_s']:.1f} s; fresh XLA cache: "
         f"{c['fresh_cache']}.",
         f"Workload: {w['num_requests']} requests, {w['steps']} steps {w['steps_by_kind']}, "
-        f"{w['wall_s']:.1f} s. Padding: {100 * w['padding_share']:.1f}% of computed tokens "
+        f"{w['wall_s']:.1f} s (by kind: "
+        + ", ".join(f"{k} {v:.1f} s" for k, v in w["wall_s_by_kind"].items())
+        + f"). Padding: {100 * w['padding_share']:.1f}% of computed tokens "
         f"({w['computed_tokens']} computed, {w['real_tokens']} real), "
-        f"{100 * w['seq_padding_share']:.1f}% of sequence slots. Runner time estimated from the "
-        f"table: {w['estimated_runner_s']:.1f} s of {w['wall_s']:.1f} s of engine steps.",
+        f"{100 * w['seq_padding_share']:.1f}% of sequence slots. The runner (model step) took "
+        f"{w['runner_s']:.1f} s of the {w['wall_s']:.1f} s of engine steps; the rest is "
+        "scheduling, input building, sampling and output processing.",
+        f"Load average (1 min) before / after: {report['loadavg_1min']['before']:.1f} / "
+        f"{report['loadavg_1min']['after']:.1f} on {os.cpu_count()} CPUs.",
     ]
     return "\n".join(lines)
 
@@ -302,7 +338,7 @@ def main(argv: list[str] | None = None) -> None:
         "config": {k: v for k, v in vars(args).items() if k != "compilation_cache_dir"},
         "compile": {"fresh_cache": fresh, "engine_startup_s": startup},
         "buckets": rows,
-        "workload": workload_padding(engine, args, rows),
+        "workload": workload_padding(engine, args),
         "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]},
     }
     table = markdown(report)

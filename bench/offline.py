@@ -22,7 +22,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -96,11 +96,16 @@ def greedy(max_tokens: int) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
+def add_requests(engine: LLMEngine, workload: Workload) -> None:
+    """Queue the workload; request ids are the indices "0", "1", ..."""
+    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy(out_len))
+
+
 def run_side_by_side(engines: dict[str, LLMEngine], workload: Workload) -> dict[str, dict]:
     """Run the workload through every engine, alternating steps; per-engine step clocks."""
     for engine in engines.values():
-        for i, (prompt, out_len) in enumerate(zip(*asdict(workload).values(), strict=True)):
-            engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy(out_len))
+        add_requests(engine, workload)
     clocks = {name: {"wall_s": 0.0, "cpu_s": 0.0, "steps": 0} for name in engines}
     lengths: dict[str, dict[str, int]] = {name: {} for name in engines}
     while any(e.has_unfinished_requests() for e in engines.values()):

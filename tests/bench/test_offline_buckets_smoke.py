@@ -71,6 +71,7 @@ def test_buckets_smoke_times_every_bucket_and_counts_padding(tmp_path):
         for kind, tokens in expected_tokens.items():
             assert row[kind]["tokens"] == tokens
             assert row[kind]["tok_per_s"] == pytest.approx(1e3 * tokens / row[kind]["step_ms"])
+            assert row[kind]["cpu_ms"] > 0
 
     w = report["workload"]
     # No preemption or prefix hits at this size: every prompt token and every fed-back output
@@ -81,6 +82,7 @@ def test_buckets_smoke_times_every_bucket_and_counts_padding(tmp_path):
     assert 0 < w["padding_share"] < 1
     assert sum(b["steps"] for b in w["by_bucket"]) == w["steps"] == sum(w["steps_by_kind"].values())
     assert sum(b["time_share"] for b in w["by_bucket"]) == pytest.approx(1)
+    assert 0 < w["runner_s"] < w["wall_s"] == pytest.approx(sum(w["wall_s_by_kind"].values()))
 
     assert "| 16 | 4 |" in prefix.with_suffix(".md").read_text()
     png = prefix.with_suffix(".png")
