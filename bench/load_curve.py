@@ -2,7 +2,8 @@
 
 For each offered rate: achieved requests/s and output tokens/s, p50/p99 TTFT and TPOT. The knee
 is the highest offered rate that still keeps p99 TTFT within `KNEE_FACTOR` times its value at
-the lightest load and the achieved rate within 10% of the offered one; past it, requests queue.
+the lightest load; past it, requests queue. (Achieved req/s is no test of keeping up with a few
+dozen requests: the run's duration includes the last request's own latency.)
 Writes serve_latency_vs_load.json and .png (p99 TTFT and TPOT per rate, knee marked).
 """
 
@@ -24,10 +25,10 @@ KNEE_FACTOR = 2.0
 
 def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("latency-vs-load")
-    group.add_argument("--rates", default="0.25,0.5,1,2,4,inf", help="comma-separated req/s")
+    group.add_argument("--rates", default="0.25,0.5,1,1.5,2,inf", help="comma-separated req/s")
     add_workload_arguments(parser)
-    parser.set_defaults(num_requests=32, prompt_len="lognormal:128:0.6:512",
-                        output_len="lognormal:48:0.6:256")  # fmt: skip
+    # Short, narrow lengths: a long-tailed mix would bury the queueing signal in its noise.
+    parser.set_defaults(num_requests=40, prompt_len="uniform:32:96", output_len="uniform:16:48")
 
 
 def parse_rates(text: str) -> list[float]:
@@ -46,8 +47,7 @@ def find_knee(points: list[dict]) -> float | None:
     base = points[0]["ttft_p99_ms"]
     knee = None
     for p in points:
-        keeps_up = p["rate"] == float("inf") or p["achieved_rps"] >= 0.9 * p["rate"]
-        if p["ttft_p99_ms"] is None or p["ttft_p99_ms"] > KNEE_FACTOR * base or not keeps_up:
+        if base is None or p["ttft_p99_ms"] is None or p["ttft_p99_ms"] > KNEE_FACTOR * base:
             break
         knee = p["rate"]
     return knee
@@ -116,7 +116,7 @@ def run_latency_vs_load(args: argparse.Namespace, out: Path) -> dict:
 
         points = asyncio.run(sweep())
     knee = find_knee(points)
-    rule = f"p99 TTFT within {KNEE_FACTOR:g}x of the lightest load's, achieved >= 90% of offered"
+    rule = f"the highest rate with p99 TTFT within {KNEE_FACTOR:g}x of the lightest load's"
     print(f"knee: {'none, even the lightest load fails' if knee is None else f'{knee:g} req/s'} "
           f"({rule})")  # fmt: skip
     result = {"command": shlex.join(command), "smoke": args.smoke, "startup_s": server.startup_s,

@@ -69,15 +69,14 @@ def test_summary_figures_by_hand():
     assert summarize(records[2:], 1.0)["ttft_ms"]["p99"] is None
 
 
-def test_knee_is_the_last_rate_before_ttft_blows_up_or_arrivals_outrun_service():
-    def point(rate, achieved, ttft):
-        return {"rate": rate, "achieved_rps": achieved, "ttft_p99_ms": ttft}
+def test_knee_is_the_last_rate_before_p99_ttft_doubles():
+    def point(rate, ttft):
+        return {"rate": rate, "achieved_rps": 0.0, "ttft_p99_ms": ttft}
 
-    rising = [point(1, 1.0, 100), point(2, 1.95, 150), point(4, 3.9, 250), point(8, 4.0, 900)]
+    rising = [point(1, 100), point(2, 150), point(4, 250), point(8, 900)]
     assert find_knee(rising) == 2  # 250 > 2 x 100
-    saturated = [point(1, 1.0, 100), point(2, 1.5, 120), point(float("inf"), 3.0, 130)]
-    assert find_knee(saturated) == 1  # 1.5 req/s < 90% of 2
-    assert find_knee([point(float("inf"), 3.0, 100)]) == float("inf")
+    assert find_knee([point(1, 100), point(float("inf"), 190)]) == float("inf")
+    assert find_knee([point(1, None), point(2, 100)]) is None  # nothing finished at 1 req/s
 
 
 def test_rates_and_gain_and_strict_json():
