@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import jax
 
 from jserve.config import CacheConfig, SchedulerConfig
-from jserve.core.buckets import make_seq_buckets, make_token_buckets
+from jserve.core.buckets import make_seq_buckets, make_token_buckets, step_buckets
 from jserve.core.plan import StepPlan
 from jserve.core.request import FinishReason, Request
 from jserve.core.scheduler import Scheduler
@@ -93,7 +93,8 @@ class LLMEngine:
             ),
             CacheConfig(block_size=args.block_size, num_blocks=num_blocks),
         )
-        self.token_buckets = make_token_buckets(args.max_num_batched_tokens)
+        # Token buckets start at 1 so small decode steps do not pay for 16 tokens.
+        self.token_buckets = make_token_buckets(args.max_num_batched_tokens, smallest=1)
         self.seq_buckets = make_seq_buckets(args.max_num_seqs)
         max_blocks_per_seq = math.ceil(self.max_model_len / args.block_size)
         self.builder = StepInputBuilder(
@@ -126,10 +127,7 @@ class LLMEngine:
     # ---- start-up ------------------------------------------------------------------------
 
     def bucket_pairs(self) -> list[tuple[int, int]]:
-        smallest = self.seq_buckets[0]
-        return [
-            (t, s) for t in self.token_buckets for s in self.seq_buckets if s <= max(t, smallest)
-        ]
+        return step_buckets(self.token_buckets, self.seq_buckets)
 
     def precompile(self) -> None:
         """Compile every bucket now, so serving never compiles (see runtime.compilation)."""
@@ -141,7 +139,7 @@ class LLMEngine:
         before = compilation_count()
         secs = self.runner.precompile(self.builder.example, pairs, progress)
         self.sampler = Sampler(
-            self.model_config.vocab_size, self.seq_buckets, self.max_model_len,
+            self.model_config.vocab_size, sorted({s for _, s in pairs}), self.max_model_len,
             self.tokenizer.stop_token_ids, logits_sharding=self.runner.logits_sharding,
         )  # fmt: skip
         secs += self.sampler.precompile()

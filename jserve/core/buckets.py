@@ -41,3 +41,22 @@ def pick_bucket(buckets: Sequence[int], n: int) -> int:
             f"plan more than the budget the buckets were made for"
         )
     return buckets[index]
+
+
+def step_buckets(token_buckets: Sequence[int], seq_buckets: Sequence[int]) -> list[tuple[int, int]]:
+    """Every (tokens, seqs) shape `pick_step_bucket` can return: the set to precompile."""
+    smallest = seq_buckets[0]
+    small = [(t, t) for t in token_buckets if t < smallest]
+    return small + [(t, s) for t in token_buckets if t >= smallest for s in seq_buckets if s <= t]
+
+
+def pick_step_bucket(
+    token_buckets: Sequence[int], seq_buckets: Sequence[int], num_tokens: int, num_seqs: int
+) -> tuple[int, int]:
+    """The padded (tokens, seqs) shape of a step.
+
+    A step smaller than the smallest sequence bucket pads its sequences to its token bucket
+    (it has at most that many), so a lone decode computes one row of logits, not eight.
+    """
+    t = pick_bucket(token_buckets, num_tokens)
+    return (t, t) if t < seq_buckets[0] else (t, pick_bucket(seq_buckets, num_seqs))

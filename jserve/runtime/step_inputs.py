@@ -15,7 +15,7 @@ import jax
 import numpy as np
 
 from jserve.core.block_manager import SINK_BLOCK_ID
-from jserve.core.buckets import pick_bucket
+from jserve.core.buckets import pick_step_bucket
 from jserve.core.plan import StepPlan
 
 
@@ -77,8 +77,7 @@ class StepInputBuilder:
     def build(self, plan: StepPlan) -> StepInputs:
         n_seqs = len(plan.seqs)
         n_tokens = plan.num_batched_tokens
-        t = pick_bucket(self.token_buckets, n_tokens)
-        s = pick_bucket(self.seq_buckets, n_seqs)
+        t, s = pick_step_bucket(self.token_buckets, self.seq_buckets, n_tokens, n_seqs)
         bs = self.block_size
         tok, pos, slots = self._token_ids, self._positions, self._slots
         tables, cu, kv_lens, logits_idx = self._tables, self._cu, self._kv_lens, self._logits_idx

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from jserve.core.buckets import make_seq_buckets, make_token_buckets, pick_bucket
+from jserve.core.buckets import (
+    make_seq_buckets,
+    make_token_buckets,
+    pick_bucket,
+    pick_step_bucket,
+    step_buckets,
+)
 
 
 def test_token_buckets():
@@ -39,3 +45,19 @@ def test_pick_bucket():
 def test_bad_bounds():
     with pytest.raises(ValueError, match="bucket bounds must be >= 1, got smallest=16, largest=0"):
         make_token_buckets(0)
+
+
+@pytest.mark.parametrize("max_tokens,max_seqs", [(512, 32), (64, 8), (256, 1), (100, 48)])
+def test_every_step_shape_is_precompiled_and_holds_the_step(max_tokens, max_seqs):
+    tokens = make_token_buckets(max_tokens, smallest=1)
+    seqs = make_seq_buckets(max_seqs)
+    precompiled = set(step_buckets(tokens, seqs))
+    for n_tokens in range(1, max_tokens + 1):
+        for n_seqs in range(1, min(n_tokens, max_seqs) + 1):
+            t, s = pick_step_bucket(tokens, seqs, n_tokens, n_seqs)
+            assert (t, s) in precompiled
+            assert t >= n_tokens and s >= n_seqs
+
+
+def test_a_lone_decode_computes_one_row():
+    assert pick_step_bucket(make_token_buckets(512, smallest=1), (8, 16, 32), 1, 1) == (1, 1)
