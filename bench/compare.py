@@ -48,6 +48,7 @@ TABLE_ROWS = [
     ("engine steps", "engine_steps", None, False),
     ("tokens per step", "tokens_per_step", None, True),
     ("wall ms per step", "wall_ms_per_step", None, False),
+    ("server CPU ms per token", "server_cpu_ms_per_token", None, False),
 ]
 
 
@@ -111,7 +112,10 @@ def run_side(preset: Preset, side_index: int, args: argparse.Namespace, out: Pat
                 max_duration=args.max_duration,
                 seed=args.seed,
             )
-            return specs, *await benchmark(config, specs, show_progress=args.progress)
+            pid = server.process.pid if server.process else None
+            return specs, *await benchmark(
+                config, specs, show_progress=args.progress, server_pid=pid
+            )
 
         specs, report, records, duration = asyncio.run(go())
     report.update(command=shlex.join(command), startup_s=server.startup_s,

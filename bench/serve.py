@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 from serve_client import LoadConfig, RequestRecord, run_load
 from serve_metrics import format_summary, plot_run, summarize, summarize_by_group
-from server_stats import run_stats, scrape
+from server_stats import process_tree_cpu_seconds, run_stats, scrape
 from workloads import RequestSpec, add_workload_arguments, build_workload, workload_digest
 
 SMOKE_ARGS = {
@@ -81,16 +81,23 @@ async def benchmark(
     slo_ttft_ms: float | None = None,
     slo_tpot_ms: float | None = None,
     show_progress: bool = True,
+    server_pid: int | None = None,
 ) -> tuple[dict, list[RequestRecord], float]:
     """Run the load; returns the report (config, summary, per-group summaries, per-request
-    rows), the records and the duration."""
+    rows), the records and the duration. With `server_pid` (a local server), the summary also
+    holds the CPU seconds its process tree spent during the run."""
     load_before, metrics_before = os.getloadavg(), await scrape(config.base_url)
+    cpu_before = process_tree_cpu_seconds(server_pid) if server_pid else 0.0
     records, duration = await run_load(config, specs, show_progress=show_progress)
     server = run_stats(metrics_before, await scrape(config.base_url), duration)
     slo = {"slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms}
     summary = summarize(records, duration, **slo)
     summary.update({k: server.get(k) for k in ("engine_steps", "tokens_per_step",
                                                "wall_ms_per_step")})  # fmt: skip
+    if server_pid:
+        cpu = process_tree_cpu_seconds(server_pid) - cpu_before
+        tokens = summary["prompt_tokens"] + summary["output_tokens"]
+        summary.update(server_cpu_s=cpu, server_cpu_ms_per_token=1000.0 * cpu / max(tokens, 1))
     report = {
         "config": asdict(config),
         # Other processes on the machine skew every figure: keep the evidence with the result.
@@ -150,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="directory for NAME.json and NAME.png")
     parser.add_argument("--name", default="serve", help="file name stem under --out")
     parser.add_argument("--smoke", action="store_true", help="a tiny workload (seconds)")
+    parser.add_argument(
+        "--server-pid", type=int, default=None,
+        help="pid of a local server: report the CPU seconds its process tree spends",
+    )  # fmt: skip
     parser.add_argument("--no-progress", dest="progress", action="store_false")
     add_workload_arguments(parser)
     add_load_arguments(parser)
@@ -177,7 +188,7 @@ async def main_async(args: argparse.Namespace) -> dict:
     config = load_config(args, base_url, model)
     report, records, duration = await benchmark(
         config, specs, slo_ttft_ms=args.slo_ttft, slo_tpot_ms=args.slo_tpot,
-        show_progress=args.progress,
+        show_progress=args.progress, server_pid=args.server_pid,
     )  # fmt: skip
     report = {"workload": workload, **report}
     print(format_summary(report["summary"], f"{args.name}: {model} at {base_url}"))

@@ -104,6 +104,9 @@ def format_summary(summary: dict, title: str) -> str:
         row("Engine steps (server /metrics)", summary["engine_steps"])
         row("Tokens per step / wall ms per step",
             f"{summary['tokens_per_step']:.1f} / {summary['wall_ms_per_step']:.1f}")  # fmt: skip
+    if summary.get("server_cpu_s") is not None:
+        cpu, per_token = summary["server_cpu_s"], summary["server_cpu_ms_per_token"]
+        row("Server CPU s / CPU ms per token", f"{cpu:.1f} / {per_token:.2f}")
     lines.append(f"{'(ms)':<10}{'mean':>10}{'p50':>10}{'p90':>10}{'p99':>10}{'max':>10}")
     for key in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"):
         stats = summary[key]

@@ -4,12 +4,18 @@ jserve (`jserve:`), vLLM (`vllm:`) and SGLang (`sglang:`) all export an iteratio
 histogram, so the number of engine steps and the tokens per step come out the same way for
 each; dividing the run's wall time by the steps gives an upper bound of the time per step.
 A server without /metrics just yields an empty dict.
+
+On a shared machine wall times move with everyone else's load; the CPU seconds a local server's
+process tree spent (`--server-pid`, from /proc) move much less, so CPU ms per token compares
+two servers' work even when their runs saw different loads.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
+from pathlib import Path
 
 import aiohttp
 
@@ -58,3 +64,31 @@ def run_stats(before: dict[str, float], after: dict[str, float], duration: float
         stats.update(engine_steps=int(steps), tokens_per_step=tokens / steps,
                      wall_ms_per_step=duration * 1000.0 / steps)  # fmt: skip
     return stats
+
+
+def _stat_fields(stat_path: Path) -> list[str] | None:
+    try:
+        text = stat_path.read_text()
+    except OSError:  # the process ended meanwhile
+        return None
+    return text[text.rindex(")") + 2 :].split()  # fields from 3 (state) on; comm may hold spaces
+
+
+def process_tree_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and all its live descendants (Linux /proc)."""
+    if not Path(f"/proc/{pid}").exists():
+        raise ValueError(f"no process {pid}: pass the server's own pid as --server-pid")
+    children: dict[int, list[int]] = defaultdict(list)
+    times: dict[int, float] = {}
+    for stat_path in Path("/proc").glob("[0-9]*/stat"):
+        fields = _stat_fields(stat_path)
+        if fields is not None:
+            child = int(stat_path.parent.name)
+            children[int(fields[1])].append(child)  # field 4: ppid
+            times[child] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    total, stack = 0.0, [pid]
+    while stack:
+        current = stack.pop()
+        total += times.get(current, 0.0)
+        stack.extend(children.get(current, []))
+    return total

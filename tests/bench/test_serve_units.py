@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+
 import numpy as np
 import pytest
 from compare import gain
@@ -9,7 +13,7 @@ from load_curve import find_knee, parse_rates
 from serve import to_json
 from serve_client import RequestRecord, send_times
 from serve_metrics import summarize
-from server_stats import parse_cumulative, run_stats
+from server_stats import parse_cumulative, process_tree_cpu_seconds, run_stats
 from workloads import LengthDist, RequestSpec
 
 
@@ -116,3 +120,19 @@ def test_server_stats_from_prometheus_text():
     assert stats["deltas"] == {"vllm:iteration_tokens_total_count": 40.0,
                                "vllm:iteration_tokens_total_sum": 800.0}  # fmt: skip
     assert "engine_steps" not in run_stats({}, {}, 1.0)
+
+
+def test_cpu_seconds_cover_the_whole_process_tree():
+    # A shell whose child burns about 0.6 s of CPU: the child's time must count for the parent.
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6: pass\n"
+    shell = subprocess.Popen(["/bin/sh", "-c", f'{sys.executable} -c "{burn}"; sleep 30'])
+    try:
+        deadline = time.monotonic() + 20
+        while process_tree_cpu_seconds(shell.pid) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert 0.5 <= process_tree_cpu_seconds(shell.pid) < 5
+    finally:
+        shell.kill()
+        shell.wait()
+    with pytest.raises(ValueError, match="--server-pid"):
+        process_tree_cpu_seconds(shell.pid)
