@@ -48,7 +48,7 @@ from jserve.runtime.step_inputs import StepInputBuilder, StepInputs
 KINDS = ("decode", "prefill", "mixed")
 SMOKE = {
     "max_num_seqs": 4,
-    "max_num_batched_tokens": 32,
+    "max_num_batched_tokens": 16,
     "max_model_len": 128,
     "num_kv_blocks": 64,
     "context": 16,

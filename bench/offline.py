@@ -4,7 +4,8 @@ decode speed at fixed batch sizes next to a plain dense-KV decode loop of the sa
 Both engines (same settings except `scheduling`) load one shared copy of the model and run the
 same requests side by side: their steps alternate, and each engine's clock runs only during its
 own steps, so load from other processes hits both alike. Throughput is reported per wall second
-and per CPU second of this process (the second is less sensitive to a shared machine).
+and per CPU second of this process (the second is less sensitive to a shared machine). The
+decode comparison alternates too: one engine step, then one step of the dense loop.
 
     python bench/offline.py --json bench/results/offline_cpu.json   # full run
     python bench/offline.py --smoke                                 # tiny, for CI
@@ -13,7 +14,6 @@ and per CPU second of this process (the second is less sensitive to a shared mac
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import inspect
 import json
@@ -138,36 +138,6 @@ def rate(batch: int, step_times: list[float]) -> dict:
     return {"step_ms": 1e3 * median, "tok_per_s": batch / median, "steps": len(step_times)}
 
 
-def engine_decode_rate(engine: LLMEngine, prompts: list[list[int]], warmup: int, steps: int):
-    """Engine steps (schedule, run, sample, postprocess) in which every sequence decodes.
-
-    Requests get enough tokens to outlast a chunked prefill; once `steps` decode-only steps
-    (after `warmup` of them) are timed, the requests are aborted.
-    """
-    batch = len(prompts)
-    budget = engine.args.max_num_batched_tokens
-    max_tokens = math.ceil(sum(map(len, prompts)) / budget) + warmup + steps + 2
-    ids = [f"decode-{batch}-{i}" for i in range(batch)]
-    for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, {"prompt_token_ids": prompt}, greedy(max_tokens))
-    produced = dict.fromkeys(ids, 0)
-    decode_steps, times = 0, []
-    with forbid_compilation():
-        while len(times) < steps:
-            all_decoding = all(0 < n < max_tokens for n in produced.values())
-            start = time.perf_counter()
-            outputs = engine.step()
-            elapsed = time.perf_counter() - start
-            for out in outputs:
-                produced[out.request_id] = len(out.outputs[0].token_ids)
-            decode_steps += all_decoding
-            if all_decoding and decode_steps > warmup:
-                times.append(elapsed)
-    for rid in ids:
-        engine.abort_request(rid)
-    return rate(batch, times)
-
-
 def make_dense_decode_step(cfg: ModelConfig):
     """One greedy decode step of the model over a dense KV cache [L, B, M, Hkv, D].
 
@@ -247,17 +217,48 @@ class DenseDecodeLoop:
                 out.append(int(next_token[0]))
         return out
 
-    def decode_rate(self, batch: int, context: int, warmup: int, steps: int) -> dict:
-        tokens, cache = self.start([0] * batch)
-        times = []
-        for i in range(warmup + steps):
+    def timed_step(self, tokens: jax.Array, cache, pos: int):
+        start = time.perf_counter()
+        tokens, cache = self.step(self.params, cache, tokens, pos)
+        return tokens.block_until_ready(), cache, time.perf_counter() - start
+
+
+def decode_rates(engine: LLMEngine, dense: DenseDecodeLoop, prompts, context: int, cfg: dict):
+    """Engine and dense-loop decode at one batch size, one step of each in turn (so load from
+    other processes hits both alike).
+
+    Only engine steps (schedule, run, sample, postprocess) in which every sequence decodes
+    count; requests get enough tokens to outlast a chunked prefill and are aborted once
+    `decode_steps` such steps (after `decode_warmup` of them) are timed.
+    """
+    warmup, steps, batch = cfg["decode_warmup"], cfg["decode_steps"], len(prompts)
+    max_tokens = math.ceil(sum(map(len, prompts)) / cfg["max_num_batched_tokens"]) + warmup
+    max_tokens += steps + 2
+    ids = [f"decode-{batch}-{i}" for i in range(batch)]
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, {"prompt_token_ids": prompt}, greedy(max_tokens))
+    tokens, cache = dense.start([0] * batch)
+    for pos in range(context, context + warmup):  # the first call compiles this batch size
+        tokens, cache, _ = dense.timed_step(tokens, cache, pos)
+    produced = dict.fromkeys(ids, 0)
+    decode_steps, engine_times, dense_times = 0, [], []
+    with forbid_compilation():
+        while len(engine_times) < steps:
+            all_decoding = all(0 < n < max_tokens for n in produced.values())
             start = time.perf_counter()
-            with forbid_compilation() if i >= warmup else contextlib.nullcontext():
-                tokens, cache = self.step(self.params, cache, tokens, context + i)
-                tokens.block_until_ready()
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-        return rate(batch, times)
+            outputs = engine.step()
+            elapsed = time.perf_counter() - start
+            for out in outputs:
+                produced[out.request_id] = len(out.outputs[0].token_ids)
+            decode_steps += all_decoding
+            if all_decoding and decode_steps > warmup:
+                engine_times.append(elapsed)
+                pos = context + warmup + len(dense_times)
+                tokens, cache, seconds = dense.timed_step(tokens, cache, pos)
+                dense_times.append(seconds)
+    for rid in ids:
+        engine.abort_request(rid)
+    return rate(batch, engine_times), rate(batch, dense_times)
 
 
 def decode_table(engine: LLMEngine, pool: list[int], cfg: dict, seed: int) -> dict:
@@ -276,8 +277,7 @@ def decode_table(engine: LLMEngine, pool: list[int], cfg: dict, seed: int) -> di
         print(f"decode at batch {batch} ...", file=sys.stderr, flush=True)
         starts = rng.integers(0, len(pool) - context, size=batch)
         prompts = [pool[s : s + context] for s in starts]
-        engine_rate = engine_decode_rate(engine, prompts, warmup, steps)
-        dense_rate = dense.decode_rate(batch, context, warmup, steps)
+        engine_rate, dense_rate = decode_rates(engine, dense, prompts, context, cfg)
         rows.append({"batch": batch, "engine": engine_rate, "dense": dense_rate})
     return {
         "dense_matches_engine": dense_tokens == engine_tokens,

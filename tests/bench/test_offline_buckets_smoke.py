@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from jserve.core.buckets import make_seq_buckets, make_token_buckets, step_buckets
+
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
@@ -60,7 +62,9 @@ def test_buckets_smoke_times_every_bucket_and_counts_padding(tmp_path):
     run_smoke("buckets.py", "--out", str(prefix))
     report = json.loads(prefix.with_suffix(".json").read_text())
     assert report["compile"]["fresh_cache"] is True
-    assert [(r["T"], r["S"]) for r in report["buckets"]] == [(16, 4), (32, 4)]
+    # The smoke engine: 4 sequences, 16 tokens per step; token buckets start at 1.
+    expected = step_buckets(make_token_buckets(16, smallest=1), make_seq_buckets(4))
+    assert [(r["T"], r["S"]) for r in report["buckets"]] == expected
     for row in report["buckets"]:
         assert row["compile_s"] > 0
         expected_tokens = {
