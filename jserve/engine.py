@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import collections
 import gc
 import logging
 import math
@@ -108,7 +109,8 @@ class LLMEngine:
         self._children: dict[str, _Child] = {}  # scheduler request id -> child
         self._deadlines: dict[str, float] = {}  # request id -> time.monotonic() deadline
         self._rng = random.Random(args.seed)
-        self._iteration_tokens: list[int] = []
+        # Appended by the step thread, drained by stats() on the server's: a deque is safe.
+        self._iteration_tokens: collections.deque[int] = collections.deque()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         log.info(
@@ -303,7 +305,8 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
-        iteration_tokens, self._iteration_tokens = self._iteration_tokens, []
+        drained = self._iteration_tokens
+        iteration_tokens = [drained.popleft() for _ in range(len(drained))]
         return EngineStats(
             num_requests_running=s.num_running,
             num_requests_waiting=s.num_waiting,
