@@ -73,14 +73,17 @@ def test_summary_figures_by_hand():
     assert summarize(records[2:], 1.0)["ttft_ms"]["p99"] is None
 
 
-def test_knee_is_the_last_rate_before_p99_ttft_doubles():
+def test_knee_is_the_highest_rate_within_twice_the_lowest_p99_ttft():
     def point(rate, ttft):
         return {"rate": rate, "achieved_rps": 0.0, "ttft_p99_ms": ttft}
 
     rising = [point(1, 100), point(2, 150), point(4, 250), point(8, 900)]
     assert find_knee(rising) == 2  # 250 > 2 x 100
+    noisy_start = [point(0.5, 700), point(1, 400), point(2, 550), point(float("inf"), 6000)]
+    assert find_knee(noisy_start) == 2  # 0.5 req/s ran slow; the lowest p99 (400) sets the bar
     assert find_knee([point(1, 100), point(float("inf"), 190)]) == float("inf")
-    assert find_knee([point(1, None), point(2, 100)]) is None  # nothing finished at 1 req/s
+    assert find_knee([point(1, None), point(2, 100)]) == 2  # nothing finished at 1 req/s
+    assert find_knee([point(1, None)]) is None
 
 
 def test_rates_and_gain_and_strict_json():
