@@ -86,7 +86,8 @@ def test_compare_smoke_runs_every_preset_and_the_load_curve(tmp_path):
         for side in (a, b):
             summary = report["reports"][side]["summary"]
             assert summary["completed"] > 0 and summary["failed"] == 0, (preset, side)
-            assert summary["engine_steps"] > 0 and summary["server_cpu_ms_per_token"] > 0
+            # CPU time has 10 ms ticks: a short mock run may not reach one, so only >= 0.
+            assert summary["engine_steps"] > 0 and summary["server_cpu_ms_per_token"] >= 0
             assert (tmp_path / f"serve_{preset}_{side}.png").stat().st_size < 300_000
         # Smoke side B is a mock twice as fast as side A: its throughput must come out ahead.
         throughput = next(r for r in report["table"] if r["metric"] == "output tokens/s")
