@@ -87,8 +87,8 @@ class RequestState:
         detok = sample.detokenizer
         searched = len(detok.text)
         detok.add_tokens([token_id])
-        if not self.params.stop:
-            out.text = detok.text
+        if not self.params.stop or len(out.token_ids) < self.params.min_tokens:
+            out.text = detok.text  # as in vLLM, stop strings count from min_tokens on
             return None
         check = check_stop_strings(detok.text, self.params.stop, searched)
         out.text = detok.text[: check.end]

@@ -87,6 +87,12 @@ def test_stop_string_cuts_text_and_stream_deltas_concatenate(engine):
     assert result.finish_reason == "stop" and result.stop_reason == " 5,"
 
 
+def test_stop_strings_wait_for_min_tokens(engine):
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=8, stop=[" 5,"])
+    out = _generate(engine, ["Count: 1, 2, 3,"], params, "min")[0].outputs[0]
+    assert " 5," in out.text and out.finish_reason == "length"
+
+
 def test_n_samples_share_the_prompt(engine):
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
     out = _generate(engine, [SYSTEM + "Say something."], params, "n")[0]
