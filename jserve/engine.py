@@ -77,9 +77,8 @@ class LLMEngine:
         self.max_model_len = args.max_model_len or min(
             cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN
         )
-        num_blocks = args.num_kv_blocks or args.kv_cache_memory // kv_block_bytes(
-            cfg, args.block_size, dtype
-        )
+        block_bytes = kv_block_bytes(cfg, args.block_size, dtype)
+        num_blocks = args.num_kv_blocks or args.kv_cache_memory // block_bytes
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=args.max_num_seqs,
@@ -116,7 +115,7 @@ class LLMEngine:
         log.info(
             "model %s: %d KV blocks of %d tokens (%.0f MiB), token buckets %s, seq buckets %s",
             self.model_name, num_blocks, args.block_size,
-            num_blocks * kv_block_bytes(cfg, args.block_size, dtype) / 2**20,
+            num_blocks * block_bytes / 2**20,
             self.token_buckets, self.seq_buckets,
         )  # fmt: skip
         self.precompile()

@@ -22,7 +22,6 @@ class SampleState:
 
     completion: CompletionOutput
     detokenizer: IncrementalDetokenizer
-    emitted: int = 0  # characters of detokenizer.text already released in completion.text
 
 
 @dataclass

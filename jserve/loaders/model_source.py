@@ -64,11 +64,12 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "jserve"
 
 
-def read_gguf(path: Path) -> LoadedModel:
+def read_gguf(path: Path, name: str | None = None) -> LoadedModel:
     reader = open_gguf(path)
     cfg = config_from_gguf(reader, str(path))
     params = params_from_gguf(reader, cfg, str(path))
-    return LoadedModel(path.stem, cfg, params, Tokenizer.from_gguf_reader(reader), path)
+    tokenizer = Tokenizer.from_gguf_reader(reader)
+    return LoadedModel(name or path.stem, cfg, params, tokenizer, path)
 
 
 def read_checkpoint_dir(path: Path, name: str | None = None) -> LoadedModel:
@@ -101,16 +102,13 @@ def load_model(
     if path.suffix != ".gguf":
         raise ValueError(f"{path}: expected a .gguf file or a model directory")
     if not use_cache:
-        loaded = read_gguf(path)
-        loaded.name = name or loaded.name
-        return loaded
+        return read_gguf(path, name)
     entry = _gguf_cache_entry(path, Path(cache_dir) if cache_dir else default_cache_dir())
     if is_checkpoint_dir(entry):
         log.info("loading %s from cache %s", path.name, entry)
         return read_checkpoint_dir(entry, name or path.stem)
     log.info("converting %s once into the cache %s", path.name, entry)
-    loaded = read_gguf(path)
-    loaded.name = name or loaded.name
+    loaded = read_gguf(path, name)
     tmp = entry.with_name(entry.name + f".tmp{os.getpid()}")
     save_checkpoint(tmp, loaded.config, loaded.params, loaded.tokenizer)
     shutil.rmtree(entry, ignore_errors=True)
