@@ -30,7 +30,13 @@ from jserve.errors import RequestRejected
 from jserve.loaders.model_source import LoadedModel, default_cache_dir, load_model
 from jserve.output_processor import RequestState
 from jserve.outputs import EngineStats, RequestOutput
-from jserve.runtime.compilation import compilation_count, enable_persistent_cache
+from jserve.runtime.compilation import (
+    compilation_count,
+    enable_persistent_cache,
+    expect_compilation,
+    mark_serving,
+    serving_compilation_count,
+)
 from jserve.runtime.model_runner import ModelRunner, kv_block_bytes
 from jserve.runtime.params import make_mesh, place_model, resolve_dtype
 from jserve.runtime.sampler import Sampler
@@ -61,6 +67,7 @@ class _Child:
 
 
 class LLMEngine:
+    @expect_compilation()  # building an engine compiles; serving with it must not
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
         self.args = args
         t0 = time.perf_counter()
@@ -145,6 +152,7 @@ class LLMEngine:
         )  # fmt: skip
         secs += self.sampler.precompile()
         log.info("precompiled %d executables in %.1f s", compilation_count() - before, secs)
+        mark_serving()
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -316,5 +324,6 @@ class LLMEngine:
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens,
             compilations=compilation_count(),
+            serving_compilations=serving_compilation_count(),
             iteration_tokens=iteration_tokens,
         )

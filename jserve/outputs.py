@@ -69,5 +69,6 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     compilations: int = 0
+    serving_compilations: int = 0  # after warm-up: should stay 0
     # Scheduled tokens of each iteration since the previous snapshot (drained by the reader).
     iteration_tokens: list[int] = field(default_factory=list)

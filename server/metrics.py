@@ -37,7 +37,11 @@ _ENGINE_COUNTERS = {
     "num_preemptions": ("num_preemptions", "Requests preempted (KV freed, recomputed)."),
     "prompt_tokens": ("prompt_tokens", "Prompt tokens processed."),
     "generation_tokens": ("generation_tokens", "Tokens generated."),
-    "compilations": ("compilations", "XLA compilations of step functions."),
+    "compilations": ("compilations", "XLA compilations (and compile-cache loads) so far."),
+    "serving_compilations": (
+        "serving_compilations",
+        "XLA compilations after warm-up: each is a shape outside the precompiled buckets.",
+    ),
 }
 
 

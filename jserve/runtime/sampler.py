@@ -308,22 +308,33 @@ class Sampler:
         history_len = 1 << max(0, max_model_len - 1).bit_length()
         self.builder = SamplingTensorBuilder(seq_buckets, vocab_size, history_len, eos_token_ids)
         self.logits_sharding = logits_sharding
+        self._executables: dict[int, jax.stages.Compiled] = {}  # sequence bucket -> `sample`
 
     def check(self, params: SamplingParams) -> None:
         """Raise ValueError if `params` cannot be served (call at admission)."""
         self.builder.check(params)
 
     def precompile(self) -> float:
-        """Compile `sample` for every sequence bucket (one executable each); returns seconds."""
+        """Compile `sample` for every sequence bucket (one executable each); returns seconds.
+
+        Serving calls only these executables, so logits of any other shape or layout raise
+        instead of compiling a new one in the middle of a step.
+        """
         start = time.perf_counter()
         for s in self.builder.seq_buckets:
-            logits = jnp.zeros((s, self.builder.vocab_size), jnp.float32)
-            logits = jax.device_put(logits, self.logits_sharding)
-            jax.block_until_ready(sample(logits, self.builder.build([], s)))
+            logits = jax.ShapeDtypeStruct(
+                (s, self.builder.vocab_size), jnp.float32, sharding=self.logits_sharding
+            )
+            self._executables[s] = sample.lower(logits, self.builder.build([], s)).compile()
         return time.perf_counter() - start
 
     def sample(self, logits: jax.Array, rows: Sequence[SamplingRow]) -> SampledTokens:
         """Sample the real `rows` from `logits` [S, V] (rows past len(rows) are padding)."""
-        tensors = self.builder.build(rows, logits.shape[0])
-        out = jax.device_get(sample(logits, tensors))
+        bucket = logits.shape[0]
+        if bucket not in self._executables:
+            raise RuntimeError(
+                f"no sampler executable for {bucket} rows; precompiled: {sorted(self._executables)}"
+            )
+        tensors = self.builder.build(rows, bucket)
+        out = jax.device_get(self._executables[bucket](logits, tensors))
         return SampledTokens(*out, num_logprobs=[row.params.logprobs for row in rows])

@@ -32,7 +32,9 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def sampler() -> Sampler:
-    return Sampler(V, BUCKETS, MAX_MODEL_LEN, eos_token_ids=[EOS])
+    sampler = Sampler(V, BUCKETS, MAX_MODEL_LEN, eos_token_ids=[EOS])
+    sampler.precompile()
+    return sampler
 
 
 def distinct_logits(rng: np.random.Generator, rows: int, scale: float = 2.0) -> np.ndarray:
