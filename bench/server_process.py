@@ -21,7 +21,7 @@ _LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 
 
 def jserve_command(server_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "jserve.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+    return [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
             *server_args]  # fmt: skip
 
 

@@ -1,4 +1,4 @@
-"""The `jserve` command: generate, convert (and, with the server, serve)."""
+"""The library's commands of the `jserve` program: generate and convert (serve is the app's)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import logging
 import sys
 
 from jserve.engine_args import add_engine_arguments
-from server.cli import add_serve_arguments
 
 log = logging.getLogger("jserve")
 
@@ -39,15 +38,6 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _serve(args: argparse.Namespace) -> int:
-    from jserve.async_engine import AsyncLLMEngine
-    from jserve.engine_args import engine_args_from_namespace
-    from server.cli import serve_main
-
-    engine_args = engine_args_from_namespace(args)
-    return serve_main(args, lambda: AsyncLLMEngine.start(engine_args))
-
-
 def _convert(args: argparse.Namespace) -> int:
     from jserve.loaders.model_source import convert
 
@@ -56,14 +46,15 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jserve", description=__doc__)
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    sub = parser.add_subparsers(dest="command", required=True)
+def add_library_commands(sub: argparse._SubParsersAction) -> None:
+    """Add `generate` and `convert`: the commands that need the engine but no server.
 
+    The `jserve` program itself (with `serve`) is assembled by `server.cli`, so this library
+    never imports the app built on top of it.
+    """
     gen = sub.add_parser("generate", help="stream one completion of PROMPT to standard output")
     gen.add_argument("prompt")
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--max-tokens", type=int, default=128, help="tokens to generate at most")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 is greedy")
     gen.add_argument("--request-seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
@@ -71,20 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     # One request: small buckets compile in a few seconds.
     gen.set_defaults(func=_generate, max_num_seqs=1, max_num_batched_tokens=256)
 
-    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
-    add_engine_arguments(serve)
-    add_serve_arguments(serve)
-    serve.set_defaults(func=_serve)
-
     conv = sub.add_parser("convert", help="write a model as a jserve (orbax) checkpoint directory")
     conv.add_argument("src", help="a .gguf file or model directory; 'default' for SmolLM2")
     conv.add_argument("dst", help="output directory")
     conv.set_defaults(func=_convert)
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run_command(args: argparse.Namespace) -> int:
+    """Set up logging and run the parsed command; user errors exit 2 with one line."""
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -101,7 +86,3 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,11 +1,18 @@
-"""Server command-line flags and the entry point `jserve serve` calls with its engine factory."""
+"""The `jserve` program: `serve` (this package) plus the library's `generate` and `convert`.
+
+The app sits on top of the library, so the program is assembled here: `jserve.cli` knows
+nothing of the server. `python -m server.cli ...` is the same program as `jserve ...`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
+import sys
 
+from jserve.cli import add_library_commands, run_command
+from jserve.engine_args import add_engine_arguments
 from server.app import DEFAULT_MAX_BODY_BYTES
 from server.runner import EngineFactory, run_server
 
@@ -61,3 +68,34 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
             max_body_bytes=args.max_body_bytes,
         )
     )
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from jserve.async_engine import AsyncLLMEngine
+    from jserve.engine_args import engine_args_from_namespace
+
+    engine_args = engine_args_from_namespace(args)
+    return serve_main(args, lambda: AsyncLLMEngine.start(engine_args))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="jserve", description="A JAX/XLA LLM inference engine and OpenAI-compatible server."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_library_commands(sub)
+    serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_arguments(serve)
+    add_serve_arguments(serve)
+    serve.set_defaults(func=_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """The `jserve` console script."""
+    return run_command(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -30,7 +30,7 @@ ENGINE_FLAGS = {"max_num_seqs": 32, "max_num_batched_tokens": 256, "max_model_le
 def server(default_model):  # default_model fills the conversion cache first
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jserve.cli", "serve", "--port", "0", "--shutdown-timeout", "30",
+        [sys.executable, "-m", "server.cli", "serve", "--port", "0", "--shutdown-timeout", "30",
          *flags],
         cwd=REPO_ROOT, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
     )  # fmt: skip
