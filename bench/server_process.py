@@ -40,11 +40,15 @@ class ServerProcess:
         *,
         start_timeout: float = 600.0,
         stop_timeout: float = 30.0,
+        base_url: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
+        """`base_url`: where a server that does not log jserve's "listening on" line listens."""
         self.command, self.log_path = command, log_path
         self.start_timeout, self.stop_timeout = start_timeout, stop_timeout
         self.process: subprocess.Popen | None = None
-        self.base_url = ""
+        self.base_url = base_url or ""
+        self.env = env
         self.startup_s = 0.0
 
     def __enter__(self) -> ServerProcess:
@@ -52,8 +56,9 @@ class ServerProcess:
         started = time.monotonic()
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
+                self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=self.env,
+            )  # fmt: skip
         try:
             self._wait_ready(started + self.start_timeout)
         except BaseException:

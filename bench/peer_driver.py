@@ -1,0 +1,101 @@
+"""One engine's side of `bench/peer.py`: run a token-id workload offline and time it.
+
+    python bench/peer_driver.py --engine jserve --workloads W1.json W2.json --out R.json
+    VENV/bin/python bench/peer_driver.py --engine vllm --model HF_DIR --workloads ... --out R.json
+
+It runs under either engine's interpreter (the vLLM virtualenv has no jserve, and jserve's has
+no vLLM), so it imports only the engine it drives. The protocol is the same for both: build the
+engine once, run one short warm-up request, then for each workload wait for a quiet machine,
+submit every request at once (greedy, EOS ignored, so each generates exactly its max_tokens)
+and time that one `generate` call: its wall time, the CPU seconds of this process and its
+children (vLLM's engine core is a child process), and how quiet the machine was (quiet.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+from quiet import QuietMeter, wait_for_quiet
+
+FIRST_IDS = 16  # greedy ids per request kept to check both engines generated the same thing
+
+
+def _jserve(args: argparse.Namespace):
+    from jserve import LLM, SamplingParams
+
+    settings = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+    if args.max_num_batched_tokens:
+        settings["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(args.model, **settings)
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    return llm, params, lambda r: r.outputs[0].token_ids
+
+
+def _vllm(args: argparse.Namespace):
+    from vllm import LLM, SamplingParams
+
+    settings = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
+    if args.max_num_batched_tokens:
+        settings["max_num_batched_tokens"] = args.max_num_batched_tokens
+    llm = LLM(args.model, dtype="float32", enable_prefix_caching=True, seed=0, **settings)
+
+    def params(n: int) -> SamplingParams:
+        return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+    return llm, params, lambda r: list(r.outputs[0].token_ids)
+
+
+def run_workload(llm, params, token_ids, workload: dict, args: argparse.Namespace) -> dict:
+    """Submit every request of `workload` at once and time that one generate call."""
+    requests = workload["requests"]
+    prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
+    sampling = [params(r["max_tokens"]) for r in requests]
+    wait_for_quiet(args.max_load, args.settle_timeout)
+    with QuietMeter(os.getpid()) as meter:
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
+    generated = [token_ids(out) for out in outputs]
+    return {
+        "workload": workload["name"],
+        "wall_s": meter.result.wall_s,
+        "cpu_s": meter.result.own_cpu_s,
+        "quietness": meter.result.as_dict(),
+        "prompt_tokens": sum(len(r["prompt_token_ids"]) for r in requests),
+        "output_tokens": sum(len(ids) for ids in generated),
+        "first_ids": [list(ids[:FIRST_IDS]) for ids in generated],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--engine", choices=["jserve", "vllm"], required=True)
+    parser.add_argument("--model", default=None, help="jserve: default SmolLM2; vllm: HF dir")
+    parser.add_argument("--workloads", nargs="+", required=True, help="JSON files from peer.py")
+    parser.add_argument("--out", required=True, help="JSON result file")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-load", type=float, default=1.0, help="wait for this load first")
+    parser.add_argument("--settle-timeout", type=float, default=120.0, help="seconds, at most")
+    args = parser.parse_args()
+    workloads = [json.loads(Path(w).read_text()) for w in args.workloads]
+
+    started = time.perf_counter()
+    llm, params, token_ids = (_jserve if args.engine == "jserve" else _vllm)(args)
+    startup_s = time.perf_counter() - started
+    first = workloads[0]["requests"][0]["prompt_token_ids"][:8]
+    llm.generate([{"prompt_token_ids": first}], params(4), use_tqdm=False)  # warm-up
+    runs = [run_workload(llm, params, token_ids, w, args) for w in workloads]
+    settings = {k: v for k, v in vars(args).items() if k.startswith("max_num")}
+    result = {"engine": args.engine, "startup_s": startup_s, "settings": settings, "runs": runs}
+    Path(args.out).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
