@@ -16,10 +16,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 from quiet import QuietMeter, wait_for_quiet
+
+# Engines import third-party packages by name; bench/'s own scripts (kernels.py, for one, which
+# transformers mistakes for the `kernels` package) must not shadow them.
+_HERE = Path(__file__).resolve().parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
 
 FIRST_IDS = 16  # greedy ids per request kept to check both engines generated the same thing
 

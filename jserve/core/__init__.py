@@ -1,1 +1,1 @@
-"""Scheduling policy in pure Python (stdlib + numpy only, never jax): see DESIGN.md."""
+"""Scheduling policy in pure Python (stdlib + numpy only, never jax): docs/architecture.md."""

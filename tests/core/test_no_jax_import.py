@@ -1,4 +1,4 @@
-"""The policy half must import without jax (DESIGN.md's import rule)."""
+"""The policy half must import without jax (the import rule in docs/architecture.md)."""
 
 from __future__ import annotations
 
