@@ -20,12 +20,15 @@ import sys
 import time
 from pathlib import Path
 
-from quiet import QuietMeter, wait_for_quiet
 
-# Engines import third-party packages by name; bench/'s own scripts (kernels.py, for one, which
-# transformers mistakes for the `kernels` package) must not shadow them.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
+def _unshadow_engine_imports() -> None:
+    """Drop bench/ from sys.path before an engine is imported: its scripts (kernels.py, which
+    transformers mistakes for the `kernels` package) must not shadow third-party packages.
+    vLLM's engine process is spawned and re-imports this module with the pruned path, so the
+    module imports nothing from bench/ at its top: main() imports quiet.py before pruning."""
+    here = Path(__file__).resolve().parent
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+
 
 FIRST_IDS = 16  # greedy ids per request kept to check both engines generated the same thing
 
@@ -60,6 +63,8 @@ def _vllm(args: argparse.Namespace):
 
 def run_workload(llm, params, token_ids, workload: dict, args: argparse.Namespace) -> dict:
     """Submit every request of `workload` at once and time that one generate call."""
+    from quiet import QuietMeter, wait_for_quiet  # loaded by main() before the path was pruned
+
     requests = workload["requests"]
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     sampling = [params(r["max_tokens"]) for r in requests]
@@ -92,6 +97,9 @@ def main() -> None:
     args = parser.parse_args()
     workloads = [json.loads(Path(w).read_text()) for w in args.workloads]
 
+    import quiet  # noqa: F401  (now, while bench/ is still on sys.path)
+
+    _unshadow_engine_imports()
     started = time.perf_counter()
     llm, params, token_ids = (_jserve if args.engine == "jserve" else _vllm)(args)
     startup_s = time.perf_counter() - started

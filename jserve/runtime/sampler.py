@@ -18,7 +18,8 @@ filters, logprobs) are skipped by `lax.cond` on a batch-wide flag, never by a st
 so nothing multiplies the compile count. Rows not using a feature hold neutral values, so a
 row's token and logprobs are the same whichever branches its batch ran.
 
-No full-vocabulary sort: on this CPU sorting [32, 49152] costs about 300 ms. Top-k and top-p
+No full-vocabulary sort (on a CPU it costs tens of times a sampler call: bench/RESULTS.md,
+"Sampler", has the figures and how to re-measure them). Top-k and top-p
 read the TOP_CANDIDATES largest logits; a row whose cut-off lies below them (top_k larger than
 that, or top_p mass not reached inside them: about 30% of SmolLM2's rows at temperature 1,
 top_p 0.95) is resolved exactly by bisection over float32 bit patterns, in a loop over only
@@ -115,7 +116,7 @@ def _largest(z: jax.Array) -> jax.Array:
     """The TOP_CANDIDATES largest values per row, descending, [S, C] (C <= V).
 
     The blocks holding them are among the C blocks with the largest maxima, so only those are
-    searched: about 3x faster than lax.top_k over the whole row on this CPU.
+    searched, which is cheaper than lax.top_k over the whole row (bench/RESULTS.md, "Sampler").
     """
     s, v = z.shape
     num_blocks = -(-v // _CANDIDATE_BLOCK)

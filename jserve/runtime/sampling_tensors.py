@@ -12,8 +12,8 @@ neutral penalties make that history a no-op, and skipping it saves copying whole
 
 Randomness is drawn here, not on the device: each row gets two uniforms hashed from its seed
 and its number of output tokens alone, so a seeded request's draws cannot depend on its batch
-(and cost no device PRNG: threefry over [32, 49152] took about 7 ms here, a hash of two words
-per row takes microseconds).
+(and cost no device PRNG: threefry over a [32, 49152] batch of logits costs milliseconds, a
+hash of two words per row microseconds; bench/RESULTS.md, "Sampler").
 """
 
 from __future__ import annotations
