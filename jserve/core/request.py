@@ -65,7 +65,6 @@ class Request:
         "priority",
         "prompt_token_ids",
         "request_id",
-        "scheduled_step",
         "status",
         "stop_token_ids",
     )
@@ -111,7 +110,6 @@ class Request:
         # Set by the scheduler: (lane rank, arrival, admission order) - smaller runs first.
         self.priority: tuple[int, float, int] = (0, 0.0, 0)
         self.enqueued_step = 0  # iteration at which it last entered the waiting queue
-        self.scheduled_step = -1  # iteration in which it last got tokens
 
     @property
     def num_tokens(self) -> int:

@@ -2,7 +2,9 @@
 
 One iteration, as the engine drives it:
 1. `schedule()` may change everything here: it expires waiting requests past their deadline,
-   then builds a `StepPlan` in three passes over a token budget:
+   then has `planner.plan_step` build a `StepPlan` in three passes over a token budget, and
+   applies what the planner decided to the running list and waiting queues (this class is the
+   only one that changes them, so it alone keeps "running is sorted by priority"):
    a. running decodes, one token each, in priority order (lane, then arrival);
    b. running prefills (chunked prompts, recomputes after preemption), in priority order;
    c. unless (a) or (b) preempted, waiting requests, lane by lane (aged lanes first), FIFO
@@ -32,9 +34,9 @@ from jserve.config import CacheConfig, SchedulerConfig
 from jserve.core.admission import check_new_request
 from jserve.core.block_manager import BlockManager
 from jserve.core.plan import StepPlan
+from jserve.core.planner import PlanOutcome, plan_step
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, FinishReason, Request, RequestStatus
-from jserve.core.step_builder import StepBuilder
 
 _priority = attrgetter("priority")
 
@@ -146,12 +148,32 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> StepPlan:
         """Plan the next step (`now` on the time.monotonic() clock, for deadlines)."""
         self.num_steps += 1
-        plan = StepPlan(finished=self._finished_since_plan)
-        self._finished_since_plan = {}
+        finished, self._finished_since_plan = self._finished_since_plan, {}
         for request in self.waiting.pop_expired(time.monotonic() if now is None else now):
             self._finish(request, FinishReason.DEADLINE)
-            plan.finished[request.request_id] = FinishReason.DEADLINE
-        return StepBuilder(self, plan).build()
+            finished[request.request_id] = FinishReason.DEADLINE
+        outcome = plan_step(
+            self.config, self.block_manager, self.running, self.waiting, self.group_leaders,
+            self.watermark_blocks, self.num_steps,
+        )  # fmt: skip
+        self._apply(outcome)
+        outcome.plan.finished = finished
+        return outcome.plan
+
+    def _apply(self, outcome: PlanOutcome) -> None:
+        """Move what the planner admitted and preempted between waiting and running."""
+        for request in outcome.admitted:
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
+        for victim in outcome.preempted:  # its blocks are already free
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+            self.waiting.push_front(victim, self.num_steps)
+        self.num_preemptions += len(outcome.preempted)
+        self.running = outcome.running
 
     def update_from_output(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         """Record that `plan` ran; `sampled` maps request id -> new token for seqs with

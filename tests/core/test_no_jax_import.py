@@ -48,6 +48,7 @@ def test_core_modules_import_without_jax():
         "jserve.core.block_manager",
         "jserve.core.buckets",
         "jserve.core.plan",
+        "jserve.core.planner",
         "jserve.core.prefix_cache",
         "jserve.core.queues",
         "jserve.core.request",
