@@ -4,8 +4,9 @@ How a request flows (two threads, two kinds of queue):
 1. `generate()` runs on the event loop. It makes an asyncio.Queue for the request, registers
    it, and puts an "add" command in the inbox (a thread-safe deque) and wakes the step thread.
 2. The step thread (one, started by `start()`) loops: it drains the inbox (adds, aborts) into
-   the LLMEngine, expires timed-out requests, runs `engine.step()` while there is work, and
-   hands each RequestOutput to its request's asyncio.Queue with `loop.call_soon_threadsafe`.
+   the LLMEngine, runs `engine.step()` while there is work (a step also ends requests past
+   their deadline: jserve.core.deadlines), and hands each RequestOutput to its request's
+   asyncio.Queue with `loop.call_soon_threadsafe`.
    JAX releases the GIL while a step computes, so the event loop stays responsive. With no
    work it sleeps on a condition variable until the next command.
 3. `generate()` awaits its queue and yields outputs. Outputs are cumulative, so when several

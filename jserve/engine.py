@@ -106,7 +106,6 @@ class LLMEngine:
         )  # fmt: skip
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, _Child] = {}  # scheduler request id -> child
-        self._deadlines: dict[str, float] = {}  # request id -> time.monotonic() deadline
         self._rng = random.Random(args.seed)
         # Appended by the step thread, drained by stats() on the server's: a deque is safe.
         self._iteration_tokens: collections.deque[int] = collections.deque()
@@ -158,7 +157,10 @@ class LLMEngine:
         deadline: float | None = None,
         arrival_time: float | None = None,
     ) -> None:
-        """Queue a request; raises RequestRejected (reason + message) if it cannot be served."""
+        """Queue a request; raises RequestRejected (reason + message) if it cannot be served.
+
+        `deadline` (time.monotonic() clock) ends it with "timeout": see jserve.core.deadlines.
+        """
         params = params or SamplingParams()
         try:
             self.sampler.check(params)
@@ -192,8 +194,6 @@ class LLMEngine:
             children.append(child_id)
             self._children[child_id] = _Child(state, i, (base_seed + 7919 * i) & 0x7FFFFFFF)
         self._states[request_id] = state
-        if deadline is not None:
-            self._deadlines[request_id] = deadline
         self._num_prompt_tokens += len(ids)
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -212,7 +212,6 @@ class LLMEngine:
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """End a request in any state (finish reason `reason`); its KV blocks are freed now."""
         state = self._states.pop(request_id, None)
-        self._deadlines.pop(request_id, None)
         if state is None:
             return None
         for i in range(len(state.samples)):
@@ -229,7 +228,6 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of the requests that changed."""
-        expired = self._expire_deadlines()
         plan = self.scheduler.schedule()
         changed: dict[str, RequestState] = {}
         for child_id, reason in plan.finished.items():
@@ -239,20 +237,11 @@ class LLMEngine:
             logits = self.runner.run(self.builder.build(plan))
             sampled = self._sample(plan, logits)
             self._postprocess(plan, sampled, changed)
-        outputs = expired + [state.to_output() for state in changed.values()]
+        outputs = [state.to_output() for state in changed.values()]
         for state in changed.values():
             if state.finished:
                 self._states.pop(state.request_id, None)
-                self._deadlines.pop(state.request_id, None)
         return outputs
-
-    def _expire_deadlines(self) -> list[RequestOutput]:
-        """Requests past their deadline, waiting or running, end with reason "timeout"."""
-        if not self._deadlines:
-            return []
-        now = time.monotonic()
-        late = [rid for rid, deadline in self._deadlines.items() if now >= deadline]
-        return [out for rid in late if (out := self.abort_request(rid, "timeout")) is not None]
 
     def _sample(self, plan: StepPlan, logits: jax.Array) -> dict[str, tuple[int, list | None]]:
         rows = []

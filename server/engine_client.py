@@ -34,10 +34,12 @@ class EngineClient(Protocol):
     `generate` yields cumulative RequestOutputs (per CompletionOutput: `text` extends the
     previous text, `token_ids` and `logprobs` grow); the last one has `finished=True`. It raises
     `jserve.errors.RequestRejected` at the first iteration when the request is not admitted,
-    and `jserve.errors.EngineDeadError` when the engine dies. A request running longer than
-    `timeout` seconds finishes with finish_reason "timeout". `abort` frees the request's KV
-    blocks at once and ends its stream (finish_reason "abort"); aborting an unknown or finished
-    request is a no-op. `stats` returns a snapshot; `iteration_tokens` is drained by each call.
+    and `jserve.errors.EngineDeadError` when the engine dies. A request not finished `timeout`
+    seconds after `generate` was called, waiting or running, finishes with finish_reason
+    "timeout" and keeps the tokens it generated (jserve.core.deadlines states the rule).
+    `abort` frees the request's KV blocks at once and ends its stream (finish_reason "abort");
+    aborting an unknown or finished request is a no-op. `stats` returns a snapshot;
+    `iteration_tokens` is drained by each call.
     """
 
     model_name: str

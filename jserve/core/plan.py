@@ -40,9 +40,9 @@ class StepPlan:
 
     `seqs` holds the `num_decodes` one-token decodes first, then prefill chunks.
     `preempted_ids` lost their KV this step and wait to recompute (their tokens are kept).
-    `finished` lists requests the scheduler ended by itself since the previous plan (deadline
-    expiry, abort) with the reason; those the engine's output ended come from
-    `Scheduler.update_from_output` instead.
+    `finished` lists requests the scheduler ended by itself before planning (deadline expiry)
+    with the reason; those the sampled tokens end come from `Scheduler.update_from_output`,
+    and those a caller ends (abort, stop string) are not reported back.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)

@@ -24,7 +24,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens or max_model_len reached
     ABORTED = "aborted"
     REJECTED = "rejected"
-    DEADLINE = "deadline"  # still waiting when its deadline passed
+    DEADLINE = "deadline"  # unfinished when its deadline passed (see core.deadlines)
 
 
 class Request:
@@ -37,10 +37,10 @@ class Request:
     the step that samples the next one, so a decoding request has exactly one uncomputed token.
 
     `stop_token_ids` holds EOS and the user's stop ids (the engine leaves EOS out for
-    `ignore_eos`). `deadline` is absolute, on the `time.monotonic()` clock, and applies while
-    the request waits (also after a preemption, tokens already streamed or not). `extra_key`
-    separates prefix-cache entries whose tokens are equal but whose KV differs (e.g. a LoRA or
-    an image). Siblings of an `n > 1` request share a `group_id` and the same prompt.
+    `ignore_eos`). `deadline` is absolute, on the `time.monotonic()` clock (what it means:
+    `jserve.core.deadlines`). `extra_key` separates prefix-cache entries whose tokens are equal
+    but whose KV differs (e.g. a LoRA or an image). Siblings of an `n > 1` request share a
+    `group_id` and the same prompt.
     """
 
     __slots__ = (

@@ -1,10 +1,11 @@
 """Iteration-level scheduler: which tokens of which requests the next step computes.
 
 One iteration, as the engine drives it:
-1. `schedule()` may change everything here: it expires waiting requests past their deadline,
-   then has `planner.plan_step` build a `StepPlan` in three passes over a token budget, and
-   applies what the planner decided to the running list and waiting queues (this class is the
-   only one that changes them, so it alone keeps "running is sorted by priority"):
+1. `schedule()` may change everything here: it ends requests past their deadline (see
+   `deadlines`), then has `planner.plan_step` build a `StepPlan` in three passes over a token
+   budget, and applies what the planner decided to the running list and waiting queues (this
+   class is the only one that changes them, so it alone keeps "running is sorted by
+   priority"):
    a. running decodes, one token each, in priority order (lane, then arrival);
    b. running prefills (chunked prompts, recomputes after preemption), in priority order;
    c. unless (a) or (b) preempted, waiting requests, lane by lane (aged lanes first), FIFO
@@ -15,7 +16,9 @@ One iteration, as the engine drives it:
    arrival of the lowest lane) is preempted: its blocks are freed and it goes back to the front
    of its lane with every token kept, to recompute them (cheaply, with prefix caching).
 2. The runtime computes the plan. Meanwhile only `add_request`, `abort` and `finish_request`
-   may be called; the next `update_from_output` skips requests they ended.
+   may be called; the next `update_from_output` skips requests they ended. Requests ended by
+   a caller are not reported back to it; `StepPlan.finished` lists only those the scheduler
+   ended by itself.
 3. `update_from_output()` advances progress, appends sampled tokens, caches newly filled blocks
    and finishes requests on a stop token or max_tokens, returning those it finished.
 `schedule()` and `update_from_output()` strictly alternate. Nothing here is thread-safe: call
@@ -33,6 +36,7 @@ from operator import attrgetter
 from jserve.config import CacheConfig, SchedulerConfig
 from jserve.core.admission import check_new_request
 from jserve.core.block_manager import BlockManager
+from jserve.core.deadlines import DeadlineHeap
 from jserve.core.plan import StepPlan
 from jserve.core.planner import PlanOutcome, plan_step
 from jserve.core.queues import WaitingQueues
@@ -72,10 +76,10 @@ class Scheduler:
             )
         self.running: list[Request] = []  # sorted by Request.priority, highest first
         self.waiting = WaitingQueues(scheduler_config.aging_iterations)
+        self._deadlines = DeadlineHeap()
         self.num_preemptions = 0
         self._requests: dict[str, Request] = {}  # every unfinished request
         self.group_leaders: dict[str, Request] = {}  # group_id -> the member that prefills
-        self._finished_since_plan: dict[str, FinishReason] = {}
         self._num_added = 0
         self.num_steps = 0  # schedule() calls so far; waiting ages are counted in steps
 
@@ -107,18 +111,15 @@ class Scheduler:
         if request.group_id is not None and not is_sibling:
             self.group_leaders[request.group_id] = request
         self.waiting.push_back(request, self.num_steps)
+        self._deadlines.push(request, len(self._requests))
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state and free its blocks now; False if it is unknown."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return False
-        self._remove_and_finish(request, FinishReason.ABORTED)
-        self._finished_since_plan[request_id] = FinishReason.ABORTED
-        return True
+        return self.finish_request(request_id, FinishReason.ABORTED)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> bool:
-        """End a request the engine found finished (e.g. a stop string); False if unknown."""
+        """End a request the caller found finished (a stop string, an abort) and free its
+        blocks now; False if unknown. Not reported back in a plan: the caller knows."""
         request = self._requests.get(request_id)
         if request is None:
             return False
@@ -148,9 +149,9 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> StepPlan:
         """Plan the next step (`now` on the time.monotonic() clock, for deadlines)."""
         self.num_steps += 1
-        finished, self._finished_since_plan = self._finished_since_plan, {}
-        for request in self.waiting.pop_expired(time.monotonic() if now is None else now):
-            self._finish(request, FinishReason.DEADLINE)
+        finished = {}
+        for request in self._deadlines.pop_expired(time.monotonic() if now is None else now):
+            self._remove_and_finish(request, FinishReason.DEADLINE)
             finished[request.request_id] = FinishReason.DEADLINE
         outcome = plan_step(
             self.config, self.block_manager, self.running, self.waiting, self.group_leaders,

@@ -161,14 +161,16 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ---- one step, checked -----------------------------------------------------------------
 
     def _step(self, next_token):
-        plan = self.scheduler.schedule(self.now)
+        now = self.now
+        plan = self.scheduler.schedule(now)
         self.now += 1.0
         for request_id, reason in plan.finished.items():
-            assert reason in ("aborted", "deadline")
-            if reason == "deadline":
-                self._report(request_id)
-            else:
-                assert request_id not in self.live  # aborted by this test, already removed
+            assert reason == "deadline"  # aborts and engine stops are not reported back
+            request = self.live[request_id]
+            assert request.deadline <= now and request.block_ids == []
+            self._report(request_id)
+        for request in self.live.values():  # waiting or running: none outlives its deadline
+            assert request.deadline is None or request.deadline > now
         self._check_plan(plan)
         sampled = {seq.request_id: next_token() for seq in plan.seqs if seq.sample}
         for request in self.scheduler.update_from_output(plan, sampled):
