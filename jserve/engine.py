@@ -4,8 +4,9 @@
 - schedule: the scheduler alone changes request states, block tables and queues;
 - build inputs: reads the plan, writes only the input builder's staging buffers;
 - run / sample: changes only the runner's KV pool;
-- postprocess: appends tokens (through the scheduler), finishes requests, and updates the
-  per-request output states, which are the only thing returned.
+- postprocess: appends tokens (through the scheduler), finishes requests (the rules:
+  jserve.stopping), and updates the per-request output states, which are the only thing
+  returned.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import jax
 from jserve.config import CacheConfig, SchedulerConfig
 from jserve.core.buckets import make_seq_buckets, make_token_buckets, step_buckets
 from jserve.core.plan import StepPlan
-from jserve.core.request import FinishReason, Request
+from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
 from jserve.engine_args import EngineArgs
 from jserve.errors import RequestRejected
@@ -37,17 +38,11 @@ from jserve.runtime.sampler import Sampler
 from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.runtime.step_inputs import StepInputBuilder
 from jserve.sampling_params import SamplingParams
+from jserve.stopping import FinishReason, StopConditions
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048
-_FINISH_REASONS = {
-    FinishReason.STOPPED: "stop",
-    FinishReason.LENGTH: "length",
-    FinishReason.ABORTED: "abort",
-    FinishReason.DEADLINE: "timeout",
-    FinishReason.REJECTED: "abort",
-}
 Prompt = str | list[int] | dict
 
 
@@ -140,7 +135,7 @@ class LLMEngine:
         secs = self.runner.precompile(self.builder.example, pairs, progress)
         self.sampler = Sampler(
             self.model_config.vocab_size, sorted({s for _, s in pairs}), self.max_model_len,
-            self.tokenizer.stop_token_ids, logits_sharding=self.runner.logits_sharding,
+            logits_sharding=self.runner.logits_sharding,
         )  # fmt: skip
         secs += self.sampler.precompile()
         log.info("precompiled %d executables in %.1f s", compilation_count() - before, secs)
@@ -162,26 +157,23 @@ class LLMEngine:
         `deadline` (time.monotonic() clock) ends it with "timeout": see jserve.core.deadlines.
         """
         params = params or SamplingParams()
-        try:
-            self.sampler.check(params)
-        except ValueError as e:
-            raise RequestRejected("invalid", str(e)) from None
         if request_id in self._states:
             raise RequestRejected("invalid", f"request id {request_id!r} is already in use")
         text, ids = self._prompt_ids(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
-        stop_ids = set(params.stop_token_ids)
-        if not params.ignore_eos:
-            stop_ids |= self.tokenizer.stop_token_ids
-        state = RequestState.create(request_id, text, ids, params, self.tokenizer, arrival)
+        stop = StopConditions.from_params(params, self.tokenizer.stop_token_ids, max_tokens)
+        try:
+            self.sampler.check_banned_ids(stop.banned_ids(0))
+        except ValueError as e:
+            raise RequestRejected("invalid", str(e)) from None
+        state = RequestState.create(request_id, text, ids, params, stop, self.tokenizer, arrival)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         children = []
         for i in range(params.n):
             child_id = request_id if params.n == 1 else f"{request_id}#{i}"
             req = Request(
-                child_id, ids, max_tokens=max_tokens, min_tokens=params.min_tokens,
-                stop_token_ids=stop_ids, arrival_time=arrival, lane=lane, deadline=deadline,
+                child_id, ids, stop=stop, arrival_time=arrival, lane=lane, deadline=deadline,
                 group_id=request_id if params.n > 1 else None,
             )  # fmt: skip
             try:
@@ -209,7 +201,9 @@ class LLMEngine:
             raise RequestRejected("invalid", f"prompt token ids must be integers in [0, {vocab})")
         return None, ids
 
-    def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
+    def abort_request(
+        self, request_id: str, reason: FinishReason = FinishReason.ABORT
+    ) -> RequestOutput | None:
         """End a request in any state (finish reason `reason`); its KV blocks are freed now."""
         state = self._states.pop(request_id, None)
         if state is None:
@@ -231,7 +225,7 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         changed: dict[str, RequestState] = {}
         for child_id, reason in plan.finished.items():
-            self._finish_child(child_id, _FINISH_REASONS[reason], None, changed)
+            self._finish_child(child_id, reason, None, changed)
         if not plan.is_empty:
             self._iteration_tokens.append(plan.num_batched_tokens)
             logits = self.runner.run(self.builder.build(plan))
@@ -248,11 +242,13 @@ class LLMEngine:
         for seq in plan.seqs:
             child = self._children[seq.request_id]
             req = self.scheduler.get_request(seq.request_id)
+            output = req.output_token_ids
             rows.append(
                 SamplingRow(
-                    child.state.params, child.seed, req.prompt_token_ids, req.output_token_ids
+                    child.state.params, child.seed, req.prompt_token_ids, output,
+                    req.stop.banned_ids(len(output)),
                 )
-            )
+            )  # fmt: skip
         result = self.sampler.sample(logits, rows)
         return {seq.request_id: result.row(i) for i, seq in enumerate(plan.seqs) if seq.sample}
 
@@ -274,15 +270,16 @@ class LLMEngine:
             changed[child.state.request_id] = child.state
             stop_string = child.state.add_token(child.index, token, top)
             if rid in finished:
-                req = finished[rid]
-                reason = _FINISH_REASONS[req.finish_reason]
-                stop = token if req.finish_reason is FinishReason.STOPPED else None
+                reason = finished[rid].finish_reason
+                stop = token if reason is FinishReason.STOP else None
                 self._finish_child(rid, reason, stop, changed)
             elif stop_string is not None:
-                self.scheduler.finish_request(rid, FinishReason.STOPPED)
-                self._finish_child(rid, "stop", stop_string, changed)
+                self.scheduler.finish_request(rid, FinishReason.STOP)
+                self._finish_child(rid, FinishReason.STOP, stop_string, changed)
 
-    def _finish_child(self, child_id: str, reason: str, stop, changed: dict) -> None:
+    def _finish_child(
+        self, child_id: str, reason: FinishReason, stop: int | str | None, changed: dict
+    ) -> None:
         child = self._children.pop(child_id, None)
         if child is None:
             return

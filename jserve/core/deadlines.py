@@ -2,7 +2,7 @@
 
 A request's `deadline` is an absolute time on the `time.monotonic()` clock. If the request has
 not finished by then, whatever its state (waiting, preempted or running), the scheduler ends it
-with `FinishReason.DEADLINE` ("timeout" in outputs and HTTP bodies) at the start of the first
+with `FinishReason.TIMEOUT` ("timeout" in outputs and HTTP bodies) at the start of the first
 `schedule()` whose clock reading is at or past the deadline; tokens already generated are kept
 and reported. The HTTP `timeout` field is this deadline minus the time the request arrived.
 """

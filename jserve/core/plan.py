@@ -5,7 +5,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from jserve.core.request import FinishReason
+from jserve.stopping import FinishReason
 
 
 @dataclass(slots=True)

@@ -5,8 +5,10 @@ from __future__ import annotations
 import enum
 import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
+
+from jserve.stopping import FinishReason, StopConditions
 
 LANES = ("interactive", "long", "batch")  # strict priority order, highest first
 LANE_RANK = {lane: rank for rank, lane in enumerate(LANES)}
@@ -19,14 +21,6 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
-class FinishReason(enum.StrEnum):
-    STOPPED = "stopped"  # a stop / EOS token id (or a stop string the engine saw)
-    LENGTH = "length"  # max_tokens or max_model_len reached
-    ABORTED = "aborted"
-    REJECTED = "rejected"
-    DEADLINE = "deadline"  # unfinished when its deadline passed (see core.deadlines)
-
-
 class Request:
     """One sequence the scheduler drives.
 
@@ -36,11 +30,11 @@ class Request:
     collection cost about 25 ms per 2,000 live requests). The last known token is computed in
     the step that samples the next one, so a decoding request has exactly one uncomputed token.
 
-    `stop_token_ids` holds EOS and the user's stop ids (the engine leaves EOS out for
-    `ignore_eos`). `deadline` is absolute, on the `time.monotonic()` clock (what it means:
-    `jserve.core.deadlines`). `extra_key` separates prefix-cache entries whose tokens are equal
-    but whose KV differs (e.g. a LoRA or an image). Siblings of an `n > 1` request share a
-    `group_id` and the same prompt.
+    `stop` holds its stop rules (`max_tokens` among them; see jserve.stopping). A request the
+    scheduler rejected is FINISHED with no finish reason. `deadline` is absolute, on the
+    `time.monotonic()` clock (what it means: `jserve.core.deadlines`). `extra_key` separates
+    prefix-cache entries whose tokens are equal but whose KV differs (e.g. a LoRA or an
+    image). Siblings of an `n > 1` request share a `group_id` and the same prompt.
     """
 
     __slots__ = (
@@ -54,8 +48,6 @@ class Request:
         "finish_reason",
         "group_id",
         "lane",
-        "max_tokens",
-        "min_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_hashed_blocks",
@@ -66,7 +58,7 @@ class Request:
         "prompt_token_ids",
         "request_id",
         "status",
-        "stop_token_ids",
+        "stop",
     )
 
     def __init__(
@@ -74,9 +66,7 @@ class Request:
         request_id: str,
         prompt_token_ids: Sequence[int],
         *,
-        max_tokens: int = 16,
-        min_tokens: int = 0,
-        stop_token_ids: Iterable[int] = (),
+        stop: StopConditions | None = None,
         arrival_time: float | None = None,
         lane: str = "interactive",
         deadline: float | None = None,
@@ -88,9 +78,7 @@ class Request:
         self.all_token_ids = array("q", self.prompt_token_ids)
         self.output_token_ids = array("q")
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.max_tokens = max_tokens
-        self.min_tokens = min_tokens
-        self.stop_token_ids = frozenset(stop_token_ids)
+        self.stop = StopConditions() if stop is None else stop
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.lane = lane
         self.deadline = deadline

@@ -20,7 +20,8 @@ One iteration, as the engine drives it:
    a caller are not reported back to it; `StepPlan.finished` lists only those the scheduler
    ended by itself.
 3. `update_from_output()` advances progress, appends sampled tokens, caches newly filled blocks
-   and finishes requests on a stop token or max_tokens, returning those it finished.
+   and finishes requests on a stop token or max_tokens (the rules: jserve.stopping), returning
+   those it finished.
 `schedule()` and `update_from_output()` strictly alternate. Nothing here is thread-safe: call
 every method from the thread that drives the steps (e.g. the engine's event loop).
 """
@@ -40,7 +41,8 @@ from jserve.core.deadlines import DeadlineHeap
 from jserve.core.plan import StepPlan
 from jserve.core.planner import PlanOutcome, plan_step
 from jserve.core.queues import WaitingQueues
-from jserve.core.request import LANE_RANK, FinishReason, Request, RequestStatus
+from jserve.core.request import LANE_RANK, Request, RequestStatus
+from jserve.stopping import FinishReason
 
 _priority = attrgetter("priority")
 
@@ -98,7 +100,6 @@ class Scheduler:
             check_new_request(request, self.config, self._requests, len(self.waiting), is_sibling)
         except Exception:
             request.status = RequestStatus.FINISHED
-            request.finish_reason = FinishReason.REJECTED
             raise
         if request.lane == "interactive" and (
             request.num_prompt_tokens > self.config.long_prompt_threshold
@@ -115,7 +116,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state and free its blocks now; False if it is unknown."""
-        return self.finish_request(request_id, FinishReason.ABORTED)
+        return self.finish_request(request_id, FinishReason.ABORT)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> bool:
         """End a request the caller found finished (a stop string, an abort) and free its
@@ -151,8 +152,8 @@ class Scheduler:
         self.num_steps += 1
         finished = {}
         for request in self._deadlines.pop_expired(time.monotonic() if now is None else now):
-            self._remove_and_finish(request, FinishReason.DEADLINE)
-            finished[request.request_id] = FinishReason.DEADLINE
+            self._remove_and_finish(request, FinishReason.TIMEOUT)
+            finished[request.request_id] = FinishReason.TIMEOUT
         outcome = plan_step(
             self.config, self.block_manager, self.running, self.waiting, self.group_leaders,
             self.watermark_blocks, self.num_steps,
@@ -178,7 +179,8 @@ class Scheduler:
 
     def update_from_output(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         """Record that `plan` ran; `sampled` maps request id -> new token for seqs with
-        `sample`. Returns the requests this finished (stop token or max_tokens)."""
+        `sample`. Returns the requests this finished (a stop token or max_tokens, decided by
+        jserve.stopping; the caller applies the stop-string rule and calls finish_request)."""
         requests = self._requests
         block_manager = self.block_manager
         caching = block_manager.prefix_cache is not None
@@ -205,11 +207,9 @@ class Scheduler:
             output = request.output_token_ids
             output.append(token_id)
             request.all_token_ids.append(token_id)
-            if token_id in request.stop_token_ids and len(output) >= request.min_tokens:
-                self._finish(request, FinishReason.STOPPED)
-                finished.append(request)
-            elif len(output) >= request.max_tokens:
-                self._finish(request, FinishReason.LENGTH)
+            reason = request.stop.after_token(token_id, len(output))
+            if reason is not None:
+                self._finish(request, reason)
                 finished.append(request)
         if finished:
             self.running = [r for r in self.running if r.status is running]

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from jserve.core.request import FinishReason, RequestStatus
+from jserve.core.request import RequestStatus
 from jserve.errors import RequestRejected
+from jserve.stopping import FinishReason
 
 from .helpers import EOS, FILLER, chunks, make_request, make_scheduler, run_until_idle, step
 
@@ -14,7 +15,7 @@ def rejection(scheduler, request) -> RequestRejected:
     with pytest.raises(RequestRejected) as error:
         scheduler.add_request(request)
     assert request.status is RequestStatus.FINISHED
-    assert request.finish_reason is FinishReason.REJECTED
+    assert request.finish_reason is None
     return error.value
 
 
@@ -117,7 +118,7 @@ def test_waiting_request_past_its_deadline_finishes_with_deadline():
     plan, _ = step(scheduler, now=4.9)
     assert plan.finished == {}
     plan, _ = step(scheduler, now=5.0)
-    assert plan.finished == {"late": FinishReason.DEADLINE}
+    assert plan.finished == {"late": FinishReason.TIMEOUT}
     assert scheduler.get_request("late") is None
     assert scheduler.stats().num_waiting == 0
     assert [s.request_id for s in plan.seqs] == ["busy"]
@@ -133,8 +134,8 @@ def test_running_request_past_its_deadline_finishes_with_deadline_and_keeps_its_
         assert plan.finished == {}
     assert request.status is RequestStatus.RUNNING and request.num_output_tokens == 3
     plan = scheduler.schedule(3.0)
-    assert plan.finished == {"run": FinishReason.DEADLINE} and plan.is_empty
-    assert request.finish_reason is FinishReason.DEADLINE
+    assert plan.finished == {"run": FinishReason.TIMEOUT} and plan.is_empty
+    assert request.finish_reason is FinishReason.TIMEOUT
     assert list(request.output_token_ids) == [FILLER] * 3
     assert manager.num_free_blocks == manager.num_usable_blocks
     assert not scheduler.has_unfinished_requests() and scheduler.running == []
@@ -176,7 +177,7 @@ def test_stop_token_respects_min_tokens_and_max_tokens_gives_length():
     for _ in range(3):
         finished += step(scheduler, lambda request_id: EOS if request_id == "stop" else 9)[1]
     assert [(r.request_id, r.finish_reason) for r in finished] == [
-        ("stop", FinishReason.STOPPED),
+        ("stop", FinishReason.STOP),
         ("long", FinishReason.LENGTH),
     ]
     assert list(finished[0].output_token_ids) == [EOS, EOS]
@@ -187,8 +188,8 @@ def test_finish_request_for_a_stop_string_is_not_reported_again():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("r", 4))
     step(scheduler)
-    assert scheduler.finish_request("r", FinishReason.STOPPED)
-    assert not scheduler.finish_request("r", FinishReason.STOPPED)
+    assert scheduler.finish_request("r", FinishReason.STOP)
+    assert not scheduler.finish_request("r", FinishReason.STOP)
     assert scheduler.schedule(0.0).finished == {}
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_usable_blocks
 

@@ -22,9 +22,10 @@ from hypothesis.stateful import (
 
 from jserve.config import CacheConfig, SchedulerConfig
 from jserve.core.block_manager import SINK_BLOCK_ID
-from jserve.core.request import FinishReason, Request, RequestStatus
+from jserve.core.request import Request, RequestStatus
 from jserve.core.scheduler import Scheduler
 from jserve.errors import RequestRejected
+from jserve.stopping import FinishReason, StopConditions
 
 EOS = 2
 SHARED_PREFIXES = [tuple(range(3, 3 + 40)), tuple(range(50, 50 + 40))]
@@ -99,9 +100,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             request = Request(
                 f"r{self.num_added}",
                 prompt,
-                max_tokens=max_tokens,
-                min_tokens=data.draw(st.integers(0, max_tokens)),
-                stop_token_ids={EOS},
+                stop=StopConditions(
+                    max_tokens, data.draw(st.integers(0, max_tokens)), frozenset({EOS})
+                ),
                 arrival_time=self.now,
                 lane=lane,
                 deadline=None if deadline is None else self.now + deadline,
@@ -133,7 +134,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def engine_stops_one(self, data):
         request = data.draw(st.sampled_from(self.scheduler.running))
-        assert self.scheduler.finish_request(request.request_id, FinishReason.STOPPED)
+        assert self.scheduler.finish_request(request.request_id, FinishReason.STOP)
         self._report(request.request_id)
 
     @rule(eos_probability=st.sampled_from([0.0, 0.1, 0.5]), data=st.data())
@@ -143,7 +144,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def drain(self):
         """With no new arrivals, everything admitted finishes within a bound."""
-        work = sum(r.num_prompt_tokens + r.max_tokens for r in self.live.values())
+        work = sum(r.num_prompt_tokens + r.stop.max_tokens for r in self.live.values())
         bound = work * (len(self.live) + 1) + 50
         for _ in range(bound):
             if not self.live:
@@ -165,7 +166,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         plan = self.scheduler.schedule(now)
         self.now += 1.0
         for request_id, reason in plan.finished.items():
-            assert reason == "deadline"  # aborts and engine stops are not reported back
+            assert reason == "timeout"  # aborts and engine stops are not reported back
             request = self.live[request_id]
             assert request.deadline <= now and request.block_ids == []
             self._report(request_id)
@@ -174,12 +175,12 @@ class SchedulerMachine(RuleBasedStateMachine):
         self._check_plan(plan)
         sampled = {seq.request_id: next_token() for seq in plan.seqs if seq.sample}
         for request in self.scheduler.update_from_output(plan, sampled):
-            assert request.finish_reason in ("stopped", "length")
-            if request.finish_reason == "stopped":
+            assert request.finish_reason in ("stop", "length")
+            if request.finish_reason == "stop":
                 assert request.output_token_ids[-1] == EOS
-                assert request.num_output_tokens >= request.min_tokens
+                assert request.num_output_tokens >= request.stop.min_tokens
             else:
-                assert request.num_output_tokens == request.max_tokens
+                assert request.num_output_tokens == request.stop.max_tokens
             self._report(request.request_id)
 
     def _report(self, request_id):

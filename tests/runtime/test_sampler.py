@@ -23,6 +23,7 @@ from jserve.runtime.sampler import (
 )
 from jserve.runtime.sampling_tensors import SamplingRow, SamplingTensorBuilder, seeded_uniforms
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jserve.stopping import StopConditions
 
 V = 10_000  # > 64 * TOP_CANDIDATES, so the blocked candidate search runs; not a multiple of 64
 BUCKETS = (4, 8, 16)
@@ -32,7 +33,7 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def sampler() -> Sampler:
-    return Sampler(V, BUCKETS, MAX_MODEL_LEN, eos_token_ids=[EOS])
+    return Sampler(V, BUCKETS, MAX_MODEL_LEN)
 
 
 def distinct_logits(rng: np.random.Generator, rows: int, scale: float = 2.0) -> np.ndarray:
@@ -42,7 +43,9 @@ def distinct_logits(rng: np.random.Generator, rows: int, scale: float = 2.0) -> 
 
 
 def row(params: SamplingParams, seed: int | None = 0, prompt=(), output=()) -> SamplingRow:
-    return SamplingRow(params, seed, list(prompt), list(output))
+    """The row the engine would build: banned ids from the stop rules, EOS = `EOS`."""
+    stop = StopConditions.from_params(params, [EOS], params.max_tokens or 16)
+    return SamplingRow(params, seed, list(prompt), list(output), stop.banned_ids(len(output)))
 
 
 # --- numpy reference (float64) ---------------------------------------------------------------
@@ -103,7 +106,7 @@ def midpoint_params(x, temperature, top_k=0, min_p_keep=0, top_p_keep=0) -> Samp
 def test_penalties_match_reference_and_neutral_rows_are_untouched():
     rng = np.random.default_rng(1)
     x = distinct_logits(rng, 4)
-    builder = SamplingTensorBuilder((4,), V, MAX_MODEL_LEN, eos_token_ids=[EOS])
+    builder = SamplingTensorBuilder((4,), V, MAX_MODEL_LEN)
     prompt = [7, 7, 9, 400, 9999]
     output = [9, 11, 11, 11, 400, 3]
     cases = [
@@ -334,7 +337,7 @@ def test_garbage_in_padding_rows_leaves_real_rows_unchanged(sampler):
 
 
 def test_after_precompile_no_batch_compiles(sampler):
-    fresh = Sampler(V, (2, 4), MAX_MODEL_LEN, eos_token_ids=[EOS])
+    fresh = Sampler(V, (2, 4), MAX_MODEL_LEN)
     assert fresh.precompile() > 0
     rng = np.random.default_rng(9)
     batches = [
@@ -379,7 +382,7 @@ def test_builder_rejects_what_it_cannot_hold():
         builder.build([row(SamplingParams())] * 5, 4)
     with pytest.raises(ValueError, match="history_len=8"):
         builder.build([row(SamplingParams(presence_penalty=1), prompt=[1] * 6, output=[2] * 3)], 4)
-    too_many = SamplingParams(min_tokens=1, stop_token_ids=[1, 2, 3])
     with pytest.raises(ValueError, match="stop_token_ids"):
-        builder.check(too_many)
-    builder.check(SamplingParams(stop_token_ids=[1, 2, 3]))  # no min_tokens: nothing banned
+        builder.check_banned_ids([1, 2, 3])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        builder.build([row(SamplingParams(min_tokens=1, stop_token_ids=[1, 3]))], 4)
