@@ -33,8 +33,8 @@ class SchedulerConfig:
         free_block_watermark: fraction of KV blocks kept free; no new prefill starts below it.
         aging_iterations: a waiting request that waited this many iterations jumps ahead of the
             strict lane priority, so no request waits forever.
-        policy: "continuous" (iteration-level) or "static" (admit a batch only when nothing runs,
-            then run it until every member finishes; a baseline for benchmarks).
+        scheduling: "continuous" (iteration-level) or "static" (admit a batch only when nothing
+            runs, then run it until every member finishes; a baseline for benchmarks).
         enable_chunked_prefill: split prompts across steps; off = a prompt's prefill runs whole
             in one step or not at all (then max_num_batched_tokens must cover max_model_len, and
             the long lane's share cap cannot apply because it cannot split a prompt).
@@ -50,7 +50,7 @@ class SchedulerConfig:
     max_waiting_requests: int = 1024
     free_block_watermark: float = 0.01
     aging_iterations: int = 64
-    policy: str = "continuous"
+    scheduling: str = "continuous"
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
 
@@ -88,7 +88,10 @@ class SchedulerConfig:
             self.aging_iterations >= 1,
             f"aging_iterations must be >= 1, got {self.aging_iterations}",
         )
-        _require(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        _require(
+            self.scheduling in POLICIES,
+            f"scheduling must be one of {POLICIES}, got {self.scheduling!r}",
+        )
         if not self.enable_chunked_prefill:
             _require(
                 self.max_num_batched_tokens >= self.max_model_len,

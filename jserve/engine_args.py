@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 from dataclasses import dataclass
 
-from jserve.config import POLICIES
+from jserve.config import POLICIES, SchedulerConfig
 
 
 @dataclass
@@ -54,6 +54,17 @@ class EngineArgs:
     @classmethod
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
+
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's settings: every SchedulerConfig field these args have, by name
+        (so a new scheduler setting needs no copying code), and the resolved max_model_len."""
+        names = self.field_names()
+        shared = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(SchedulerConfig)
+            if f.name in names and f.name != "max_model_len"
+        }
+        return SchedulerConfig(**shared, max_model_len=max_model_len)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:

@@ -21,6 +21,10 @@ class ScheduledSeq:
     read it before the next `schedule()`, after which it may hold more entries. When `sample`
     is True the chunk ends at the last known token, so its last position's logits produce the
     next token.
+
+    `prompt_token_ids` and `output_token_ids` are what the engine needs to sample without
+    asking the scheduler (penalties, the seed's step): `output_token_ids` is the request's own
+    array, so read it before `update_from_output` appends this step's token.
     """
 
     request_id: str
@@ -28,6 +32,8 @@ class ScheduledSeq:
     token_ids: array
     block_ids: list[int]
     sample: bool
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: array
 
     @property
     def num_tokens(self) -> int:

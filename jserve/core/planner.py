@@ -82,7 +82,7 @@ class _Planner:
         self.preempted: set[str] = set()
 
     def build(self) -> PlanOutcome:
-        static = self.config.policy == "static"
+        static = self.config.scheduling == "static"
         if static and not self.running:
             self.admit_static_batch()
         self.schedule_running_decodes()
@@ -125,6 +125,8 @@ class _Planner:
                     request.all_token_ids[start:],
                     request.block_ids,
                     True,
+                    request.prompt_token_ids,
+                    request.output_token_ids,
                 )
             )
             index += 1
@@ -256,6 +258,8 @@ class _Planner:
                 request.all_token_ids[start:end],
                 request.block_ids,
                 end == request.num_tokens,
+                request.prompt_token_ids,
+                request.output_token_ids,
             )
         )
         self.budget -= num_new

@@ -293,7 +293,6 @@ class Sampler:
         vocab_size: V of the model's logits.
         seq_buckets: the engine's sequence buckets; logits come with one of them as row count.
         max_model_len: longest prompt + output; sizes the penalty history.
-        logits_sharding: the model step's logits sharding, so precompiled keys match serving.
     """
 
     def __init__(
@@ -301,22 +300,24 @@ class Sampler:
         vocab_size: int,
         seq_buckets: Sequence[int],
         max_model_len: int,
-        logits_sharding: jax.sharding.Sharding | None = None,
     ) -> None:
         history_len = 1 << max(0, max_model_len - 1).bit_length()
         self.builder = SamplingTensorBuilder(seq_buckets, vocab_size, history_len)
-        self.logits_sharding = logits_sharding
 
     def check_banned_ids(self, banned_ids: Sequence[int]) -> None:
         """Raise ValueError if a row cannot ban all of `banned_ids` (call at admission)."""
         self.builder.check_banned_ids(banned_ids)
 
-    def precompile(self) -> float:
-        """Compile `sample` for every sequence bucket (one executable each); returns seconds."""
+    def precompile(self, logits_sharding: jax.sharding.Sharding | None = None) -> float:
+        """Compile `sample` for every sequence bucket (one executable each); returns seconds.
+
+        `logits_sharding` is the model step's (known once it is compiled), so the keys
+        compiled here are the ones serving uses.
+        """
         start = time.perf_counter()
         for s in self.builder.seq_buckets:
             logits = jnp.zeros((s, self.builder.vocab_size), jnp.float32)
-            logits = jax.device_put(logits, self.logits_sharding)
+            logits = jax.device_put(logits, logits_sharding)
             jax.block_until_ready(sample(logits, self.builder.build([], s)))
         return time.perf_counter() - start
 

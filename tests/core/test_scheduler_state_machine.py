@@ -51,7 +51,7 @@ def configs(draw) -> tuple[SchedulerConfig, CacheConfig]:
         max_waiting_requests=draw(st.integers(1, 12)),
         free_block_watermark=watermark,
         aging_iterations=draw(st.integers(1, 12)),
-        policy=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        scheduling=draw(st.sampled_from(["continuous", "continuous", "static"])),
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
     )
