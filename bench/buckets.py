@@ -156,8 +156,8 @@ class StepLog:
     """
 
     def __init__(self, engine: LLMEngine) -> None:
-        self._build, self._run = engine.builder.build, engine.runner.run
-        engine.builder.build = self.build  # instance attributes shadow the methods
+        self._build, self._run = engine.inputs_builder.build, engine.runner.run
+        engine.inputs_builder.build = self.build  # instance attributes shadow the methods
         engine.runner.run = self.run
         self.steps: list[dict] = []
 

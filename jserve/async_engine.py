@@ -67,7 +67,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str,
         *,
-        priority: str = "interactive",
+        lane: str = "interactive",
         timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.state != "ready":
@@ -78,7 +78,7 @@ class AsyncLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._send("add", (request_id, prompt, params, priority, deadline))
+        self._send("add", (request_id, prompt, params, lane, deadline))
         finished = False
         try:
             while not finished:
@@ -130,9 +130,9 @@ class AsyncLLMEngine:
                 if out is not None:
                     self._deliver(payload, out)
                 continue
-            request_id, prompt, params, priority, deadline = payload
+            request_id, prompt, params, lane, deadline = payload
             try:
-                engine.add_request(request_id, prompt, params, lane=priority, deadline=deadline)
+                engine.add_request(request_id, prompt, params, lane=lane, deadline=deadline)
             except (RequestRejected, ValueError) as e:
                 if not isinstance(e, RequestRejected):
                     e = RequestRejected("invalid", str(e))

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 POLICIES = ("continuous", "static")
+# Scheduling lanes in strict priority order, highest first (the HTTP field `lane` names one).
+LANES = ("interactive", "long", "batch")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -66,7 +66,7 @@ class LLMEngine:
         self.model_config = parts.model_config
         self.max_model_len = parts.max_model_len
         self.scheduler = parts.scheduler
-        self.builder = parts.inputs_builder
+        self.inputs_builder = parts.inputs_builder
         self.runner = parts.runner
         self.sampler = parts.sampler
         self._bucket_pairs = parts.bucket_pairs
@@ -97,7 +97,7 @@ class LLMEngine:
             log.info("precompiled model step %d/%d (%.1f s)", done, total, seconds)
 
         before = compilation_count()
-        secs = self.runner.precompile(self.builder.example, self._bucket_pairs, progress)
+        secs = self.runner.precompile(self.inputs_builder.example, self._bucket_pairs, progress)
         secs += self.sampler.precompile(self.runner.logits_sharding)
         log.info("precompiled %d executables in %.1f s", compilation_count() - before, secs)
 
@@ -187,7 +187,7 @@ class LLMEngine:
             self._finish_child(child_id, reason, None, changed)
         if not plan.is_empty:
             self._iteration_tokens.append(plan.num_batched_tokens)
-            logits = self.runner.run(self.builder.build(plan))
+            logits = self.runner.run(self.inputs_builder.build(plan))
             sampled = self._sample(plan, logits)
             self._postprocess(plan, sampled, changed)
         outputs = [state.to_output() for state in changed.values()]

@@ -12,8 +12,6 @@ from typing import Any, Protocol
 from jserve.outputs import EngineStats, RequestOutput
 from jserve.sampling_params import SamplingParams
 
-PRIORITIES = ("interactive", "long", "batch")
-
 
 class TokenizerLike(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -34,6 +32,7 @@ class EngineClient(Protocol):
     `generate` yields cumulative RequestOutputs (per CompletionOutput: `text` extends the
     previous text, `token_ids` and `logprobs` grow); the last one has `finished=True`. It raises
     `jserve.errors.RequestRejected` at the first iteration when the request is not admitted,
+    `lane` is one of jserve.config.LANES,
     and `jserve.errors.EngineDeadError` when the engine dies. A request not finished `timeout`
     seconds after `generate` was called, waiting or running, finishes with finish_reason
     "timeout" and keeps the tokens it generated (jserve.core.deadlines states the rule).
@@ -54,7 +53,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         request_id: str,
         *,
-        priority: str = "interactive",
+        lane: str = "interactive",
         timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 

@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from jserve.config import LANES
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
 from jserve.stopping import FinishReason, StopConditions
-from server.engine_client import PRIORITIES
 
 
 class CharTokenizer:
@@ -98,7 +98,7 @@ class MockEngine:
         params: SamplingParams,
         request_id: str,
         *,
-        priority: str = "interactive",
+        lane: str = "interactive",
         timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.state == "dead":
@@ -120,7 +120,7 @@ class MockEngine:
         now = time.monotonic()
         request = _Request(
             request_id, ids, params, StopConditions.from_params(params, (), max_tokens),
-            PRIORITIES.index(priority),
+            LANES.index(lane),
             None if timeout is None else now + timeout, RequestMetrics(arrival_time=now),
             [CompletionOutput(index=j, logprobs=None if params.logprobs is None else [])
              for j in range(params.n)],

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Container
 
-from jserve.config import SchedulerConfig
-from jserve.core.request import LANES, Request
+from jserve.config import LANES, SchedulerConfig
+from jserve.core.request import Request
 from jserve.errors import RequestRejected
 
 

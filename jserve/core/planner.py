@@ -21,7 +21,7 @@ from jserve.core.plan import ScheduledSeq, StepPlan
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import Request
 
-_priority = attrgetter("priority")
+_rank = attrgetter("rank")
 
 
 @dataclass
@@ -29,7 +29,7 @@ class PlanOutcome:
     """What one `plan_step` decided; the scheduler applies it."""
 
     plan: StepPlan
-    running: list[Request]  # the new running list, sorted by Request.priority
+    running: list[Request]  # the new running list, sorted by Request.rank
     admitted: list[Request] = field(default_factory=list)  # left waiting, in admission order
     # Lost their blocks, in preemption order; they go back to the front of their lane, tokens
     # kept (a request admitted by the static policy may be admitted and preempted in one step).
@@ -219,7 +219,7 @@ class _Planner:
         elif self.block_manager.prefix_cache is not None:
             self.block_manager.use_prefix(request, hits)
         self.outcome.admitted.append(request)
-        insort(self.running, request, key=_priority)
+        insort(self.running, request, key=_rank)
 
     def _chunk_size(self, request: Request, remaining: int) -> int:
         """Tokens of `remaining` that `request` may compute this step (0: none)."""

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from jserve.core.request import LANES, Request
+from jserve.config import LANES
+from jserve.core.request import Request
 
 
 class WaitingQueues:

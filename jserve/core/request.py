@@ -8,9 +8,9 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+from jserve.config import LANES
 from jserve.stopping import FinishReason, StopConditions
 
-LANES = ("interactive", "long", "batch")  # strict priority order, highest first
 LANE_RANK = {lane: rank for rank, lane in enumerate(LANES)}
 
 
@@ -54,8 +54,8 @@ class Request:
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
-        "priority",
         "prompt_token_ids",
+        "rank",
         "request_id",
         "status",
         "stop",
@@ -96,7 +96,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_hashed_blocks = 0
         # Set by the scheduler: (lane rank, arrival, admission order) - smaller runs first.
-        self.priority: tuple[int, float, int] = (0, 0.0, 0)
+        self.rank: tuple[int, float, int] = (0, 0.0, 0)
         self.enqueued_step = 0  # iteration at which it last entered the waiting queue
 
     @property

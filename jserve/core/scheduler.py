@@ -44,7 +44,7 @@ from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
 from jserve.stopping import FinishReason
 
-_priority = attrgetter("priority")
+_rank = attrgetter("rank")
 
 
 @dataclass
@@ -76,7 +76,7 @@ class Scheduler:
                 f"{self.watermark_blocks} watermark blocks; raise num_blocks or lower "
                 f"max_model_len"
             )
-        self.running: list[Request] = []  # sorted by Request.priority, highest first
+        self.running: list[Request] = []  # sorted by Request.rank, highest first
         self.waiting = WaitingQueues(scheduler_config.aging_iterations)
         self._deadlines = DeadlineHeap()
         self.num_preemptions = 0
@@ -106,7 +106,7 @@ class Scheduler:
         ):
             request.lane = "long"
         self._num_added += 1
-        request.priority = (LANE_RANK[request.lane], request.arrival_time, self._num_added)
+        request.rank = (LANE_RANK[request.lane], request.arrival_time, self._num_added)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         if request.group_id is not None and not is_sibling:
@@ -219,7 +219,7 @@ class Scheduler:
 
     def _remove_and_finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
-            index = bisect_left(self.running, request.priority, key=_priority)
+            index = bisect_left(self.running, request.rank, key=_rank)
             del self.running[index]
         else:
             self.waiting.remove(request)

@@ -265,7 +265,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         scheduler = self.scheduler
         running = scheduler.running
         assert len(running) <= self.config.max_num_seqs
-        assert [r.priority for r in running] == sorted(r.priority for r in running)
+        assert [r.rank for r in running] == sorted(r.rank for r in running)
         assert {r.request_id for r in running} == {
             r.request_id for r in self.live.values() if r.status is RequestStatus.RUNNING
         }

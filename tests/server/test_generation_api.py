@@ -226,13 +226,18 @@ async def test_timeout_ends_with_timeout_finish_reason():
     assert choice["text"] == echo_text("slow", body["usage"]["completion_tokens"])
 
 
-async def test_priority_lanes_are_accepted():
+async def test_lanes_are_accepted_and_vllms_default_priority_is_harmless():
     async with serve(_fast_mock()) as client:
-        for lane in ("interactive", "long", "batch"):
+        for extra in (
+            {"lane": "interactive"},
+            {"lane": "long"},
+            {"lane": "batch"},
+            {"priority": 0},
+        ):
             response = await client.post(
-                "/v1/completions", json={"prompt": "ab", "max_tokens": 2, "priority": lane}
+                "/v1/completions", json={"prompt": "ab", "max_tokens": 2, **extra}
             )
-            assert (await response.json())["choices"][0]["text"] == "ab"
+            assert (await response.json())["choices"][0]["text"] == "ab", extra
 
 
 async def test_models_and_served_model_name():
