@@ -72,6 +72,9 @@ class AsyncLLMEngine:
     ) -> AsyncIterator[RequestOutput]:
         if self.state != "ready":
             raise EngineDeadError(self.dead_reason or f"engine is {self.state}")
+        # Not the uniqueness rule (the engine owns that): outputs are routed by id, so a second
+        # stream under a live id would take the first one's outputs before the engine, a
+        # thread hop later, could refuse it.
         if request_id in self._queues:
             raise RequestRejected("invalid", f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()

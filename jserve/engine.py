@@ -42,8 +42,9 @@ Prompt = str | list[int] | dict
 
 
 def child_ids(request_id: str, n: int) -> list[str]:
-    """Scheduler ids of a request's `n` samples: the request's own id when n == 1."""
-    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+    """Scheduler ids of a request's `n` samples. Always suffixed, so distinct (request id,
+    index) pairs give distinct ids: the engine's one check of its users' ids covers them."""
+    return [f"{request_id}#{i}" for i in range(n)]
 
 
 @dataclass
@@ -119,7 +120,9 @@ class LLMEngine:
         """
         params = params or SamplingParams()
         if request_id in self._states:
-            raise RequestRejected("invalid", f"request id {request_id!r} is already in use")
+            raise RequestRejected(
+                "invalid", f"request id {request_id!r} is already in use; use a unique id"
+            )
         text, ids = self._prompt_ids(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))

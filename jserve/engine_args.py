@@ -39,6 +39,9 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     long_prompt_threshold: int = 512
     max_waiting_requests: int = 1024
+    long_lane_max_share: float = 0.5
+    free_block_watermark: float = 0.01
+    aging_iterations: int = 64
     attention_impl: str = "auto"
     tensor_parallel_size: int = 1
     cache_dir: str | None = None
@@ -86,6 +89,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     a("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
     a("--long-prompt-threshold", type=int, default=d.long_prompt_threshold)
     a("--max-waiting-requests", type=int, default=d.max_waiting_requests)
+    a("--long-lane-max-share", type=float, default=d.long_lane_max_share)
+    a("--free-block-watermark", type=float, default=d.free_block_watermark)
+    a("--aging-iterations", type=int, default=d.aging_iterations)
     a("--attention-impl", default=d.attention_impl)
     a("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
     a("--cache-dir", default=None, help="converted-model cache (default ~/.cache/jserve)")

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
-
 from jserve.config import LANES, SchedulerConfig
 from jserve.core.request import Request
 from jserve.errors import RequestRejected
@@ -12,15 +10,11 @@ from jserve.errors import RequestRejected
 def check_new_request(
     request: Request,
     config: SchedulerConfig,
-    known_request_ids: Container[str],
     num_waiting: int,
     is_sibling: bool,
 ) -> None:
-    """Raise RequestRejected unless `request` may join the waiting queue."""
-    if request.request_id in known_request_ids:
-        raise RequestRejected(
-            "invalid", f"request id {request.request_id!r} is already in use; use a unique id"
-        )
+    """Raise RequestRejected unless `request` may join the waiting queue (its id is the
+    caller's to keep unique: see Request)."""
     if request.num_prompt_tokens == 0:
         raise RequestRejected("invalid", "the prompt has no tokens; send at least one token")
     max_tokens, min_tokens = request.stop.max_tokens, request.stop.min_tokens

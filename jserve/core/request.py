@@ -6,7 +6,6 @@ import enum
 import time
 from array import array
 from collections.abc import Sequence
-from typing import Any
 
 from jserve.config import LANES
 from jserve.stopping import FinishReason, StopConditions
@@ -32,9 +31,10 @@ class Request:
 
     `stop` holds its stop rules (`max_tokens` among them; see jserve.stopping). A request the
     scheduler rejected is FINISHED with no finish reason. `deadline` is absolute, on the
-    `time.monotonic()` clock (what it means: `jserve.core.deadlines`). `extra_key` separates
-    prefix-cache entries whose tokens are equal but whose KV differs (e.g. a LoRA or an
-    image). Siblings of an `n > 1` request share a `group_id` and the same prompt.
+    `time.monotonic()` clock (what it means: `jserve.core.deadlines`). Siblings of an `n > 1`
+    request share a `group_id` and the same prompt. Request ids must be unique among
+    unfinished requests: the engine checks that once, for its users' ids, and derives these
+    ids from them (jserve.engine.child_ids).
     """
 
     __slots__ = (
@@ -44,7 +44,6 @@ class Request:
         "block_ids",
         "deadline",
         "enqueued_step",
-        "extra_key",
         "finish_reason",
         "group_id",
         "lane",
@@ -70,7 +69,6 @@ class Request:
         arrival_time: float | None = None,
         lane: str = "interactive",
         deadline: float | None = None,
-        extra_key: Any = None,
         group_id: str | None = None,
     ) -> None:
         self.request_id = request_id
@@ -82,7 +80,6 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.lane = lane
         self.deadline = deadline
-        self.extra_key = extra_key
         self.group_id = group_id
 
         self.status = RequestStatus.WAITING
@@ -110,10 +107,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (

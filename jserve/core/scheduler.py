@@ -97,7 +97,7 @@ class Scheduler:
         """
         is_sibling = request.group_id is not None and request.group_id in self.group_leaders
         try:
-            check_new_request(request, self.config, self._requests, len(self.waiting), is_sibling)
+            check_new_request(request, self.config, len(self.waiting), is_sibling)
         except Exception:
             request.status = RequestStatus.FINISHED
             raise

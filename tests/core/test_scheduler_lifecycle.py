@@ -56,16 +56,6 @@ def test_invalid_requests(request_kwargs, message):
     assert message in str(error)
 
 
-def test_duplicate_request_id_is_invalid():
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("r", 4))
-    error = rejection(scheduler, make_request("r", 4))
-    assert (error.reason, str(error)) == (
-        "invalid",
-        "request id 'r' is already in use; use a unique id",
-    )
-
-
 @pytest.mark.parametrize("prefix_caching", [False, True])
 @pytest.mark.parametrize(("prompt_len", "shared_blocks"), [(10, 2), (8, 1)])
 def test_siblings_wait_for_the_leader_then_fork_its_full_prompt_blocks(

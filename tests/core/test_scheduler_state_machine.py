@@ -1,8 +1,8 @@
 """Random arrivals, aborts, engine stops and steps against the scheduler, checking invariants.
 
-A shadow KV pool records, for every slot a plan writes, which prefix (tokens + extra key)
-produced it; a seq may only be scheduled when the slots its table maps for earlier positions
-hold exactly its own prefix. So a wrong prefix hit, a fork of a block someone still writes,
+A shadow KV pool records, for every slot a plan writes, which prefix of tokens produced it; a
+seq may only be scheduled when the slots its table maps for earlier positions hold exactly
+its own prefix. So a wrong prefix hit, a fork of a block someone still writes,
 or a block reused while referenced all show up as a mismatch.
 """
 
@@ -82,9 +82,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         lane=st.sampled_from(["interactive", "interactive", "long", "batch"]),
         n=st.sampled_from([1, 1, 1, 2, 3]),
         deadline=st.none() | st.floats(0.0, 6.0),
-        extra_key=st.sampled_from([None, None, "lora"]),
     )
-    def add(self, data, lane, n, deadline, extra_key):
+    def add(self, data, lane, n, deadline):
         max_model_len = self.config.max_model_len
         prompt_len = data.draw(st.integers(1, max_model_len + 2), label="prompt_len")
         max_tokens = data.draw(st.integers(1, 24), label="max_tokens")
@@ -106,7 +105,6 @@ class SchedulerMachine(RuleBasedStateMachine):
                 arrival_time=self.now,
                 lane=lane,
                 deadline=None if deadline is None else self.now + deadline,
-                extra_key=extra_key,
                 group_id=group_id,
             )
             too_long = prompt_len + max_tokens > self.config.max_model_len
@@ -231,7 +229,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @staticmethod
     def _prefix_keys(request, end):
         keys = []
-        key = hash(("root", request.extra_key))
+        key = hash("root")
         for token in request.all_token_ids[:end]:
             key = hash((key, token))
             keys.append(key)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from jserve.errors import RequestRejected
 from jserve.runtime.compilation import forbid_compilation
 from jserve.sampling_params import SamplingParams
 from tests.engine.conftest import assert_no_blocks_held, make_engine, run_to_completion
@@ -151,6 +152,18 @@ def test_deadline_ends_a_waiting_and_a_running_request_with_timeout(engine):
     final = run_to_completion(engine)["running"].outputs[0]
     assert final.finish_reason == "timeout"  # ...and was ended while running
     assert final.token_ids[: len(streamed)] == streamed and len(final.token_ids) < 200
+
+
+def test_request_ids_are_checked_once_and_sample_ids_never_collide(engine):
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("dup", "Hi", params)
+    with pytest.raises(RequestRejected, match="'dup' is already in use"):
+        engine.add_request("dup", "Hi", params)
+    engine.add_request("g", "Hi", SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True))
+    engine.add_request("g#1", "Hi", params)  # spelled like a sample of "g", but its own request
+    final = run_to_completion(engine)
+    assert sorted(final) == ["dup", "g", "g#1"]
+    assert [len(o.token_ids) for rid in sorted(final) for o in final[rid].outputs] == [2] * 4
 
 
 def test_64_requests_after_warmup_compile_nothing(engine):
