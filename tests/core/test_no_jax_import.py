@@ -25,7 +25,7 @@ _SCRIPT = textwrap.dedent(
         raise SystemExit("the jax blocker does not work")
 
     import jserve.core
-    names = ["jserve.config", "jserve.sampling_params", "jserve.stopping"] + [
+    names = ["jserve.config", "jserve.sampling_params", "jserve.settings", "jserve.stopping"] + [
         m.name for m in pkgutil.walk_packages(jserve.core.__path__, "jserve.core.")
     ]
     for name in names:
@@ -44,6 +44,7 @@ def test_core_modules_import_without_jax():
     expected = {
         "jserve.config",
         "jserve.sampling_params",
+        "jserve.settings",
         "jserve.stopping",
         "jserve.core.admission",
         "jserve.core.deadlines",
