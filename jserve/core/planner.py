@@ -1,5 +1,16 @@
 """The three passes that turn the scheduler's queues into one StepPlan, as one function.
 
+Over one step's token budget:
+a. running decodes, one token each, in rank order (lane, then arrival);
+b. running prefills (chunked prompts, recomputes after preemption), in rank order;
+c. unless (a) or (b) preempted, waiting requests, lane by lane (aged lanes first), FIFO inside
+   a lane, each admitted with its cached prefix and a first chunk while sequences, budget and
+   free blocks above the watermark allow. With scheduling="static", (c) is replaced by
+   admitting a whole batch only when nothing runs.
+When a running request cannot get a block, the lowest-ranked running request (latest arrival
+of the lowest lane) is preempted: its blocks are freed and it goes back to the front of its
+lane with every token kept, to recompute them (cheaply, with prefix caching).
+
 `plan_step` reads the scheduler's running list and waiting queues and returns what it decided
 (`PlanOutcome`): the plan, the new running list, and which requests it admitted and preempted.
 It never changes the scheduler's containers; the scheduler applies the outcome, so the
@@ -45,7 +56,7 @@ def plan_step(
     watermark_blocks: int,
     step: int,
 ) -> PlanOutcome:
-    """Plan iteration `step` (see the scheduler's docstring for the algorithm)."""
+    """Plan iteration `step` with the passes above; `running` is sorted by rank."""
     return _Planner(
         config, block_manager, running, waiting, group_leaders, watermark_blocks, step
     ).build()

@@ -2,19 +2,10 @@
 
 One iteration, as the engine drives it:
 1. `schedule()` may change everything here: it ends requests past their deadline (see
-   `deadlines`), then has `planner.plan_step` build a `StepPlan` in three passes over a token
-   budget, and applies what the planner decided to the running list and waiting queues (this
-   class is the only one that changes them, so it alone keeps "running is sorted by
-   priority"):
-   a. running decodes, one token each, in priority order (lane, then arrival);
-   b. running prefills (chunked prompts, recomputes after preemption), in priority order;
-   c. unless (a) or (b) preempted, waiting requests, lane by lane (aged lanes first), FIFO
-      inside a lane, each admitted with its cached prefix and a first chunk while sequences,
-      budget and free blocks above the watermark allow. With the "static" policy, (c) is
-      replaced by admitting a whole batch only when nothing runs.
-   When a running request cannot get a block, the lowest-priority running request (latest
-   arrival of the lowest lane) is preempted: its blocks are freed and it goes back to the front
-   of its lane with every token kept, to recompute them (cheaply, with prefix caching).
+   `deadlines`), has `planner.plan_step` build a `StepPlan` (decodes, then prefill chunks,
+   then admissions, preempting by recompute when blocks run out: the passes are described
+   there), and applies what the planner decided to the running list and waiting queues. This
+   class is the only one that changes them, so it alone keeps running sorted by rank.
 2. The runtime computes the plan. Meanwhile only `add_request`, `abort` and `finish_request`
    may be called; the next `update_from_output` skips requests they ended. Requests ended by
    a caller are not reported back to it; `StepPlan.finished` lists only those the scheduler
