@@ -172,7 +172,7 @@ class LLMEngine:
         if state is None:
             return None
         for i, child_id in enumerate(child_ids(request_id, len(state.samples))):
-            self.scheduler.abort(child_id)
+            self.scheduler.finish_request(child_id, reason)
             self._children.pop(child_id, None)
             state.finish_sample(i, reason)
         return state.to_output()
