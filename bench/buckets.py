@@ -92,7 +92,7 @@ def representative_inputs(engine: LLMEngine, kind: str, t: int, s: int, context:
         blocks = [usable[(next_block + j) % len(usable)] for j in range(num_blocks)]
         next_block += num_blocks
         tokens = array("q", range(1000 + i, 1000 + i + n))
-        seqs.append(ScheduledSeq(f"seq{i}", start, tokens, blocks, sample=True))
+        seqs.append(ScheduledSeq(f"seq{i}", start, tokens, blocks, True, (), array("q")))
     num_tokens = sum(n for _, n in chunks)
     plan = StepPlan(
         seqs=seqs,
@@ -156,8 +156,8 @@ class StepLog:
     """
 
     def __init__(self, engine: LLMEngine) -> None:
-        self._build, self._run = engine.builder.build, engine.runner.run
-        engine.builder.build = self.build  # instance attributes shadow the methods
+        self._build, self._run = engine.inputs_builder.build, engine.runner.run
+        engine.inputs_builder.build = self.build  # instance attributes shadow the methods
         engine.runner.run = self.run
         self.steps: list[dict] = []
 

@@ -19,6 +19,7 @@ import time
 from jserve.config import CacheConfig, SchedulerConfig
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
+from jserve.stopping import StopConditions
 
 EOS = 2
 SYSTEM_PROMPT = list(range(100, 164))  # 64 shared tokens
@@ -29,8 +30,7 @@ def make_request(rng: random.Random, index: int) -> Request:
     return Request(
         f"req-{index}",
         prompt,
-        max_tokens=rng.randint(200, 1000),
-        stop_token_ids={EOS},
+        stop=StopConditions(max_tokens=rng.randint(200, 1000), stop_token_ids=frozenset({EOS})),
         arrival_time=float(index),
     )
 

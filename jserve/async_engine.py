@@ -4,8 +4,9 @@ How a request flows (two threads, two kinds of queue):
 1. `generate()` runs on the event loop. It makes an asyncio.Queue for the request, registers
    it, and puts an "add" command in the inbox (a thread-safe deque) and wakes the step thread.
 2. The step thread (one, started by `start()`) loops: it drains the inbox (adds, aborts) into
-   the LLMEngine, expires timed-out requests, runs `engine.step()` while there is work, and
-   hands each RequestOutput to its request's asyncio.Queue with `loop.call_soon_threadsafe`.
+   the LLMEngine, runs `engine.step()` while there is work (a step also ends requests past
+   their deadline: jserve.core.deadlines), and hands each RequestOutput to its request's
+   asyncio.Queue with `loop.call_soon_threadsafe`.
    JAX releases the GIL while a step computes, so the event loop stays responsive. With no
    work it sleeps on a condition variable until the next command.
 3. `generate()` awaits its queue and yields outputs. Outputs are cumulative, so when several
@@ -66,18 +67,21 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str,
         *,
-        priority: str = "interactive",
+        lane: str = "interactive",
         timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.state != "ready":
             raise EngineDeadError(self.dead_reason or f"engine is {self.state}")
+        # Not the uniqueness rule (the engine owns that): outputs are routed by id, so a second
+        # stream under a live id would take the first one's outputs before the engine, a
+        # thread hop later, could refuse it.
         if request_id in self._queues:
             raise RequestRejected("invalid", f"request id {request_id!r} is already in use")
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._send("add", (request_id, prompt, params, priority, deadline))
+        self._send("add", (request_id, prompt, params, lane, deadline))
         finished = False
         try:
             while not finished:
@@ -129,9 +133,9 @@ class AsyncLLMEngine:
                 if out is not None:
                     self._deliver(payload, out)
                 continue
-            request_id, prompt, params, priority, deadline = payload
+            request_id, prompt, params, lane, deadline = payload
             try:
-                engine.add_request(request_id, prompt, params, lane=priority, deadline=deadline)
+                engine.add_request(request_id, prompt, params, lane=lane, deadline=deadline)
             except (RequestRejected, ValueError) as e:
                 if not isinstance(e, RequestRejected):
                     e = RequestRejected("invalid", str(e))

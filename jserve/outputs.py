@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from jserve.stopping import FinishReason
+
 
 @dataclass
 class Logprob:
@@ -26,7 +28,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | None
+    finish_reason: FinishReason | None = None  # a str: "stop", "length", "abort", "timeout"
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
     @property

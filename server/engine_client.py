@@ -12,8 +12,6 @@ from typing import Any, Protocol
 from jserve.outputs import EngineStats, RequestOutput
 from jserve.sampling_params import SamplingParams
 
-PRIORITIES = ("interactive", "long", "batch")
-
 
 class TokenizerLike(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
@@ -34,10 +32,13 @@ class EngineClient(Protocol):
     `generate` yields cumulative RequestOutputs (per CompletionOutput: `text` extends the
     previous text, `token_ids` and `logprobs` grow); the last one has `finished=True`. It raises
     `jserve.errors.RequestRejected` at the first iteration when the request is not admitted,
-    and `jserve.errors.EngineDeadError` when the engine dies. A request running longer than
-    `timeout` seconds finishes with finish_reason "timeout". `abort` frees the request's KV
-    blocks at once and ends its stream (finish_reason "abort"); aborting an unknown or finished
-    request is a no-op. `stats` returns a snapshot; `iteration_tokens` is drained by each call.
+    `lane` is one of jserve.config.LANES,
+    and `jserve.errors.EngineDeadError` when the engine dies. A request not finished `timeout`
+    seconds after `generate` was called, waiting or running, finishes with finish_reason
+    "timeout" and keeps the tokens it generated (jserve.core.deadlines states the rule).
+    `abort` frees the request's KV blocks at once and ends its stream (finish_reason "abort");
+    aborting an unknown or finished request is a no-op. `stats` returns a snapshot;
+    `iteration_tokens` is drained by each call.
     """
 
     model_name: str
@@ -52,7 +53,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         request_id: str,
         *,
-        priority: str = "interactive",
+        lane: str = "interactive",
         timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 

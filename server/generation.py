@@ -55,7 +55,7 @@ class _Generation:
             parsed.prompt,
             parsed.params,
             request_id,
-            priority=parsed.priority,
+            lane=parsed.lane,
             timeout=parsed.timeout,
         )
 

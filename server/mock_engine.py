@@ -4,12 +4,13 @@
 - Generation: choice j of a request with prompt ids P emits, at step k, token P[(j + k) % len(P)]
   (the prompt repeated, choice j starting j characters in). Sampling settings other than n,
   max_tokens, min_tokens, stop, stop_token_ids and logprobs are accepted and ignored.
+- Stopping: the engine's own rules (jserve.stopping: stop ids, max_tokens, stop strings from
+  min_tokens on, held-back text); there is no EOS.
 - Logprobs: the sampled token has -0.5; with logprobs=k the alternatives are the next k-1 ids
   after it, with -1.5, -2.5, ...
 - A step loop emits one token per running choice every `token_delay` seconds; at most
   `max_num_seqs` requests run, at most `max_waiting` wait (more -> RequestRejected
   "queue_full"). Fake KV usage counts blocks of `block_size` tokens of running requests.
-- Stop strings are held back while they could still be forming, so streamed text only grows.
 """
 
 from __future__ import annotations
@@ -21,10 +22,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from jserve.config import LANES
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
-from server.engine_client import PRIORITIES
+from jserve.stopping import FinishReason, StopConditions
 
 
 class CharTokenizer:
@@ -51,7 +53,7 @@ class _Request:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    max_tokens: int
+    stop: StopConditions
     lane: int
     deadline: float | None
     metrics: RequestMetrics
@@ -96,7 +98,7 @@ class MockEngine:
         params: SamplingParams,
         request_id: str,
         *,
-        priority: str = "interactive",
+        lane: str = "interactive",
         timeout: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.state == "dead":
@@ -117,7 +119,8 @@ class MockEngine:
             )
         now = time.monotonic()
         request = _Request(
-            request_id, ids, params, max_tokens, PRIORITIES.index(priority),
+            request_id, ids, params, StopConditions.from_params(params, (), max_tokens),
+            LANES.index(lane),
             None if timeout is None else now + timeout, RequestMetrics(arrival_time=now),
             [CompletionOutput(index=j, logprobs=None if params.logprobs is None else [])
              for j in range(params.n)],
@@ -139,7 +142,7 @@ class MockEngine:
         for request in self._waiting + self._running:
             if request.request_id == request_id:
                 for choice in request.choices:
-                    choice.finish_reason = choice.finish_reason or "abort"
+                    choice.finish_reason = choice.finish_reason or FinishReason.ABORT
                 self._emit(request)
 
     def stats(self) -> EngineStats:
@@ -182,7 +185,7 @@ class MockEngine:
         for request in self._waiting + self._running:
             if request.deadline is not None and now >= request.deadline:
                 for choice in request.choices:
-                    choice.finish_reason = choice.finish_reason or "timeout"
+                    choice.finish_reason = choice.finish_reason or FinishReason.TIMEOUT
                 self._emit(request)
         self._waiting.sort(key=lambda r: r.lane)  # stable: FIFO within a lane
         while self._waiting and len(self._running) < self.max_num_seqs:
@@ -211,20 +214,17 @@ class MockEngine:
             choice.logprobs.append(
                 {token + r: Logprob(-0.5 - r, chr(token + r)) for r in range(width)}
             )
+        num_tokens = len(choice.token_ids)
         full_text = self.tokenizer.decode(choice.token_ids)
-        may_stop = len(choice.token_ids) > params.min_tokens
-        hits = [(full_text.find(s), s) for s in params.stop if s in full_text]
-        if may_stop and token in params.stop_token_ids:
-            choice.finish_reason, choice.stop_reason = "stop", token
-            choice.text = self.tokenizer.decode(choice.token_ids[:-1])
-        elif may_stop and hits:
-            at, stop = min(hits)
-            choice.finish_reason, choice.stop_reason, choice.text = "stop", stop, full_text[:at]
-        elif len(choice.token_ids) >= request.max_tokens:
-            choice.finish_reason, choice.text = "length", full_text
-        else:
-            hold = max((len(s) - 1 for s in params.stop), default=0)
-            choice.text = full_text[: len(full_text) - hold]
+        reason = request.stop.after_token(token, num_tokens)
+        if reason is not None:  # no token is special here: a stop token's text stays
+            choice.finish_reason, choice.text = reason, full_text
+            choice.stop_reason = token if reason is FinishReason.STOP else None
+            return
+        check = request.stop.after_text(full_text, len(full_text) - 1, num_tokens)
+        choice.text = full_text[: check.end]
+        if check.stop is not None:
+            choice.finish_reason, choice.stop_reason = FinishReason.STOP, check.stop
 
     def _emit(self, request: _Request) -> None:
         finished = all(c.finished for c in request.choices)

@@ -3,6 +3,10 @@
 Every check raises APIError(400) naming the field, so a client learns what to fix. Unknown
 fields are ignored (as OpenAI-compatible servers do); fields jserve cannot honour (echo, suffix,
 logit_bias, tools, best_of != n, non-text response_format) are refused rather than ignored.
+
+jserve's own fields: `lane` (one of jserve.config.LANES, default "interactive") picks the
+scheduling lane, and `timeout` (seconds) sets the request's deadline (jserve.core.deadlines).
+vLLM's integer `priority` is accepted only as its default 0 (see `_refuse_priority`).
 """
 
 from __future__ import annotations
@@ -10,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from jserve.config import LANES
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from server.api_errors import APIError
-from server.engine_client import PRIORITIES, TokenizerLike
+from server.engine_client import TokenizerLike
 
 INT = "an integer"
 NUMBER = "a number"
@@ -40,7 +45,7 @@ class ParsedRequest:
     model: str | None
     stream: bool
     include_usage: bool
-    priority: str
+    lane: str
     timeout: float | None
     top_logprobs: int = 0  # chat: how many alternatives to list per token
 
@@ -131,15 +136,30 @@ def _request_options(body: dict) -> tuple[bool, bool, str, float | None]:
             400, "'stream_options' is only allowed with stream=true", param="stream_options"
         )
     include_usage = bool(options and typed_field(options, "include_usage", BOOL, False))
-    priority = typed_field(body, "priority", STR, "interactive")
-    if priority not in PRIORITIES:
-        raise APIError(
-            400, f"'priority' must be one of {list(PRIORITIES)}, got {priority!r}", param="priority"
-        )
+    lane = typed_field(body, "lane", STR, "interactive")
+    if lane not in LANES:
+        raise APIError(400, f"'lane' must be one of {list(LANES)}, got {lane!r}", param="lane")
+    _refuse_priority(body)
     timeout = typed_field(body, "timeout", NUMBER)
     if timeout is not None and timeout <= 0:
         raise APIError(400, f"'timeout' must be > 0 seconds, got {timeout}", param="timeout")
-    return stream, include_usage, priority, timeout
+    return stream, include_usage, lane, timeout
+
+
+def _refuse_priority(body: dict) -> None:
+    """vLLM's `priority` is an integer for its priority scheduler; jserve has none, and its
+    lanes are named, not numbered. As vLLM does without priority scheduling, accept the
+    default 0 (clients that always send it keep working) and refuse anything else, naming
+    `lane`, rather than guess a mapping from numbers to lanes."""
+    priority = body.get("priority")
+    if priority is None or (_is_kind(priority, INT) and priority == 0):
+        return
+    raise APIError(
+        400,
+        f"'priority' (vLLM's integer scheduling priority) is not supported, got {priority!r}; "
+        f"choose a lane with 'lane': one of {list(LANES)}",
+        param="priority",
+    )
 
 
 def _prompt(body: dict) -> str | list[int]:
@@ -174,9 +194,9 @@ def parse_completion(body: dict) -> ParsedRequest:
     max_tokens = typed_field(body, "max_tokens", INT, 16)
     logprobs = typed_field(body, "logprobs", INT)
     params = _sampling_params(_common(body, max_tokens, logprobs))
-    stream, include_usage, priority, timeout = _request_options(body)
+    stream, include_usage, lane, timeout = _request_options(body)
     model = typed_field(body, "model", STR)
-    return ParsedRequest(prompt, params, model, stream, include_usage, priority, timeout)
+    return ParsedRequest(prompt, params, model, stream, include_usage, lane, timeout)
 
 
 def parse_messages(body: dict) -> list[dict[str, Any]]:
@@ -237,8 +257,8 @@ def parse_chat(body: dict, tokenizer: TokenizerLike) -> ParsedRequest:
         )  # fmt: skip
     logprobs = (top_logprobs or 0) if want_logprobs else None
     params = _sampling_params(_common(body, max_tokens, logprobs))
-    stream, include_usage, priority, timeout = _request_options(body)
+    stream, include_usage, lane, timeout = _request_options(body)
     model = typed_field(body, "model", STR)
     return ParsedRequest(
-        prompt_ids, params, model, stream, include_usage, priority, timeout, top_logprobs or 0
+        prompt_ids, params, model, stream, include_usage, lane, timeout, top_logprobs or 0
     )

@@ -2,41 +2,36 @@
 
 from __future__ import annotations
 
-from collections.abc import Container
-
-from jserve.config import SchedulerConfig
-from jserve.core.request import LANES, Request
+from jserve.config import LANES, SchedulerConfig
+from jserve.core.request import Request
 from jserve.errors import RequestRejected
 
 
 def check_new_request(
     request: Request,
     config: SchedulerConfig,
-    known_request_ids: Container[str],
     num_waiting: int,
     is_sibling: bool,
 ) -> None:
-    """Raise RequestRejected unless `request` may join the waiting queue."""
-    if request.request_id in known_request_ids:
-        raise RequestRejected(
-            "invalid", f"request id {request.request_id!r} is already in use; use a unique id"
-        )
+    """Raise RequestRejected unless `request` may join the waiting queue (its id is the
+    caller's to keep unique: see Request)."""
     if request.num_prompt_tokens == 0:
         raise RequestRejected("invalid", "the prompt has no tokens; send at least one token")
-    if request.max_tokens < 1 or request.min_tokens < 0:
+    max_tokens, min_tokens = request.stop.max_tokens, request.stop.min_tokens
+    if max_tokens < 1 or min_tokens < 0:
         raise RequestRejected(
             "invalid",
-            f"max_tokens must be >= 1 and min_tokens >= 0, got max_tokens={request.max_tokens}, "
-            f"min_tokens={request.min_tokens}",
+            f"max_tokens must be >= 1 and min_tokens >= 0, got max_tokens={max_tokens}, "
+            f"min_tokens={min_tokens}",
         )
     if request.lane not in LANES:
         raise RequestRejected("invalid", f"lane must be one of {LANES}, got {request.lane!r}")
-    total = request.num_prompt_tokens + request.max_tokens
+    total = request.num_prompt_tokens + max_tokens
     if total > config.max_model_len:
         raise RequestRejected(
             "too_long",
             f"the prompt has {request.num_prompt_tokens} tokens and max_tokens is "
-            f"{request.max_tokens}: {total} tokens exceed max_model_len={config.max_model_len}; "
+            f"{max_tokens}: {total} tokens exceed max_model_len={config.max_model_len}; "
             f"shorten the prompt or lower max_tokens",
         )
     if not is_sibling and num_waiting >= config.max_waiting_requests:

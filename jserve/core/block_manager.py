@@ -144,7 +144,7 @@ class BlockManager:
             start = len(hashes) * size
             parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[start : start + size]
-            hashes.append(hash_block_tokens(parent, tokens, request.extra_key))
+            hashes.append(hash_block_tokens(parent, tokens))
         return hashes[index]
 
     def _take_free_block(self) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from jserve.core.request import FinishReason
+from jserve.stopping import FinishReason
 
 
 @dataclass(slots=True)
@@ -21,6 +21,10 @@ class ScheduledSeq:
     read it before the next `schedule()`, after which it may hold more entries. When `sample`
     is True the chunk ends at the last known token, so its last position's logits produce the
     next token.
+
+    `prompt_token_ids` and `output_token_ids` are what the engine needs to sample without
+    asking the scheduler (penalties, the seed's step): `output_token_ids` is the request's own
+    array, so read it before `update_from_output` appends this step's token.
     """
 
     request_id: str
@@ -28,6 +32,8 @@ class ScheduledSeq:
     token_ids: array
     block_ids: list[int]
     sample: bool
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: array
 
     @property
     def num_tokens(self) -> int:
@@ -40,9 +46,9 @@ class StepPlan:
 
     `seqs` holds the `num_decodes` one-token decodes first, then prefill chunks.
     `preempted_ids` lost their KV this step and wait to recompute (their tokens are kept).
-    `finished` lists requests the scheduler ended by itself since the previous plan (deadline
-    expiry, abort) with the reason; those the engine's output ended come from
-    `Scheduler.update_from_output` instead.
+    `finished` lists requests the scheduler ended by itself before planning (deadline expiry)
+    with the reason; those the sampled tokens end come from `Scheduler.update_from_output`,
+    and those a caller ends (abort, stop string) are not reported back.
     """
 
     seqs: list[ScheduledSeq] = field(default_factory=list)

@@ -16,17 +16,14 @@ import hashlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
 
 _ROOT_HASH = b"\0" * 16
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int], extra_key: Any) -> bytes:
+def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
     """Key of one full block. `parent_hash` is None for a sequence's first block."""
     digest = hashlib.blake2b(parent_hash or _ROOT_HASH, digest_size=16)
     digest.update(token_ids if isinstance(token_ids, array) else array("q", token_ids))
-    if extra_key is not None:
-        digest.update(repr(extra_key).encode())
     return digest.digest()
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import enum
 import time
 from array import array
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
-LANES = ("interactive", "long", "batch")  # strict priority order, highest first
+from jserve.config import LANES
+from jserve.stopping import FinishReason, StopConditions
+
 LANE_RANK = {lane: rank for rank, lane in enumerate(LANES)}
 
 
@@ -17,14 +18,6 @@ class RequestStatus(enum.Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # waiting again, at the front of its lane, to recompute
     FINISHED = "finished"
-
-
-class FinishReason(enum.StrEnum):
-    STOPPED = "stopped"  # a stop / EOS token id (or a stop string the engine saw)
-    LENGTH = "length"  # max_tokens or max_model_len reached
-    ABORTED = "aborted"
-    REJECTED = "rejected"
-    DEADLINE = "deadline"  # still waiting when its deadline passed
 
 
 class Request:
@@ -36,11 +29,12 @@ class Request:
     collection cost about 25 ms per 2,000 live requests). The last known token is computed in
     the step that samples the next one, so a decoding request has exactly one uncomputed token.
 
-    `stop_token_ids` holds EOS and the user's stop ids (the engine leaves EOS out for
-    `ignore_eos`). `deadline` is absolute, on the `time.monotonic()` clock, and applies while
-    the request waits (also after a preemption, tokens already streamed or not). `extra_key`
-    separates prefix-cache entries whose tokens are equal but whose KV differs (e.g. a LoRA or
-    an image). Siblings of an `n > 1` request share a `group_id` and the same prompt.
+    `stop` holds its stop rules (`max_tokens` among them; see jserve.stopping). A request the
+    scheduler rejected is FINISHED with no finish reason. `deadline` is absolute, on the
+    `time.monotonic()` clock (what it means: `jserve.core.deadlines`). Siblings of an `n > 1`
+    request share a `group_id` and the same prompt. Request ids must be unique among
+    unfinished requests: the engine checks that once, for its users' ids, and derives these
+    ids from them (jserve.engine.child_ids).
     """
 
     __slots__ = (
@@ -50,24 +44,20 @@ class Request:
         "block_ids",
         "deadline",
         "enqueued_step",
-        "extra_key",
         "finish_reason",
         "group_id",
         "lane",
-        "max_tokens",
-        "min_tokens",
         "num_cached_tokens",
         "num_computed_tokens",
         "num_hashed_blocks",
         "num_preemptions",
         "num_prompt_tokens",
         "output_token_ids",
-        "priority",
         "prompt_token_ids",
+        "rank",
         "request_id",
-        "scheduled_step",
         "status",
-        "stop_token_ids",
+        "stop",
     )
 
     def __init__(
@@ -75,13 +65,10 @@ class Request:
         request_id: str,
         prompt_token_ids: Sequence[int],
         *,
-        max_tokens: int = 16,
-        min_tokens: int = 0,
-        stop_token_ids: Iterable[int] = (),
+        stop: StopConditions | None = None,
         arrival_time: float | None = None,
         lane: str = "interactive",
         deadline: float | None = None,
-        extra_key: Any = None,
         group_id: str | None = None,
     ) -> None:
         self.request_id = request_id
@@ -89,13 +76,10 @@ class Request:
         self.all_token_ids = array("q", self.prompt_token_ids)
         self.output_token_ids = array("q")
         self.num_prompt_tokens = len(self.prompt_token_ids)
-        self.max_tokens = max_tokens
-        self.min_tokens = min_tokens
-        self.stop_token_ids = frozenset(stop_token_ids)
+        self.stop = StopConditions() if stop is None else stop
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.lane = lane
         self.deadline = deadline
-        self.extra_key = extra_key
         self.group_id = group_id
 
         self.status = RequestStatus.WAITING
@@ -109,9 +93,8 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_hashed_blocks = 0
         # Set by the scheduler: (lane rank, arrival, admission order) - smaller runs first.
-        self.priority: tuple[int, float, int] = (0, 0.0, 0)
+        self.rank: tuple[int, float, int] = (0, 0.0, 0)
         self.enqueued_step = 0  # iteration at which it last entered the waiting queue
-        self.scheduled_step = -1  # iteration in which it last got tokens
 
     @property
     def num_tokens(self) -> int:
@@ -124,10 +107,6 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
-
-    def append_output_token(self, token_id: int) -> None:
-        self.output_token_ids.append(token_id)
-        self.all_token_ids.append(token_id)
 
     def __repr__(self) -> str:
         return (

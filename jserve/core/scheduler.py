@@ -1,21 +1,18 @@
 """Iteration-level scheduler: which tokens of which requests the next step computes.
 
 One iteration, as the engine drives it:
-1. `schedule()` may change everything here: it expires waiting requests past their deadline,
-   then builds a `StepPlan` in three passes over a token budget:
-   a. running decodes, one token each, in priority order (lane, then arrival);
-   b. running prefills (chunked prompts, recomputes after preemption), in priority order;
-   c. unless (a) or (b) preempted, waiting requests, lane by lane (aged lanes first), FIFO
-      inside a lane, each admitted with its cached prefix and a first chunk while sequences,
-      budget and free blocks above the watermark allow. With the "static" policy, (c) is
-      replaced by admitting a whole batch only when nothing runs.
-   When a running request cannot get a block, the lowest-priority running request (latest
-   arrival of the lowest lane) is preempted: its blocks are freed and it goes back to the front
-   of its lane with every token kept, to recompute them (cheaply, with prefix caching).
+1. `schedule()` may change everything here: it ends requests past their deadline (see
+   `deadlines`), has `planner.plan_step` build a `StepPlan` (decodes, then prefill chunks,
+   then admissions, preempting by recompute when blocks run out: the passes are described
+   there), and applies what the planner decided to the running list and waiting queues. This
+   class is the only one that changes them, so it alone keeps running sorted by rank.
 2. The runtime computes the plan. Meanwhile only `add_request`, `abort` and `finish_request`
-   may be called; the next `update_from_output` skips requests they ended.
+   may be called; the next `update_from_output` skips requests they ended. Requests ended by
+   a caller are not reported back to it; `StepPlan.finished` lists only those the scheduler
+   ended by itself.
 3. `update_from_output()` advances progress, appends sampled tokens, caches newly filled blocks
-   and finishes requests on a stop token or max_tokens, returning those it finished.
+   and finishes requests on a stop token or max_tokens (the rules: jserve.stopping), returning
+   those it finished.
 `schedule()` and `update_from_output()` strictly alternate. Nothing here is thread-safe: call
 every method from the thread that drives the steps (e.g. the engine's event loop).
 """
@@ -31,12 +28,14 @@ from operator import attrgetter
 from jserve.config import CacheConfig, SchedulerConfig
 from jserve.core.admission import check_new_request
 from jserve.core.block_manager import BlockManager
+from jserve.core.deadlines import DeadlineHeap
 from jserve.core.plan import StepPlan
+from jserve.core.planner import PlanOutcome, plan_step
 from jserve.core.queues import WaitingQueues
-from jserve.core.request import LANE_RANK, FinishReason, Request, RequestStatus
-from jserve.core.step_builder import StepBuilder
+from jserve.core.request import LANE_RANK, Request, RequestStatus
+from jserve.stopping import FinishReason
 
-_priority = attrgetter("priority")
+_rank = attrgetter("rank")
 
 
 @dataclass
@@ -68,12 +67,12 @@ class Scheduler:
                 f"{self.watermark_blocks} watermark blocks; raise num_blocks or lower "
                 f"max_model_len"
             )
-        self.running: list[Request] = []  # sorted by Request.priority, highest first
+        self.running: list[Request] = []  # sorted by Request.rank, highest first
         self.waiting = WaitingQueues(scheduler_config.aging_iterations)
+        self._deadlines = DeadlineHeap()
         self.num_preemptions = 0
         self._requests: dict[str, Request] = {}  # every unfinished request
         self.group_leaders: dict[str, Request] = {}  # group_id -> the member that prefills
-        self._finished_since_plan: dict[str, FinishReason] = {}
         self._num_added = 0
         self.num_steps = 0  # schedule() calls so far; waiting ages are counted in steps
 
@@ -89,34 +88,30 @@ class Scheduler:
         """
         is_sibling = request.group_id is not None and request.group_id in self.group_leaders
         try:
-            check_new_request(request, self.config, self._requests, len(self.waiting), is_sibling)
+            check_new_request(request, self.config, len(self.waiting), is_sibling)
         except Exception:
             request.status = RequestStatus.FINISHED
-            request.finish_reason = FinishReason.REJECTED
             raise
         if request.lane == "interactive" and (
             request.num_prompt_tokens > self.config.long_prompt_threshold
         ):
             request.lane = "long"
         self._num_added += 1
-        request.priority = (LANE_RANK[request.lane], request.arrival_time, self._num_added)
+        request.rank = (LANE_RANK[request.lane], request.arrival_time, self._num_added)
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
         if request.group_id is not None and not is_sibling:
             self.group_leaders[request.group_id] = request
         self.waiting.push_back(request, self.num_steps)
+        self._deadlines.push(request, len(self._requests))
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state and free its blocks now; False if it is unknown."""
-        request = self._requests.get(request_id)
-        if request is None:
-            return False
-        self._remove_and_finish(request, FinishReason.ABORTED)
-        self._finished_since_plan[request_id] = FinishReason.ABORTED
-        return True
+        return self.finish_request(request_id, FinishReason.ABORT)
 
     def finish_request(self, request_id: str, reason: FinishReason) -> bool:
-        """End a request the engine found finished (e.g. a stop string); False if unknown."""
+        """End a request the caller found finished (a stop string, an abort) and free its
+        blocks now; False if unknown. Not reported back in a plan: the caller knows."""
         request = self._requests.get(request_id)
         if request is None:
             return False
@@ -146,16 +141,37 @@ class Scheduler:
     def schedule(self, now: float | None = None) -> StepPlan:
         """Plan the next step (`now` on the time.monotonic() clock, for deadlines)."""
         self.num_steps += 1
-        plan = StepPlan(finished=self._finished_since_plan)
-        self._finished_since_plan = {}
-        for request in self.waiting.pop_expired(time.monotonic() if now is None else now):
-            self._finish(request, FinishReason.DEADLINE)
-            plan.finished[request.request_id] = FinishReason.DEADLINE
-        return StepBuilder(self, plan).build()
+        finished = {}
+        for request in self._deadlines.pop_expired(time.monotonic() if now is None else now):
+            self._remove_and_finish(request, FinishReason.TIMEOUT)
+            finished[request.request_id] = FinishReason.TIMEOUT
+        outcome = plan_step(
+            self.config, self.block_manager, self.running, self.waiting, self.group_leaders,
+            self.watermark_blocks, self.num_steps,
+        )  # fmt: skip
+        self._apply(outcome)
+        outcome.plan.finished = finished
+        return outcome.plan
+
+    def _apply(self, outcome: PlanOutcome) -> None:
+        """Move what the planner admitted and preempted between waiting and running."""
+        for request in outcome.admitted:
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            if request.num_preemptions == 0:
+                request.num_cached_tokens = request.num_computed_tokens
+        for victim in outcome.preempted:  # its blocks are already free
+            victim.status = RequestStatus.PREEMPTED
+            victim.num_computed_tokens = 0
+            victim.num_preemptions += 1
+            self.waiting.push_front(victim, self.num_steps)
+        self.num_preemptions += len(outcome.preempted)
+        self.running = outcome.running
 
     def update_from_output(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         """Record that `plan` ran; `sampled` maps request id -> new token for seqs with
-        `sample`. Returns the requests this finished (stop token or max_tokens)."""
+        `sample`. Returns the requests this finished (a stop token or max_tokens, decided by
+        jserve.stopping; the caller applies the stop-string rule and calls finish_request)."""
         requests = self._requests
         block_manager = self.block_manager
         caching = block_manager.prefix_cache is not None
@@ -182,11 +198,9 @@ class Scheduler:
             output = request.output_token_ids
             output.append(token_id)
             request.all_token_ids.append(token_id)
-            if token_id in request.stop_token_ids and len(output) >= request.min_tokens:
-                self._finish(request, FinishReason.STOPPED)
-                finished.append(request)
-            elif len(output) >= request.max_tokens:
-                self._finish(request, FinishReason.LENGTH)
+            reason = request.stop.after_token(token_id, len(output))
+            if reason is not None:
+                self._finish(request, reason)
                 finished.append(request)
         if finished:
             self.running = [r for r in self.running if r.status is running]
@@ -196,7 +210,7 @@ class Scheduler:
 
     def _remove_and_finish(self, request: Request, reason: FinishReason) -> None:
         if request.status is RequestStatus.RUNNING:
-            index = bisect_left(self.running, request.priority, key=_priority)
+            index = bisect_left(self.running, request.rank, key=_rank)
             del self.running[index]
         else:
             self.waiting.remove(request)

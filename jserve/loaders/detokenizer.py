@@ -1,4 +1,4 @@
-"""Streaming text from token ids: incremental detokenization and stop strings.
+"""Streaming text from token ids: incremental detokenization (stop strings: jserve.stopping).
 
 Why a window and two offsets (the scheme vLLM and TGI use): one token can carry part of a UTF-8
 character (byte-level BPE splits "😀" into three tokens), and some decoders change the first token
@@ -12,8 +12,7 @@ the emitted pieces concatenate to `decode(all ids)`. Each step costs O(window), 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable
 
 from jserve.loaders.tokenizer import Tokenizer
 
@@ -66,53 +65,3 @@ class IncrementalDetokenizer:
         self._prefix_text = None
         self.text += delta
         return delta
-
-
-@dataclass(frozen=True)
-class StopStringCheck:
-    """Result of `check_stop_strings`.
-
-    Attributes:
-        stop: the stop string that occurs first in the text, or None.
-        end: with a stop string, `text[:end]` is the final output (cut right before it);
-            without, `text[:end]` is safe to emit now: the rest might be the start of a stop
-            string that the next tokens complete.
-    """
-
-    stop: str | None
-    end: int
-
-
-def check_stop_strings(
-    text: str, stop_strings: Sequence[str], search_from: int = 0
-) -> StopStringCheck:
-    """Find the stop string that starts first in `text`, and how much of `text` can be streamed.
-
-    Streaming use, per step: `text` is the detokenizer's `text`, `search_from` its length before
-    this step's delta (earlier text was already searched); emit `text[emitted:check.end]`; stop
-    the sequence if `check.stop` is set. A sequence that ends for another reason (EOS, length)
-    emits all of `text`.
-
-    Raises:
-        ValueError: a stop string is empty (it would match everywhere).
-    """
-    best_index, best_stop = len(text) + 1, None
-    for stop in stop_strings:
-        if not stop:
-            raise ValueError(f"stop strings must be non-empty, got {list(stop_strings)!r}")
-        # A match found now must end in the new text, so it starts at most len(stop)-1 earlier.
-        index = text.find(stop, max(0, search_from - len(stop) + 1))
-        if index != -1 and index < best_index:
-            best_index, best_stop = index, stop
-    if best_stop is not None:
-        return StopStringCheck(stop=best_stop, end=best_index)
-    held_back = max((_partial_suffix_length(text, stop) for stop in stop_strings), default=0)
-    return StopStringCheck(stop=None, end=len(text) - held_back)
-
-
-def _partial_suffix_length(text: str, stop: str) -> int:
-    """Length of the longest end of `text` that is a proper beginning of `stop`."""
-    for length in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:length]):
-            return length
-    return 0

@@ -7,7 +7,7 @@ row index and in any bucket.
 Per row (x = the model's raw logits):
 1. logprobs of x (vLLM's default "raw" logprobs), whatever the processing below does;
 2. penalties: repetition over prompt and output ids, presence and frequency over output ids;
-   the min_tokens ban sets stop ids to -inf;
+   each row's banned ids (the min_tokens ban, decided by jserve.stopping) are set to -inf;
 3. greedy rows take the first argmax of the penalised logits;
 4. random rows divide by the temperature, keep the tokens passing min-p, top-k and top-p (in
    vLLM's order: top-p measures the mass left after min-p and top-k), and draw by inverse CDF
@@ -29,7 +29,7 @@ those rows.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.runtime.sampling_tensors import SamplingRow, SamplingTensorBuilder, SamplingTensors
-from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jserve.sampling_params import MAX_LOGPROBS
 
 TOP_CANDIDATES = 128  # logits read by the top-k / top-p fast path
 _CANDIDATE_BLOCK = 64  # vocabulary block of the candidate search
@@ -294,8 +294,6 @@ class Sampler:
         vocab_size: V of the model's logits.
         seq_buckets: the engine's sequence buckets; logits come with one of them as row count.
         max_model_len: longest prompt + output; sizes the penalty history.
-        eos_token_ids: banned with the stop ids while a request is below its min_tokens.
-        logits_sharding: the model step's logits sharding, so precompiled keys match serving.
     """
 
     def __init__(
@@ -303,28 +301,26 @@ class Sampler:
         vocab_size: int,
         seq_buckets: Sequence[int],
         max_model_len: int,
-        eos_token_ids: Iterable[int] = (),
-        logits_sharding: jax.sharding.Sharding | None = None,
     ) -> None:
         history_len = 1 << max(0, max_model_len - 1).bit_length()
-        self.builder = SamplingTensorBuilder(seq_buckets, vocab_size, history_len, eos_token_ids)
-        self.logits_sharding = logits_sharding
+        self.builder = SamplingTensorBuilder(seq_buckets, vocab_size, history_len)
         self._executables: dict[int, jax.stages.Compiled] = {}  # sequence bucket -> `sample`
 
-    def check(self, params: SamplingParams) -> None:
-        """Raise ValueError if `params` cannot be served (call at admission)."""
-        self.builder.check(params)
+    def check_banned_ids(self, banned_ids: Sequence[int]) -> None:
+        """Raise ValueError if a row cannot ban all of `banned_ids` (call at admission)."""
+        self.builder.check_banned_ids(banned_ids)
 
-    def precompile(self) -> float:
+    def precompile(self, logits_sharding: jax.sharding.Sharding | None = None) -> float:
         """Compile `sample` for every sequence bucket (one executable each); returns seconds.
 
-        Serving calls only these executables, so logits of any other shape or layout raise
-        instead of compiling a new one in the middle of a step.
+        `logits_sharding` is the model step's (known once it is compiled). Serving calls only
+        these executables, so logits of any other shape or layout raise instead of compiling
+        a new one in the middle of a step.
         """
         start = time.perf_counter()
         for s in self.builder.seq_buckets:
             logits = jax.ShapeDtypeStruct(
-                (s, self.builder.vocab_size), jnp.float32, sharding=self.logits_sharding
+                (s, self.builder.vocab_size), jnp.float32, sharding=logits_sharding
             )
             self._executables[s] = sample.lower(logits, self.builder.build([], s)).compile()
         return time.perf_counter() - start

@@ -19,7 +19,7 @@ hash of two words per row microseconds; bench/RESULTS.md, "Sampler").
 from __future__ import annotations
 
 import secrets
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,6 +58,7 @@ class SamplingRow(NamedTuple):
     seed: int | None  # None: a fresh random seed this step
     prompt_token_ids: Sequence[int]  # buffer-protocol objects (numpy, array.array) copy fastest
     output_token_ids: Sequence[int]  # its length is the step number folded into the seed
+    banned_ids: Sequence[int] = ()  # forced to -inf this step (jserve.stopping: min_tokens)
 
 
 _MASK64 = (1 << 64) - 1
@@ -97,9 +98,7 @@ class SamplingTensorBuilder:
         vocab_size: V, the logits' last axis.
         history_len: P, room for prompt plus output ids of a penalised row (the engine passes
             max_model_len rounded up to a power of two).
-        eos_token_ids: ids banned with the stop ids while a row is under its min_tokens
-            (as in vLLM, also when the request ignores EOS).
-        max_banned_ids: B, room for those ids per row.
+        max_banned_ids: B, room for a row's banned ids.
     """
 
     def __init__(
@@ -107,13 +106,11 @@ class SamplingTensorBuilder:
         seq_buckets: Sequence[int],
         vocab_size: int,
         history_len: int,
-        eos_token_ids: Iterable[int] = (),
         max_banned_ids: int = 32,
     ) -> None:
         self.seq_buckets = tuple(seq_buckets)
         self.vocab_size = vocab_size
         self.history_len = history_len
-        self.eos_token_ids = frozenset(eos_token_ids)
         self.max_banned_ids = max_banned_ids
         s, v = self.seq_buckets[-1], vocab_size
         self._temperature = np.zeros(s, np.float32)
@@ -129,17 +126,13 @@ class SamplingTensorBuilder:
         self._banned = np.full((s, max_banned_ids), v, np.int32)
         self._want_logprobs = np.zeros(s, np.bool_)
 
-    def banned_ids(self, params: SamplingParams) -> list[int]:
-        """Ids masked while a request is below its min_tokens."""
-        return sorted(self.eos_token_ids.union(params.stop_token_ids))
-
-    def check(self, params: SamplingParams) -> None:
-        """Raise ValueError if this builder cannot serve `params` (call it at admission)."""
-        if params.min_tokens > 0 and len(self.banned_ids(params)) > self.max_banned_ids:
+    def check_banned_ids(self, banned_ids: Sequence[int]) -> None:
+        """Raise ValueError if a row could not hold `banned_ids` (call it at admission)."""
+        if len(banned_ids) > self.max_banned_ids:
             raise ValueError(
-                f"min_tokens={params.min_tokens} must suppress {len(self.banned_ids(params))} "
-                f"stop and EOS ids, more than the {self.max_banned_ids} the sampler has room "
-                "for: pass fewer stop_token_ids or drop min_tokens"
+                f"min_tokens must suppress {len(banned_ids)} stop and EOS ids, more than the "
+                f"{self.max_banned_ids} the sampler has room for: pass fewer stop_token_ids or "
+                "drop min_tokens"
             )
 
     def build(self, rows: Sequence[SamplingRow], seq_bucket: int) -> SamplingTensors:
@@ -166,8 +159,9 @@ class SamplingTensorBuilder:
         self._fill_uniforms(rows)
         self._banned[:s] = v
         for i, row in enumerate(rows):
-            if len(row.output_token_ids) < row.params.min_tokens:
-                self._fill_banned(i, row.params)
+            if row.banned_ids:
+                self.check_banned_ids(row.banned_ids)
+                self._banned[i, : len(row.banned_ids)] = row.banned_ids
             if _has_penalties(row.params):
                 self._fill_history(i, row)
         return SamplingTensors(
@@ -202,11 +196,6 @@ class SamplingTensorBuilder:
         )
         counts = np.array([len(row.output_token_ids) for row in rows], np.uint64)
         self._uniforms[: len(rows)] = seeded_uniforms(seeds, counts)
-
-    def _fill_banned(self, i: int, params: SamplingParams) -> None:
-        self.check(params)
-        ids = self.banned_ids(params)
-        self._banned[i, : len(ids)] = ids
 
     def _fill_history(self, i: int, row: SamplingRow) -> None:
         num_prompt, num_output = len(row.prompt_token_ids), len(row.output_token_ids)

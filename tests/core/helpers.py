@@ -8,6 +8,7 @@ from jserve.config import CacheConfig, SchedulerConfig
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
+from jserve.stopping import StopConditions
 
 EOS = 2
 FILLER = 7  # a sampled token that never stops anything
@@ -21,12 +22,20 @@ def make_scheduler(block_size: int = 4, num_blocks: int = 64, **config) -> Sched
     return Scheduler(SchedulerConfig(**config), CacheConfig(block_size, num_blocks))
 
 
-def make_request(request_id: str, prompt_len: int, first_token: int = 1000, **kwargs) -> Request:
-    kwargs.setdefault("max_tokens", 4)
-    kwargs.setdefault("stop_token_ids", {EOS})
+def make_request(
+    request_id: str,
+    prompt_len: int,
+    first_token: int = 1000,
+    *,
+    max_tokens: int = 4,
+    min_tokens: int = 0,
+    **kwargs,
+) -> Request:
+    """A request stopping on EOS (after min_tokens) or at max_tokens."""
     kwargs.setdefault("arrival_time", 0.0)
+    stop = StopConditions(max_tokens, min_tokens, frozenset({EOS}))
     prompt = list(range(first_token, first_token + prompt_len))
-    return Request(request_id, prompt, **kwargs)
+    return Request(request_id, prompt, stop=stop, **kwargs)
 
 
 def chunks(plan: StepPlan) -> list[tuple[str, int, int, bool]]:

@@ -7,8 +7,14 @@ from jserve.core.prefix_cache import PrefixCache, hash_block_tokens
 from jserve.core.request import Request
 
 
-def request(request_id: str, tokens: list[int], extra_key=None) -> Request:
-    return Request(request_id, tokens, extra_key=extra_key)
+def request(request_id: str, tokens: list[int]) -> Request:
+    return Request(request_id, tokens)
+
+
+def append_output_token(request: Request, token_id: int) -> None:
+    """What the scheduler's update_from_output does with a sampled token."""
+    request.output_token_ids.append(token_id)
+    request.all_token_ids.append(token_id)
 
 
 def compute(manager: BlockManager, req: Request, num_tokens: int) -> None:
@@ -74,27 +80,16 @@ def test_prefix_hit_reuses_full_blocks_and_leaves_one_token():
     assert manager.lookup_prefix(other) == first.block_ids[:1]
 
 
-def test_extra_key_separates_equal_tokens():
-    manager = BlockManager(num_blocks=16, block_size=4, enable_prefix_caching=True)
-    compute(manager, first := request("a", list(range(9)), extra_key="lora-1"), 9)
-    assert (
-        manager.lookup_prefix(request("b", list(range(9)), extra_key="lora-1"))
-        == (first.block_ids[:2])
-    )
-    assert manager.lookup_prefix(request("c", list(range(9)), extra_key="lora-2")) == []
-    assert manager.lookup_prefix(request("d", list(range(9)))) == []
-
-
 def test_hash_chains_the_parent():
-    a = hash_block_tokens(None, [1, 2], None)
-    assert a == hash_block_tokens(None, [1, 2], None)
-    assert hash_block_tokens(a, [3, 4], None) != hash_block_tokens(None, [3, 4], None)
+    a = hash_block_tokens(None, [1, 2])
+    assert a == hash_block_tokens(None, [1, 2])
+    assert hash_block_tokens(a, [3, 4]) != hash_block_tokens(None, [3, 4])
     assert len(a) == 16
 
 
 def test_token_equality_guards_against_a_hash_collision(monkeypatch):
     monkeypatch.setattr(
-        "jserve.core.block_manager.hash_block_tokens", lambda parent, tokens, key: b"same"
+        "jserve.core.block_manager.hash_block_tokens", lambda parent, tokens: b"same"
     )
     manager = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
     compute(manager, request("a", [1, 2, 3]), 3)
@@ -107,13 +102,13 @@ def test_output_blocks_are_cached_once_full():
     req = request("a", [1, 2, 3])
     compute(manager, req, 3)
     for token in (4, 5, 6):
-        req.append_output_token(token)
+        append_output_token(req, token)
         compute(manager, req, 1)  # decode: one token per step
     assert req.num_hashed_blocks == 1  # tokens 1..4 computed; 5, 6 not a full block
-    req.append_output_token(7)
+    append_output_token(req, 7)
     compute(manager, req, 1)
     assert req.num_hashed_blocks == 1 and len(manager.prefix_cache) == 1
-    req.append_output_token(8)
+    append_output_token(req, 8)
     compute(manager, req, 1)
     assert len(manager.prefix_cache) == 2
     assert manager.lookup_prefix(request("b", [1, 2, 3, 4, 5, 6, 7, 8, 9])) == req.block_ids[:2]

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from jserve.config import CacheConfig, SchedulerConfig
+from jserve.engine_args import EngineArgs
 from jserve.sampling_params import SamplingParams
 
 from .helpers import make_scheduler
@@ -36,7 +37,7 @@ def test_scheduler_config_defaults_are_valid_and_frozen():
         ({"max_waiting_requests": 0}, "max_waiting_requests must be >= 1, got 0"),
         ({"free_block_watermark": 1.0}, "free_block_watermark must be in [0, 1), got 1.0"),
         ({"aging_iterations": 0}, "aging_iterations must be >= 1, got 0"),
-        ({"policy": "fifo"}, "policy must be one of ('continuous', 'static'), got 'fifo'"),
+        ({"scheduling": "fifo"}, "scheduling must be one of ('continuous', 'static'), got 'fifo'"),
         (
             {"enable_chunked_prefill": False},
             "max_num_batched_tokens (512) must be >= max_model_len (2048)",
@@ -135,3 +136,23 @@ def test_sampling_params_rejects(kwargs, message):
 def test_sampling_params_accepts_edges():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, logprobs=0, seed=-5)
     SamplingParams(logprobs=20, presence_penalty=-2.0, repetition_penalty=2.0, min_tokens=16)
+
+
+def test_scheduler_config_takes_every_shared_setting_from_engine_args_by_name():
+    engine_fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    shared = [f for f in dataclasses.fields(SchedulerConfig) if f.name in engine_fields]
+    assert {f.name for f in shared} >= {"max_num_seqs", "scheduling", "enable_prefix_caching"}
+    # A non-default value for each shared setting must arrive in the scheduler's config.
+    changed = {
+        "max_num_seqs": 3, "max_num_batched_tokens": 300, "long_prefill_token_threshold": 7,
+        "long_prompt_threshold": 9, "max_waiting_requests": 5, "scheduling": "static",
+        "enable_chunked_prefill": False, "enable_prefix_caching": False,
+        "long_lane_max_share": 0.25, "free_block_watermark": 0.1, "aging_iterations": 3,
+    }  # fmt: skip
+    changed = {name: value for name, value in changed.items() if name in engine_fields}
+    changed["long_prefill_token_threshold"] = 0  # chunked prefill is off
+    assert set(changed) == {f.name for f in shared} - {"max_model_len"}
+    config = EngineArgs(**changed).scheduler_config(max_model_len=200)
+    assert config.max_model_len == 200
+    for name, value in changed.items():
+        assert getattr(config, name) == value, name

@@ -25,7 +25,7 @@ _SCRIPT = textwrap.dedent(
         raise SystemExit("the jax blocker does not work")
 
     import jserve.core
-    names = ["jserve.config", "jserve.sampling_params"] + [
+    names = ["jserve.config", "jserve.sampling_params", "jserve.settings", "jserve.stopping"] + [
         m.name for m in pkgutil.walk_packages(jserve.core.__path__, "jserve.core.")
     ]
     for name in names:
@@ -44,10 +44,14 @@ def test_core_modules_import_without_jax():
     expected = {
         "jserve.config",
         "jserve.sampling_params",
+        "jserve.settings",
+        "jserve.stopping",
         "jserve.core.admission",
+        "jserve.core.deadlines",
         "jserve.core.block_manager",
         "jserve.core.buckets",
         "jserve.core.plan",
+        "jserve.core.planner",
         "jserve.core.prefix_cache",
         "jserve.core.queues",
         "jserve.core.request",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from jserve.core.request import Request
+from jserve.stopping import StopConditions
 
 from .helpers import chunks, make_request, make_scheduler, run_until_idle, step
 
@@ -58,7 +59,7 @@ def test_prefix_reuse_and_counters():
 
     # Shares the first 18 tokens: 4 full blocks (16 tokens) come from the cache.
     prompt = [*range(1000, 1018), 1, 2, 3, 4]
-    second = Request("second", prompt, max_tokens=1, arrival_time=0.0)
+    second = Request("second", prompt, stop=StopConditions(max_tokens=1), arrival_time=0.0)
     scheduler.add_request(second)
     plan, _ = step(scheduler)
     assert chunks(plan) == [("second", 16, 6, True)]

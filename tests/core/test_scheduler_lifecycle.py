@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from jserve.core.request import FinishReason, RequestStatus
+from jserve.core.request import RequestStatus
 from jserve.errors import RequestRejected
+from jserve.stopping import FinishReason
 
-from .helpers import EOS, chunks, make_request, make_scheduler, run_until_idle, step
+from .helpers import EOS, FILLER, chunks, make_request, make_scheduler, run_until_idle, step
 
 
 def rejection(scheduler, request) -> RequestRejected:
     with pytest.raises(RequestRejected) as error:
         scheduler.add_request(request)
     assert request.status is RequestStatus.FINISHED
-    assert request.finish_reason is FinishReason.REJECTED
+    assert request.finish_reason is None
     return error.value
 
 
@@ -53,16 +54,6 @@ def test_invalid_requests(request_kwargs, message):
     )
     assert error.reason == "invalid"
     assert message in str(error)
-
-
-def test_duplicate_request_id_is_invalid():
-    scheduler = make_scheduler()
-    scheduler.add_request(make_request("r", 4))
-    error = rejection(scheduler, make_request("r", 4))
-    assert (error.reason, str(error)) == (
-        "invalid",
-        "request id 'r' is already in use; use a unique id",
-    )
 
 
 @pytest.mark.parametrize("prefix_caching", [False, True])
@@ -111,17 +102,33 @@ def test_siblings_of_a_finished_leader_prefill_on_their_own():
 
 def test_waiting_request_past_its_deadline_finishes_with_deadline():
     scheduler = make_scheduler(max_num_seqs=1)
-    scheduler.add_request(make_request("busy", 4, max_tokens=10, deadline=2.0))
+    scheduler.add_request(make_request("busy", 4, max_tokens=10))
     scheduler.add_request(make_request("late", 4, deadline=5.0))
     step(scheduler, now=1.0)
     plan, _ = step(scheduler, now=4.9)
     assert plan.finished == {}
     plan, _ = step(scheduler, now=5.0)
-    assert plan.finished == {"late": FinishReason.DEADLINE}
-    late = scheduler.get_request("late")
-    assert late is None
+    assert plan.finished == {"late": FinishReason.TIMEOUT}
+    assert scheduler.get_request("late") is None
     assert scheduler.stats().num_waiting == 0
-    assert [s.request_id for s in plan.seqs] == ["busy"]  # running requests have no deadline
+    assert [s.request_id for s in plan.seqs] == ["busy"]
+
+
+def test_running_request_past_its_deadline_finishes_with_deadline_and_keeps_its_tokens():
+    scheduler = make_scheduler(block_size=4)
+    manager = scheduler.block_manager
+    request = make_request("run", 6, max_tokens=10, deadline=3.0)
+    scheduler.add_request(request)
+    for now in (0.0, 1.0, 2.0):
+        plan, _ = step(scheduler, now=now)
+        assert plan.finished == {}
+    assert request.status is RequestStatus.RUNNING and request.num_output_tokens == 3
+    plan = scheduler.schedule(3.0)
+    assert plan.finished == {"run": FinishReason.TIMEOUT} and plan.is_empty
+    assert request.finish_reason is FinishReason.TIMEOUT
+    assert list(request.output_token_ids) == [FILLER] * 3
+    assert manager.num_free_blocks == manager.num_usable_blocks
+    assert not scheduler.has_unfinished_requests() and scheduler.running == []
 
 
 def test_abort_in_each_state_frees_at_once():
@@ -137,7 +144,7 @@ def test_abort_in_each_state_frees_at_once():
     assert not scheduler.abort("wait")
     assert not scheduler.abort("never-added")
     plan = scheduler.schedule(0.0)
-    assert plan.finished == {"run": FinishReason.ABORTED, "wait": FinishReason.ABORTED}
+    assert plan.finished == {}  # the caller ended them: nothing to report back
     assert plan.is_empty and not scheduler.has_unfinished_requests()
 
 
@@ -160,7 +167,7 @@ def test_stop_token_respects_min_tokens_and_max_tokens_gives_length():
     for _ in range(3):
         finished += step(scheduler, lambda request_id: EOS if request_id == "stop" else 9)[1]
     assert [(r.request_id, r.finish_reason) for r in finished] == [
-        ("stop", FinishReason.STOPPED),
+        ("stop", FinishReason.STOP),
         ("long", FinishReason.LENGTH),
     ]
     assert list(finished[0].output_token_ids) == [EOS, EOS]
@@ -171,8 +178,8 @@ def test_finish_request_for_a_stop_string_is_not_reported_again():
     scheduler = make_scheduler()
     scheduler.add_request(make_request("r", 4))
     step(scheduler)
-    assert scheduler.finish_request("r", FinishReason.STOPPED)
-    assert not scheduler.finish_request("r", FinishReason.STOPPED)
+    assert scheduler.finish_request("r", FinishReason.STOP)
+    assert not scheduler.finish_request("r", FinishReason.STOP)
     assert scheduler.schedule(0.0).finished == {}
     assert scheduler.block_manager.num_free_blocks == scheduler.block_manager.num_usable_blocks
 

@@ -116,7 +116,7 @@ def test_aging_bounds_the_wait_of_a_lower_lane():
 
 def test_static_policy_admits_a_batch_only_when_nothing_runs():
     def first_steps(policy: str) -> dict[str, int]:
-        scheduler = make_scheduler(max_num_seqs=2, policy=policy)
+        scheduler = make_scheduler(max_num_seqs=2, scheduling=policy)
         scheduler.add_request(make_request("a", 4, max_tokens=2))
         scheduler.add_request(make_request("b", 4, first_token=2000, max_tokens=6))
         scheduler.add_request(make_request("c", 4, first_token=3000, max_tokens=2))
@@ -132,7 +132,7 @@ def test_static_policy_admits_a_batch_only_when_nothing_runs():
 
 
 def test_static_policy_prefills_the_whole_batch_in_budget_sized_chunks():
-    scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=32, policy="static")
+    scheduler = make_scheduler(max_num_seqs=4, max_num_batched_tokens=32, scheduling="static")
     for index in range(3):
         scheduler.add_request(make_request(f"r{index}", 20, first_token=1000 * (index + 1)))
     plans = [step(scheduler)[0] for _ in range(2)]

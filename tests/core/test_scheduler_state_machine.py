@@ -1,8 +1,8 @@
 """Random arrivals, aborts, engine stops and steps against the scheduler, checking invariants.
 
-A shadow KV pool records, for every slot a plan writes, which prefix (tokens + extra key)
-produced it; a seq may only be scheduled when the slots its table maps for earlier positions
-hold exactly its own prefix. So a wrong prefix hit, a fork of a block someone still writes,
+A shadow KV pool records, for every slot a plan writes, which prefix of tokens produced it; a
+seq may only be scheduled when the slots its table maps for earlier positions hold exactly
+its own prefix. So a wrong prefix hit, a fork of a block someone still writes,
 or a block reused while referenced all show up as a mismatch.
 """
 
@@ -22,9 +22,10 @@ from hypothesis.stateful import (
 
 from jserve.config import CacheConfig, SchedulerConfig
 from jserve.core.block_manager import SINK_BLOCK_ID
-from jserve.core.request import FinishReason, Request, RequestStatus
+from jserve.core.request import Request, RequestStatus
 from jserve.core.scheduler import Scheduler
 from jserve.errors import RequestRejected
+from jserve.stopping import FinishReason, StopConditions
 
 EOS = 2
 SHARED_PREFIXES = [tuple(range(3, 3 + 40)), tuple(range(50, 50 + 40))]
@@ -50,7 +51,7 @@ def configs(draw) -> tuple[SchedulerConfig, CacheConfig]:
         max_waiting_requests=draw(st.integers(1, 12)),
         free_block_watermark=watermark,
         aging_iterations=draw(st.integers(1, 12)),
-        policy=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        scheduling=draw(st.sampled_from(["continuous", "continuous", "static"])),
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
     )
@@ -81,9 +82,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         lane=st.sampled_from(["interactive", "interactive", "long", "batch"]),
         n=st.sampled_from([1, 1, 1, 2, 3]),
         deadline=st.none() | st.floats(0.0, 6.0),
-        extra_key=st.sampled_from([None, None, "lora"]),
     )
-    def add(self, data, lane, n, deadline, extra_key):
+    def add(self, data, lane, n, deadline):
         max_model_len = self.config.max_model_len
         prompt_len = data.draw(st.integers(1, max_model_len + 2), label="prompt_len")
         max_tokens = data.draw(st.integers(1, 24), label="max_tokens")
@@ -99,13 +99,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             request = Request(
                 f"r{self.num_added}",
                 prompt,
-                max_tokens=max_tokens,
-                min_tokens=data.draw(st.integers(0, max_tokens)),
-                stop_token_ids={EOS},
+                stop=StopConditions(
+                    max_tokens, data.draw(st.integers(0, max_tokens)), frozenset({EOS})
+                ),
                 arrival_time=self.now,
                 lane=lane,
                 deadline=None if deadline is None else self.now + deadline,
-                extra_key=extra_key,
                 group_id=group_id,
             )
             too_long = prompt_len + max_tokens > self.config.max_model_len
@@ -133,7 +132,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def engine_stops_one(self, data):
         request = data.draw(st.sampled_from(self.scheduler.running))
-        assert self.scheduler.finish_request(request.request_id, FinishReason.STOPPED)
+        assert self.scheduler.finish_request(request.request_id, FinishReason.STOP)
         self._report(request.request_id)
 
     @rule(eos_probability=st.sampled_from([0.0, 0.1, 0.5]), data=st.data())
@@ -143,7 +142,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def drain(self):
         """With no new arrivals, everything admitted finishes within a bound."""
-        work = sum(r.num_prompt_tokens + r.max_tokens for r in self.live.values())
+        work = sum(r.num_prompt_tokens + r.stop.max_tokens for r in self.live.values())
         bound = work * (len(self.live) + 1) + 50
         for _ in range(bound):
             if not self.live:
@@ -161,23 +160,25 @@ class SchedulerMachine(RuleBasedStateMachine):
     # ---- one step, checked -----------------------------------------------------------------
 
     def _step(self, next_token):
-        plan = self.scheduler.schedule(self.now)
+        now = self.now
+        plan = self.scheduler.schedule(now)
         self.now += 1.0
         for request_id, reason in plan.finished.items():
-            assert reason in ("aborted", "deadline")
-            if reason == "deadline":
-                self._report(request_id)
-            else:
-                assert request_id not in self.live  # aborted by this test, already removed
+            assert reason == "timeout"  # aborts and engine stops are not reported back
+            request = self.live[request_id]
+            assert request.deadline <= now and request.block_ids == []
+            self._report(request_id)
+        for request in self.live.values():  # waiting or running: none outlives its deadline
+            assert request.deadline is None or request.deadline > now
         self._check_plan(plan)
         sampled = {seq.request_id: next_token() for seq in plan.seqs if seq.sample}
         for request in self.scheduler.update_from_output(plan, sampled):
-            assert request.finish_reason in ("stopped", "length")
-            if request.finish_reason == "stopped":
+            assert request.finish_reason in ("stop", "length")
+            if request.finish_reason == "stop":
                 assert request.output_token_ids[-1] == EOS
-                assert request.num_output_tokens >= request.min_tokens
+                assert request.num_output_tokens >= request.stop.min_tokens
             else:
-                assert request.num_output_tokens == request.max_tokens
+                assert request.num_output_tokens == request.stop.max_tokens
             self._report(request.request_id)
 
     def _report(self, request_id):
@@ -228,7 +229,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     @staticmethod
     def _prefix_keys(request, end):
         keys = []
-        key = hash(("root", request.extra_key))
+        key = hash("root")
         for token in request.all_token_ids[:end]:
             key = hash((key, token))
             keys.append(key)
@@ -262,7 +263,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         scheduler = self.scheduler
         running = scheduler.running
         assert len(running) <= self.config.max_num_seqs
-        assert [r.priority for r in running] == sorted(r.priority for r in running)
+        assert [r.rank for r in running] == sorted(r.rank for r in running)
         assert {r.request_id for r in running} == {
             r.request_id for r in self.live.values() if r.status is RequestStatus.RUNNING
         }

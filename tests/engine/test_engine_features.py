@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 import torch
 
+from jserve.errors import RequestRejected
 from jserve.runtime.compilation import forbid_compilation
 from jserve.sampling_params import SamplingParams
 from tests.engine.conftest import assert_no_blocks_held, make_engine, run_to_completion
@@ -118,17 +121,49 @@ def test_greedy_logprobs_match_transformers(engine, hf_default_model):
         assert list(entry)[:5] == top5.tolist() or set(entry) == set(top5.tolist())
 
 
-def test_abort_and_timeout_free_blocks(engine):
+def test_abort_frees_blocks_and_is_not_reported_again(engine):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     engine.add_request("a", "Once upon a time", params)
-    engine.add_request("t", "Once upon a time", params, deadline=0.0)  # already past
     for _ in range(3):
         engine.step()
     out = engine.abort_request("a")
     assert out.finished and out.outputs[0].finish_reason == "abort"
-    final = run_to_completion(engine)
     assert engine.abort_request("a") is None
-    assert "t" not in final or final["t"].outputs[0].finish_reason == "timeout"
+    assert not engine.has_unfinished_requests()
+    assert engine.step() == []  # the abort does not come back through the scheduler
+
+
+def test_deadline_ends_a_waiting_and_a_running_request_with_timeout(engine):
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+    engine.add_request("late", "Once upon a time", params, deadline=0.0)  # already past
+    (out,) = engine.step()
+    assert out.request_id == "late" and out.finished
+    assert out.outputs[0].finish_reason == "timeout" and out.outputs[0].token_ids == []
+
+    deadline = time.monotonic() + 5.0
+    engine.add_request("running", "Once upon a time", params, deadline=deadline)
+    streamed: list[int] = []
+    while not streamed:
+        for out in engine.step():
+            assert not out.finished
+            streamed = out.outputs[0].token_ids
+    assert time.monotonic() < deadline  # it got tokens before its deadline...
+    time.sleep(max(0.0, deadline - time.monotonic()))
+    final = run_to_completion(engine)["running"].outputs[0]
+    assert final.finish_reason == "timeout"  # ...and was ended while running
+    assert final.token_ids[: len(streamed)] == streamed and len(final.token_ids) < 200
+
+
+def test_request_ids_are_checked_once_and_sample_ids_never_collide(engine):
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("dup", "Hi", params)
+    with pytest.raises(RequestRejected, match="'dup' is already in use"):
+        engine.add_request("dup", "Hi", params)
+    engine.add_request("g", "Hi", SamplingParams(n=2, temperature=0, max_tokens=2, ignore_eos=True))
+    engine.add_request("g#1", "Hi", params)  # spelled like a sample of "g", but its own request
+    final = run_to_completion(engine)
+    assert sorted(final) == ["dup", "g", "g#1"]
+    assert [len(o.token_ids) for rid in sorted(final) for o in final[rid].outputs] == [2] * 4
 
 
 def test_64_requests_after_warmup_compile_nothing(engine):

@@ -20,6 +20,8 @@ from tests.pallas.ragged_cases import (
 )
 
 CASE = build_case([(1, 40), (5, 21), (1, 1)], Geometry())
+# Kernels for accelerators this machine lacks: (impl, lowering platform, marker in the HLO).
+LOWERED = [("triton", "cuda", "__gpu$xla.gpu.triton"), ("mosaic", "tpu", "tpu_custom_call")]
 
 
 def _args(case=CASE):
@@ -31,7 +33,19 @@ def test_choose_impl_by_backend():
         "interpret", "triton", "triton", "mosaic", "reference",
     ]  # fmt: skip
     assert choose_impl() == "interpret"  # this machine is CPU-only
-    assert IMPLS == ("reference", "interpret", "triton", "mosaic")
+
+
+def test_every_listed_impl_runs_or_lowers_and_nothing_else_is_accepted():
+    """IMPLS is what the dispatcher accepts: each name must reach a real implementation (the
+    CPU ones run, the GPU/TPU ones are lowered below), and every backend's choice is listed."""
+    backends = ("cpu", "gpu", "tpu", "rocm")
+    assert {choose_impl(b) for b in backends} <= set(IMPLS)
+    runnable = [name for name in IMPLS if name not in ("triton", "mosaic")]
+    ref = naive_attention(CASE, 0.125, None, None)
+    for name in runnable:
+        out = np.asarray(ragged_paged_attention(*_args(), sm_scale=0.125, impl=name))
+        assert relative_error(CASE, out, ref) <= TOLERANCE[np.dtype("f4")], name
+    assert set(IMPLS) - set(runnable) == {impl for impl, _, _ in LOWERED}
 
 
 def test_auto_is_the_interpret_kernel_on_cpu():
@@ -110,10 +124,7 @@ LOWERING_CASES = {
 }
 
 
-@pytest.mark.parametrize(
-    ("impl", "platform", "marker"),
-    [("triton", "cuda", "__gpu$xla.gpu.triton"), ("mosaic", "tpu", "tpu_custom_call")],
-)
+@pytest.mark.parametrize(("impl", "platform", "marker"), LOWERED)
 @pytest.mark.parametrize("name", sorted(LOWERING_CASES))
 def test_kernel_lowers_for_its_accelerator(impl, platform, marker, name):
     """Pallas -> Triton IR / Mosaic lowering runs here without the device; the device's own

@@ -1,4 +1,5 @@
-"""The on-device sampler against a float64 numpy reference written here from vLLM's definitions.
+"""The on-device sampler against float64 numpy references (vLLM's definitions), transformers'
+repetition penalty and hand-computed penalty cases.
 
 Logits are a shuffled, strictly increasing grid (gaps >= 1e-4), and every min_p / top_p is set
 halfway between two neighbouring reference values, so no float32 rounding can move a token
@@ -23,6 +24,7 @@ from jserve.runtime.sampler import (
 )
 from jserve.runtime.sampling_tensors import SamplingRow, SamplingTensorBuilder, seeded_uniforms
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jserve.stopping import StopConditions
 
 V = 10_000  # > 64 * TOP_CANDIDATES, so the blocked candidate search runs; not a multiple of 64
 BUCKETS = (4, 8, 16)
@@ -32,7 +34,7 @@ EOS = 2
 
 @pytest.fixture(scope="module")
 def sampler() -> Sampler:
-    sampler = Sampler(V, BUCKETS, MAX_MODEL_LEN, eos_token_ids=[EOS])
+    sampler = Sampler(V, BUCKETS, MAX_MODEL_LEN)
     sampler.precompile()
     return sampler
 
@@ -44,7 +46,9 @@ def distinct_logits(rng: np.random.Generator, rows: int, scale: float = 2.0) -> 
 
 
 def row(params: SamplingParams, seed: int | None = 0, prompt=(), output=()) -> SamplingRow:
-    return SamplingRow(params, seed, list(prompt), list(output))
+    """The row the engine would build: banned ids from the stop rules, EOS = `EOS`."""
+    stop = StopConditions.from_params(params, [EOS], params.max_tokens or 16)
+    return SamplingRow(params, seed, list(prompt), list(output), stop.banned_ids(len(output)))
 
 
 # --- numpy reference (float64) ---------------------------------------------------------------
@@ -53,17 +57,6 @@ def row(params: SamplingParams, seed: int | None = 0, prompt=(), output=()) -> S
 def softmax(z: np.ndarray) -> np.ndarray:
     e = np.exp(z - z.max())
     return e / e.sum()
-
-
-def ref_penalties(x, prompt, output, rep, presence, frequency, banned=()) -> np.ndarray:
-    x = x.astype(np.float64)
-    seen = np.zeros(V, bool)
-    seen[list(prompt) + list(output)] = True
-    counts = np.bincount(np.asarray(output, int), minlength=V)
-    x = np.where(seen & (x > 0), x / rep, np.where(seen, x * rep, x))
-    x = x - frequency * counts - presence * (counts > 0)
-    x[list(banned)] = -np.inf
-    return x
 
 
 def ref_keep(x, temperature, top_k=0, top_p=1.0, min_p=0.0) -> np.ndarray:
@@ -102,30 +95,58 @@ def midpoint_params(x, temperature, top_k=0, min_p_keep=0, top_p_keep=0) -> Samp
 # --- penalties, masks, greedy -----------------------------------------------------------------
 
 
-def test_penalties_match_reference_and_neutral_rows_are_untouched():
+def _penalised(builder, x, rows) -> np.ndarray:
+    return np.asarray(jax.jit(apply_penalties)(x, builder.build(rows, x.shape[0])))
+
+
+def test_repetition_penalty_matches_transformers():
+    """transformers' RepetitionPenaltyLogitsProcessor over prompt + output ids is vLLM's rule."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor
+
     rng = np.random.default_rng(1)
     x = distinct_logits(rng, 4)
-    builder = SamplingTensorBuilder((4,), V, MAX_MODEL_LEN, eos_token_ids=[EOS])
-    prompt = [7, 7, 9, 400, 9999]
-    output = [9, 11, 11, 11, 400, 3]
-    cases = [
-        SamplingParams(repetition_penalty=1.3),
-        SamplingParams(presence_penalty=0.7, frequency_penalty=-0.4),
-        SamplingParams(repetition_penalty=0.8, presence_penalty=-1.5, frequency_penalty=1.1),
-        SamplingParams(repetition_penalty=1.7, min_tokens=10, stop_token_ids=[5, 123]),
+    prompt, output = [7, 7, 9, 400, 9999], [9, 11, 11, 11, 400, 3]
+    x[:, 11] = -np.abs(x[:, 11])  # both signs among the penalised ids
+    x[:, 9] = np.abs(x[:, 9])
+    penalties = [1.3, 0.8, 2.0, 1.0]
+    rows = [
+        row(SamplingParams(repetition_penalty=p), prompt=prompt, output=output) for p in penalties
     ]
-    rows = [row(p, prompt=prompt, output=output) for p in cases]
-    got = np.asarray(jax.jit(apply_penalties)(x, builder.build(rows, 4)))
-    for i, p in enumerate(cases):
-        banned = [EOS, *p.stop_token_ids] if p.min_tokens else []
-        want = ref_penalties(
-            x[i], prompt, output, p.repetition_penalty, p.presence_penalty,
-            p.frequency_penalty, banned,
-        )  # fmt: skip
-        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
+    got = _penalised(SamplingTensorBuilder((4,), V, MAX_MODEL_LEN), x, rows)
+    ids = torch.tensor([prompt + output])
+    for i, penalty in enumerate(penalties):
+        want = RepetitionPenaltyLogitsProcessor(penalty)(ids, torch.tensor(x[i : i + 1]))[0]
+        np.testing.assert_allclose(got[i], want.numpy(), rtol=1e-6, atol=0)
+
+
+def test_presence_frequency_and_min_tokens_on_hand_computed_logits():
+    """vLLM's documented rules: presence subtracts once per id present in the output,
+    frequency once per occurrence in the output (prompt ids are not counted); repetition
+    (prompt and output) applies first; the min_tokens ban sets EOS and stop ids to -inf."""
+    x = np.zeros((4, V), np.float32)
+    x[:, [7, 9, 11, 12, EOS, 5]] = [3.0, 2.0, -1.0, 0.5, 4.0, 1.0]
+    prompt, output = [7, 7, 9], [9, 11, 11, 11]
+    params = [
+        SamplingParams(presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25),
+        SamplingParams(presence_penalty=-1.0, min_tokens=5, stop_token_ids=[5]),
+        SamplingParams(),
+    ]
+    rows = [row(p, prompt=prompt if i != 2 else (), output=output) for i, p in enumerate(params)]
+    got = _penalised(SamplingTensorBuilder((4,), V, MAX_MODEL_LEN), x, rows)
+    want = x.astype(np.float64).copy()
+    want[0, [9, 11]] = [2.0 - 0.25 - 0.5, -1.0 - 0.75 - 0.5]  # 7 is only in the prompt
+    want[1, [7, 9, 11]] = [3.0 / 2, 2.0 / 2 - 0.25 - 0.5, -1.0 * 2 - 0.75 - 0.5]
+    want[2, [9, 11]] = [2.0 + 1.0, -1.0 + 1.0]
+    want[2, [EOS, 5]] = -np.inf  # 4 output tokens < min_tokens=5
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
     # The same slots now neutral (their history left stale on purpose): logits pass bit-exact.
-    neutral = builder.build([row(SamplingParams(), output=output)] * 2, 4)
-    np.testing.assert_array_equal(np.asarray(jax.jit(apply_penalties)(x, neutral)), x)
+    neutral = SamplingTensorBuilder((4,), V, MAX_MODEL_LEN)
+    neutral.build(rows, 4)
+    np.testing.assert_array_equal(
+        _penalised(neutral, x, [row(SamplingParams(), output=output)] * 2), x
+    )
 
 
 def test_filter_masks_match_reference_on_fast_and_exact_paths():
@@ -178,8 +199,9 @@ def test_greedy_is_first_argmax_of_penalised_logits(sampler):
     ]
     got = sampler.sample(jnp.asarray(x), rows).tokens
     assert got[0] == np.argmax(x[0]) and got[1] == 10
-    assert got[2] == np.argmax(ref_penalties(x[2], [], [top], 2.0, 0, 0))
-    assert got[2] != top
+    penalised = x[2].copy()
+    penalised[top] = penalised[top] / 2.0 if penalised[top] > 0 else penalised[top] * 2.0
+    assert got[2] == np.argmax(penalised) and got[2] != top
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached(sampler):
@@ -336,7 +358,7 @@ def test_garbage_in_padding_rows_leaves_real_rows_unchanged(sampler):
 
 
 def test_after_precompile_no_batch_compiles(sampler):
-    fresh = Sampler(V, (2, 4), MAX_MODEL_LEN, eos_token_ids=[EOS])
+    fresh = Sampler(V, (2, 4), MAX_MODEL_LEN)
     assert fresh.precompile() > 0
     rng = np.random.default_rng(9)
     batches = [
@@ -381,7 +403,7 @@ def test_builder_rejects_what_it_cannot_hold():
         builder.build([row(SamplingParams())] * 5, 4)
     with pytest.raises(ValueError, match="history_len=8"):
         builder.build([row(SamplingParams(presence_penalty=1), prompt=[1] * 6, output=[2] * 3)], 4)
-    too_many = SamplingParams(min_tokens=1, stop_token_ids=[1, 2, 3])
     with pytest.raises(ValueError, match="stop_token_ids"):
-        builder.check(too_many)
-    builder.check(SamplingParams(stop_token_ids=[1, 2, 3]))  # no min_tokens: nothing banned
+        builder.check_banned_ids([1, 2, 3])
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        builder.build([row(SamplingParams(min_tokens=1, stop_token_ids=[1, 3]))], 4)

@@ -41,7 +41,10 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": "a", "echo": True}, 400, "echo", "not supported"),
     (COMPLETIONS, {"prompt": "a", "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
     (COMPLETIONS, {"prompt": "a", "best_of": 3}, 400, "best_of", "not supported"),
-    (COMPLETIONS, {"prompt": "a", "priority": "urgent"}, 400, "priority", "must be one of"),
+    (COMPLETIONS, {"prompt": "a", "lane": "urgent"}, 400, "lane", "must be one of"),
+    (COMPLETIONS, {"prompt": "a", "lane": 1}, 400, "lane", "must be a string"),
+    (COMPLETIONS, {"prompt": "a", "priority": "batch"}, 400, "priority", "choose a lane"),
+    (COMPLETIONS, {"prompt": "a", "priority": 5}, 400, "priority", "not supported"),
     (COMPLETIONS, {"prompt": "a", "timeout": 0}, 400, "timeout", "> 0"),
     (COMPLETIONS, {"prompt": "a", "stream_options": {}}, 400, "stream_options", "stream=true"),
     (COMPLETIONS, {"prompt": "x" * 300}, 400, "prompt", "max_model_len (256)"),
@@ -210,7 +213,7 @@ class _BrokenEngine(MockEngine):
         super().__init__()
         self.error = error
 
-    async def generate(self, prompt, params, request_id, *, priority="interactive", timeout=None):
+    async def generate(self, prompt, params, request_id, *, lane="interactive", timeout=None):
         raise self.error
         yield  # an async generator, like the real one
 
@@ -232,7 +235,7 @@ async def test_engine_exceptions_map_to_statuses(error, status, code):
 
 
 class _FailsAfterOneToken(MockEngine):
-    async def generate(self, prompt, params, request_id, *, priority="interactive", timeout=None):
+    async def generate(self, prompt, params, request_id, *, lane="interactive", timeout=None):
         async for output in super().generate(prompt, params, request_id):
             yield output
             raise RuntimeError("bug after the first token")

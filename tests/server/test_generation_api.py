@@ -114,6 +114,21 @@ async def test_stop_strings_cut_text_and_never_leak_while_streaming():
     assert single["choices"][0]["finish_reason"] == "length"
 
 
+async def test_stop_token_and_stop_string_count_from_min_tokens_as_in_the_engine():
+    # Tokens a, b, c, a, b, ...: "b" (98) is the 2nd token, so min_tokens=2 lets it stop there
+    # (the engine's rule is "at least min_tokens", jserve.stopping); a stop string found before
+    # min_tokens is not searched again later.
+    token = {"prompt": "abc", "max_tokens": 8, "min_tokens": 2, "stop_token_ids": [98]}
+    text = {"prompt": "abc", "max_tokens": 8, "min_tokens": 3, "stop": ["ab"]}
+    async with serve(_fast_mock()) as client:
+        by_token = await (await client.post("/v1/completions", json=token)).json()
+        by_text = await (await client.post("/v1/completions", json=text)).json()
+    choice = by_token["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("ab", "stop", 98)
+    choice = by_text["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("abc", "stop", "ab")
+
+
 async def test_completion_logprobs_legacy_shape():
     body = {"prompt": "Hi!", "max_tokens": 3, "logprobs": 2}
     expected = {
@@ -211,13 +226,18 @@ async def test_timeout_ends_with_timeout_finish_reason():
     assert choice["text"] == echo_text("slow", body["usage"]["completion_tokens"])
 
 
-async def test_priority_lanes_are_accepted():
+async def test_lanes_are_accepted_and_vllms_default_priority_is_harmless():
     async with serve(_fast_mock()) as client:
-        for lane in ("interactive", "long", "batch"):
+        for extra in (
+            {"lane": "interactive"},
+            {"lane": "long"},
+            {"lane": "batch"},
+            {"priority": 0},
+        ):
             response = await client.post(
-                "/v1/completions", json={"prompt": "ab", "max_tokens": 2, "priority": lane}
+                "/v1/completions", json={"prompt": "ab", "max_tokens": 2, **extra}
             )
-            assert (await response.json())["choices"][0]["text"] == "ab"
+            assert (await response.json())["choices"][0]["text"] == "ab", extra
 
 
 async def test_models_and_served_model_name():

@@ -1,63 +1,120 @@
-"""The three passes that turn the scheduler's queues into one StepPlan.
+"""The three passes that turn the scheduler's queues into one StepPlan, as one function.
 
-A `StepBuilder` lives for one `Scheduler.schedule()` call and holds that step's state (token
-budget left, long-lane tokens used, the seqs chosen so far); it changes the scheduler's
-running list, waiting queues and block tables as it admits and preempts.
+Over one step's token budget:
+a. running decodes, one token each, in rank order (lane, then arrival);
+b. running prefills (chunked prompts, recomputes after preemption), in rank order;
+c. unless (a) or (b) preempted, waiting requests, lane by lane (aged lanes first), FIFO inside
+   a lane, each admitted with its cached prefix and a first chunk while sequences, budget and
+   free blocks above the watermark allow. With scheduling="static", (c) is replaced by
+   admitting a whole batch only when nothing runs.
+When a running request cannot get a block, the lowest-ranked running request (latest arrival
+of the lowest lane) is preempted: its blocks are freed and it goes back to the front of its
+lane with every token kept, to recompute them (cheaply, with prefix caching).
+
+`plan_step` reads the scheduler's running list and waiting queues and returns what it decided
+(`PlanOutcome`): the plan, the new running list, and which requests it admitted and preempted.
+It never changes the scheduler's containers; the scheduler applies the outcome, so the
+invariants of running and waiting are kept in one place. What it does change, and why it must:
+block tables through the block manager (a preempted request's blocks are what the next
+allocation takes, so they are freed as the pass goes).
 """
 
 from __future__ import annotations
 
 from bisect import insort
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from operator import attrgetter
-from typing import TYPE_CHECKING
 
+from jserve.config import SchedulerConfig
+from jserve.core.block_manager import BlockManager
 from jserve.core.plan import ScheduledSeq, StepPlan
-from jserve.core.request import Request, RequestStatus
+from jserve.core.queues import WaitingQueues
+from jserve.core.request import Request
 
-if TYPE_CHECKING:
-    from jserve.core.scheduler import Scheduler
-
-_priority = attrgetter("priority")
+_rank = attrgetter("rank")
 
 
-class StepBuilder:
-    def __init__(self, scheduler: Scheduler, plan: StepPlan) -> None:
-        self.scheduler = scheduler
-        self.config = scheduler.config
-        self.block_manager = scheduler.block_manager
-        self.block_size = scheduler.block_size
-        self.step = scheduler.num_steps
-        self.plan = plan
-        self.budget = self.config.max_num_batched_tokens
+@dataclass
+class PlanOutcome:
+    """What one `plan_step` decided; the scheduler applies it."""
+
+    plan: StepPlan
+    running: list[Request]  # the new running list, sorted by Request.rank
+    admitted: list[Request] = field(default_factory=list)  # left waiting, in admission order
+    # Lost their blocks, in preemption order; they go back to the front of their lane, tokens
+    # kept (a request admitted by the static policy may be admitted and preempted in one step).
+    preempted: list[Request] = field(default_factory=list)
+
+
+def plan_step(
+    config: SchedulerConfig,
+    block_manager: BlockManager,
+    running: Sequence[Request],
+    waiting: WaitingQueues,
+    group_leaders: Mapping[str, Request],
+    watermark_blocks: int,
+    step: int,
+) -> PlanOutcome:
+    """Plan iteration `step` with the passes above; `running` is sorted by rank."""
+    return _Planner(
+        config, block_manager, running, waiting, group_leaders, watermark_blocks, step
+    ).build()
+
+
+class _Planner:
+    """One `plan_step` call's state: token budget left, long-lane tokens used, seqs so far."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        block_manager: BlockManager,
+        running: Sequence[Request],
+        waiting: WaitingQueues,
+        group_leaders: Mapping[str, Request],
+        watermark_blocks: int,
+        step: int,
+    ) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.block_size = block_manager.block_size
+        self.waiting = waiting
+        self.group_leaders = group_leaders
+        self.watermark_blocks = watermark_blocks
+        self.step = step
+        self.outcome = PlanOutcome(StepPlan(), list(running))
+        self.running = self.outcome.running
+        self.budget = config.max_num_batched_tokens
         self.long_used = 0
         self._long_cap: int | None = None
         self.decodes: list[ScheduledSeq] = []
         self.prefills: list[ScheduledSeq] = []
         self.unfinished_prefills: list[Request] = []  # running, short of their known tokens
+        self.preempted: set[str] = set()
 
-    def build(self) -> StepPlan:
-        static = self.config.policy == "static"
-        if static and not self.scheduler.running:
+    def build(self) -> PlanOutcome:
+        static = self.config.scheduling == "static"
+        if static and not self.running:
             self.admit_static_batch()
         self.schedule_running_decodes()
         self.schedule_running_prefills()
-        if not static and not self.plan.preempted_ids:
+        if not static and not self.preempted:
             # Blocks ran out this step: admitting now would only set up the next preemption.
             self.admit_waiting()
-        plan = self.plan
+        plan = self.outcome.plan
         plan.seqs = self.decodes + self.prefills
         plan.num_decodes = len(self.decodes)
         plan.num_batched_tokens = self.config.max_num_batched_tokens - self.budget
-        return plan
+        plan.preempted_ids = [request.request_id for request in self.outcome.preempted]
+        return self.outcome
 
     # ---- the passes ------------------------------------------------------------------------
 
     def schedule_running_decodes(self) -> None:
         """(a) One token for every running request that has exactly one uncomputed token;
         notes the others (prefilling) for pass (b)."""
-        running = self.scheduler.running
+        running = self.running
         block_size = self.block_size
-        step = self.step
         decodes = self.decodes
         unfinished_prefills = self.unfinished_prefills
         index = 0
@@ -79,9 +136,10 @@ class StepBuilder:
                     request.all_token_ids[start:],
                     request.block_ids,
                     True,
+                    request.prompt_token_ids,
+                    request.output_token_ids,
                 )
             )
-            request.scheduled_step = step
             index += 1
         self.budget -= len(decodes)
 
@@ -91,7 +149,7 @@ class StepBuilder:
         for request in self.unfinished_prefills:
             if self.budget == 0:
                 return
-            if request.status is not RequestStatus.RUNNING:
+            if request.request_id in self.preempted:
                 continue  # preempted for an earlier one in this pass
             num_new = self._chunk_size(request, request.num_tokens - request.num_computed_tokens)
             if num_new and self.config.enable_chunked_prefill:
@@ -107,24 +165,15 @@ class StepBuilder:
 
     def admit_waiting(self) -> None:
         """(c) Waiting requests by lane order, FIFO inside a lane, while room is left."""
-        waiting = self.scheduler.waiting
-        running = self.scheduler.running
         max_num_seqs = self.config.max_num_seqs
-        for lane in waiting.lanes_in_order(self.step):
-            queue = waiting.queue(lane)
-            index = 0
-            while index < len(queue):
-                if len(running) >= max_num_seqs or self.budget == 0:
+        for lane in self.waiting.lanes_in_order(self.step):
+            for request in self.waiting.queue(lane):
+                if len(self.running) >= max_num_seqs or self.budget == 0:
                     return
-                verdict = self._try_admit(queue[index])
-                if verdict == "admitted":
-                    del queue[index]
-                    waiting.note_removed()
-                elif verdict == "skip":
-                    index += 1
-                elif verdict == "next_lane":
+                verdict = self._try_admit(request)
+                if verdict == "next_lane":
                     break
-                else:
+                if verdict == "stop":
                     return
 
     def admit_static_batch(self) -> None:
@@ -132,20 +181,17 @@ class StepBuilder:
         fit in free blocks; they run (prefill, then decode) until the last one finishes.
         Siblings of a group are admitted like any request here (no fork)."""
         block_manager = self.block_manager
-        waiting = self.scheduler.waiting
-        for lane in waiting.lanes_in_order(self.step):
-            queue = waiting.queue(lane)
-            while queue and len(self.scheduler.running) < self.config.max_num_seqs:
-                request = queue[0]
+        for lane in self.waiting.lanes_in_order(self.step):
+            for request in self.waiting.queue(lane):
+                if len(self.running) >= self.config.max_num_seqs:
+                    break
                 hits = block_manager.lookup_prefix(request)
                 needed = -(-request.num_tokens // self.block_size) - len(hits)
                 free_after = (
                     block_manager.num_free_blocks - block_manager.num_reused_free(hits) - needed
                 )
-                if free_after < self.scheduler.watermark_blocks:
+                if free_after < self.watermark_blocks:
                     return
-                queue.popleft()
-                waiting.note_removed()
                 self._start_running(request, hits, fork=False)
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -154,7 +200,7 @@ class StepBuilder:
         """Admit `request` with its first chunk: "admitted", "skip" (a sibling waiting for its
         group's prefill), "next_lane" (long lane's share used up) or "stop"."""
         block_manager = self.block_manager
-        leader = self.scheduler.group_leaders.get(request.group_id) if request.group_id else None
+        leader = self.group_leaders.get(request.group_id) if request.group_id else None
         fork = leader is not None and leader is not request and not request.output_token_ids
         if fork:
             if leader.num_computed_tokens < leader.num_prompt_tokens:
@@ -171,7 +217,7 @@ class StepBuilder:
             return "next_lane" if chunked and self.budget > 0 else "stop"
         needed = -(-(len(hits) * self.block_size + num_new) // self.block_size) - len(hits)
         free_after = block_manager.num_free_blocks - block_manager.num_reused_free(hits) - needed
-        if free_after < self.scheduler.watermark_blocks:
+        if free_after < self.watermark_blocks:
             return "stop"
         self._start_running(request, hits, fork)
         block_manager.allocate(request, num_new)
@@ -183,10 +229,8 @@ class StepBuilder:
             self.block_manager.fork(request, hits)
         elif self.block_manager.prefix_cache is not None:
             self.block_manager.use_prefix(request, hits)
-        if request.num_preemptions == 0:
-            request.num_cached_tokens = request.num_computed_tokens
-        request.status = RequestStatus.RUNNING
-        insort(self.scheduler.running, request, key=_priority)
+        self.outcome.admitted.append(request)
+        insort(self.running, request, key=_rank)
 
     def _chunk_size(self, request: Request, remaining: int) -> int:
         """Tokens of `remaining` that `request` may compute this step (0: none)."""
@@ -204,12 +248,11 @@ class StepBuilder:
         """Long-lane prefill tokens allowed this step: a share of the budget while other work
         shares the step, the whole budget when long prompts are all there is."""
         if self._long_cap is None:
-            waiting = self.scheduler.waiting
             alone = (
                 not self.decodes
-                and all(request.lane == "long" for request in self.scheduler.running)
-                and not waiting.queue("interactive")
-                and not waiting.queue("batch")
+                and all(request.lane == "long" for request in self.running)
+                and not self.waiting.queue("interactive")
+                and not self.waiting.queue("batch")
             )
             budget = self.config.max_num_batched_tokens
             share = int(self.config.long_lane_max_share * budget)
@@ -226,9 +269,10 @@ class StepBuilder:
                 request.all_token_ids[start:end],
                 request.block_ids,
                 end == request.num_tokens,
+                request.prompt_token_ids,
+                request.output_token_ids,
             )
         )
-        request.scheduled_step = self.step
         self.budget -= num_new
         if request.lane == "long":
             self.long_used += num_new
@@ -237,26 +281,22 @@ class StepBuilder:
         """Get blocks for `num_new` more tokens of running `request`, preempting the
         lowest-priority running requests as needed; False if `request` itself was preempted."""
         while not self.block_manager.allocate(request, num_new):
-            victim = self.scheduler.running[-1]
+            victim = self.running[-1]
             self._preempt(victim)
             if victim is request:
                 return False
         return True
 
     def _preempt(self, victim: Request) -> None:
-        """Free the victim's blocks and requeue it at the front of its lane, tokens kept."""
-        self.scheduler.running.pop()  # the victim is always the last, lowest-priority one
-        if victim.scheduled_step == self.step:
+        """Free the victim's blocks now (the allocation that needs them follows)."""
+        self.running.pop()  # the victim is always the last, lowest-priority one
+        decodes = self.decodes
+        if decodes and decodes[-1].request_id == victim.request_id:
             # Only a decode can be scheduled yet rank below the request that needs its blocks
-            # (prefills are visited in priority order); decodes were appended in that order.
-            seq = self.decodes.pop()
-            assert seq.request_id == victim.request_id
+            # (prefills are visited in priority order), and decodes were appended in priority
+            # order: a scheduled victim holds the last one.
+            decodes.pop()
             self.budget += 1
-            victim.scheduled_step = -1
         self.block_manager.free(victim)
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        victim.status = RequestStatus.PREEMPTED
-        self.scheduler.num_preemptions += 1
-        self.scheduler.waiting.push_front(victim, self.step)
-        self.plan.preempted_ids.append(victim.request_id)
+        self.preempted.add(victim.request_id)
+        self.outcome.preempted.append(victim)

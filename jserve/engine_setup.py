@@ -1,0 +1,83 @@
+"""Everything an LLMEngine needs before its first step, built from EngineArgs.
+
+Model load (through the conversion cache), the device mesh and parameter placement, the KV
+pool's size in blocks, the scheduler with its settings taken from EngineArgs by field name, the
+step buckets, the input builder, the model runner and the sampler. The engine's own module is
+then only the step loop and request bookkeeping.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+
+from jserve.config import CacheConfig
+from jserve.core.buckets import make_seq_buckets, make_token_buckets, step_buckets
+from jserve.core.scheduler import Scheduler
+from jserve.engine_args import EngineArgs
+from jserve.loaders.model_source import LoadedModel, default_cache_dir, load_model
+from jserve.loaders.tokenizer import Tokenizer
+from jserve.models.config import ModelConfig
+from jserve.runtime.compilation import enable_persistent_cache
+from jserve.runtime.model_runner import ModelRunner, kv_block_bytes
+from jserve.runtime.params import make_mesh, place_model, resolve_dtype
+from jserve.runtime.sampler import Sampler
+from jserve.runtime.step_inputs import StepInputBuilder
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass
+class EngineParts:
+    model_name: str
+    tokenizer: Tokenizer
+    model_config: ModelConfig
+    max_model_len: int
+    scheduler: Scheduler
+    bucket_pairs: list[tuple[int, int]]  # every (token bucket, sequence bucket) step shape
+    inputs_builder: StepInputBuilder
+    runner: ModelRunner
+    sampler: Sampler
+
+
+def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> EngineParts:
+    """Load (or take `loaded`), place and size everything; compiles nothing yet."""
+    cache_dir = args.cache_dir or default_cache_dir()
+    enable_persistent_cache(args.compilation_cache_dir or f"{cache_dir}/xla")
+    loaded = loaded or load_model(args.model, cache_dir=cache_dir)
+    cfg = loaded.config
+    dtype = resolve_dtype(args.dtype)
+    mesh = make_mesh(args.tensor_parallel_size)
+    graphdef, state = place_model(cfg, loaded.params, dtype, mesh)
+
+    max_model_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    block_bytes = kv_block_bytes(cfg, args.block_size, dtype)
+    num_blocks = args.num_kv_blocks or args.kv_cache_memory // block_bytes
+    scheduler = Scheduler(
+        args.scheduler_config(max_model_len),
+        CacheConfig(block_size=args.block_size, num_blocks=num_blocks),
+    )
+    # Token buckets start at 1 so small decode steps do not pay for 16 tokens.
+    token_buckets = make_token_buckets(args.max_num_batched_tokens, smallest=1)
+    seq_buckets = make_seq_buckets(args.max_num_seqs)
+    pairs = step_buckets(token_buckets, seq_buckets)
+    inputs_builder = StepInputBuilder(
+        token_buckets, seq_buckets, args.block_size, math.ceil(max_model_len / args.block_size)
+    )
+    runner = ModelRunner(
+        cfg, graphdef, state, mesh, num_blocks=num_blocks, block_size=args.block_size,
+        dtype=dtype, attn_impl=args.attention_impl,
+    )  # fmt: skip
+    sampler = Sampler(cfg.vocab_size, sorted({s for _, s in pairs}), max_model_len)
+    log.info(
+        "model %s: %d KV blocks of %d tokens (%.0f MiB), token buckets %s, seq buckets %s",
+        loaded.name, num_blocks, args.block_size, num_blocks * block_bytes / 2**20,
+        token_buckets, seq_buckets,
+    )  # fmt: skip
+    return EngineParts(
+        loaded.name, loaded.tokenizer, cfg, max_model_len, scheduler, pairs, inputs_builder,
+        runner, sampler,
+    )  # fmt: skip

@@ -1,0 +1,130 @@
+"""When a sequence finishes and why: the one module that decides (pure Python, no jax).
+
+A sequence finishes, checked after each generated token, in this order:
+1. a stop token: the token is in `stop_token_ids` (EOS unless `ignore_eos`, plus the user's
+   `stop_token_ids`) and the sequence has at least `min_tokens` tokens -> STOP, `stop_reason`
+   is the token id (its text stays in the output unless it is a special token, as in vLLM);
+2. `max_tokens` tokens -> LENGTH (an unset max_tokens was resolved to what max_model_len
+   leaves, so this also covers the context limit);
+3. a stop string: one of `stop` occurs in the text, searched only from `min_tokens` tokens on
+   -> STOP, `stop_reason` is the string and the text ends right before it.
+Below `min_tokens` the sampler also bans EOS and the stop ids (`min_tokens_banned_ids`), as
+vLLM does, so a sequence cannot even sample them.
+
+Rules 1-2 need only token counts: the scheduler applies them in `update_from_output`. Rule 3
+needs detokenized text: the output processor applies it. Both call this module, and so does
+the server's mock engine, so every test runs against the same semantics.
+
+Other finish reasons come from outside a sequence: ABORT (the caller or client gave up) and
+TIMEOUT (its deadline passed: jserve.core.deadlines). `FinishReason`'s values are the strings
+that outputs and HTTP bodies carry.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from jserve.sampling_params import SamplingParams
+
+
+class FinishReason(enum.StrEnum):
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens (or the context limit) reached
+    ABORT = "abort"  # the caller or the client ended it
+    TIMEOUT = "timeout"  # unfinished at its deadline
+
+
+@dataclass(frozen=True, slots=True)
+class StopConditions:
+    """One request's stop rules (shared by its `n` samples)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and the user's ids
+    stop_strings: tuple[str, ...] = ()
+    min_tokens_banned_ids: tuple[int, ...] = ()  # sorted; EOS and stop ids, even with ignore_eos
+
+    @classmethod
+    def from_params(
+        cls, params: SamplingParams, eos_token_ids: Iterable[int], max_tokens: int
+    ) -> StopConditions:
+        """`max_tokens` is params.max_tokens resolved against the prompt (never None)."""
+        eos = frozenset(eos_token_ids)
+        user_ids = frozenset(params.stop_token_ids)
+        return cls(
+            max_tokens=max_tokens,
+            min_tokens=params.min_tokens,
+            stop_token_ids=user_ids if params.ignore_eos else user_ids | eos,
+            stop_strings=tuple(params.stop),
+            min_tokens_banned_ids=tuple(sorted(user_ids | eos)),
+        )
+
+    def after_token(self, token_id: int, num_output_tokens: int) -> FinishReason | None:
+        """Rules 1-2 once `token_id` made the output `num_output_tokens` long."""
+        if token_id in self.stop_token_ids and num_output_tokens >= self.min_tokens:
+            return FinishReason.STOP
+        if num_output_tokens >= self.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def after_text(self, text: str, searched: int, num_output_tokens: int) -> StopStringCheck:
+        """Rule 3 on the output's text so far, of which `text[:searched]` was searched before."""
+        if not self.stop_strings or num_output_tokens < self.min_tokens:
+            return StopStringCheck(stop=None, end=len(text))
+        return check_stop_strings(text, self.stop_strings, searched)
+
+    def banned_ids(self, num_output_tokens: int) -> tuple[int, ...]:
+        """Ids the sampler must ban for the next token (none from min_tokens on)."""
+        return self.min_tokens_banned_ids if num_output_tokens < self.min_tokens else ()
+
+
+@dataclass(frozen=True)
+class StopStringCheck:
+    """Result of `check_stop_strings`.
+
+    Attributes:
+        stop: the stop string that occurs first in the text, or None.
+        end: with a stop string, `text[:end]` is the final output (cut right before it);
+            without, `text[:end]` is safe to emit now: the rest might be the start of a stop
+            string that the next tokens complete.
+    """
+
+    stop: str | None
+    end: int
+
+
+def check_stop_strings(
+    text: str, stop_strings: Sequence[str], search_from: int = 0
+) -> StopStringCheck:
+    """Find the stop string that starts first in `text`, and how much of `text` can be streamed.
+
+    Streaming use, per step: `text` is the detokenizer's `text`, `search_from` its length before
+    this step's delta (earlier text was already searched); emit `text[emitted:check.end]`; stop
+    the sequence if `check.stop` is set. A sequence that ends for another reason (EOS, length)
+    emits all of `text`.
+
+    Raises:
+        ValueError: a stop string is empty (it would match everywhere).
+    """
+    best_index, best_stop = len(text) + 1, None
+    for stop in stop_strings:
+        if not stop:
+            raise ValueError(f"stop strings must be non-empty, got {list(stop_strings)!r}")
+        # A match found now must end in the new text, so it starts at most len(stop)-1 earlier.
+        index = text.find(stop, max(0, search_from - len(stop) + 1))
+        if index != -1 and index < best_index:
+            best_index, best_stop = index, stop
+    if best_stop is not None:
+        return StopStringCheck(stop=best_stop, end=best_index)
+    held_back = max((_partial_suffix_length(text, stop) for stop in stop_strings), default=0)
+    return StopStringCheck(stop=None, end=len(text) - held_back)
+
+
+def _partial_suffix_length(text: str, stop: str) -> int:
+    """Length of the longest end of `text` that is a proper beginning of `stop`."""
+    for length in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:length]):
+            return length
+    return 0
