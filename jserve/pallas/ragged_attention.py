@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import jax
 
+from jserve.pallas.ragged_common import RaggedCall
 from jserve.pallas.ragged_interpret import ragged_paged_attention_interpret
 from jserve.pallas.ragged_mosaic import ragged_paged_attention_mosaic
 from jserve.pallas.ragged_reference import ragged_paged_attention_reference
 from jserve.pallas.ragged_triton import ragged_paged_attention_triton
 from jserve.pallas.ragged_xla import ragged_paged_attention_xla
 
-IMPLS = ("reference", "interpret", "xla", "triton", "mosaic")
+# name -> (implementation, how it takes `interpret`): "never" (plain XLA, no interpret mode),
+# "always" (the CPU interpret kernel) or a tuple of the backends it runs on natively.
+_IMPL_TABLE = {
+    "reference": (ragged_paged_attention_reference, "never"),
+    "interpret": (ragged_paged_attention_interpret, "always"),
+    "xla": (ragged_paged_attention_xla, "never"),
+    "triton": (ragged_paged_attention_triton, ("gpu", "cuda")),
+    "mosaic": (ragged_paged_attention_mosaic, ("tpu",)),
+}
+IMPLS = tuple(_IMPL_TABLE)
 _BY_BACKEND = {"cpu": "xla", "gpu": "triton", "cuda": "triton", "tpu": "mosaic"}
-_NATIVE_BACKENDS = {"triton": ("gpu", "cuda"), "mosaic": ("tpu",)}
 
 
 def choose_impl(backend: str | None = None) -> str:
@@ -74,22 +83,21 @@ def ragged_paged_attention(
       [T, Hq, D] attention outputs in q's dtype.
     """
     chosen = choose_impl() if impl == "auto" else impl
-    if chosen not in IMPLS:
+    if chosen not in _IMPL_TABLE:
         raise ValueError(f"impl must be 'auto' or one of {IMPLS}; got {impl!r}")
-    args = (q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if chosen in ("reference", "xla"):
+    fn, native = _IMPL_TABLE[chosen]
+    call = RaggedCall.make(
+        q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )  # fmt: skip
+    if native == "never":
         if interpret is not None:
             raise ValueError(f"impl={chosen!r} has no interpret mode; got interpret={interpret}")
-        if chosen == "reference":
-            return ragged_paged_attention_reference(*args, **options)
-        return ragged_paged_attention_xla(*args, **options)
-    if chosen == "interpret":
+        return fn(call)
+    if native == "always":
         if interpret is False:
-            raise ValueError("impl='interpret' only runs in interpret mode; got interpret=False")
-        return ragged_paged_attention_interpret(*args, **options)
+            raise ValueError(f"impl={chosen!r} only runs in interpret mode; got interpret=False")
+        return fn(call)
     if interpret is None:
-        interpret = jax.default_backend() not in _NATIVE_BACKENDS[chosen]
-    if chosen == "triton":
-        return ragged_paged_attention_triton(*args, **options, interpret=interpret)
-    return ragged_paged_attention_mosaic(*args, **options, interpret=interpret)
+        interpret = jax.default_backend() not in native
+    return fn(call, interpret=interpret)

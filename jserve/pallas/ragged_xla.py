@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jserve.pallas.ragged_common import (
+    RaggedCall,
     RaggedDims,
     allowed,
     cap_scores,
@@ -37,7 +38,6 @@ from jserve.pallas.ragged_common import (
     online_softmax_step,
     pad_table_columns,
     qk,
-    validate_attention_shapes,
 )
 
 DEFAULT_CHUNK_PAGES = 8
@@ -96,49 +96,39 @@ def _attend_group(
     return online_softmax_finish(denom, acc)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "chunk_pages")
-)
+@functools.partial(jax.jit, static_argnames=("block_q", "chunk_pages"))
 def ragged_paged_attention_xla(
-    q: jax.Array,  # [T, Hq, D]
-    k_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
-    v_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
-    block_tables: jax.Array,  # [S, max_blocks] int32
-    cu_q_lens: jax.Array,  # [S + 1] int32
-    kv_lens: jax.Array,  # [S] int32
-    num_seqs: jax.Array,  # [] or [1] int32
-    layer: jax.Array,  # [] int32
+    call: RaggedCall,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     chunk_pages: int = DEFAULT_CHUNK_PAGES,
 ) -> jax.Array:
-    """Ragged paged attention in XLA ops; see `ragged_paged_attention` for the arguments.
+    """Ragged paged attention in XLA ops; see `ragged_paged_attention` for the call.
     Padded tokens' outputs are exactly 0."""
-    dims = validate_attention_shapes(
-        q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
-        sm_scale, sliding_window, soft_cap,
-    )  # fmt: skip
     validate_xla_config(block_q, chunk_pages)
-    t, s, d = dims.num_tokens, dims.max_seqs, dims.head_dim
-    hkv, group = dims.num_kv_heads, dims.group_size
-    real = jnp.arange(s) < num_seqs.reshape(())
-    q_start = cu_q_lens[:-1]
-    q_len = jnp.where(real, cu_q_lens[1:] - q_start, 0)  # padded sequences: no rows
-    kv_len = jnp.where(real, kv_lens, 0)
-    tables = pad_table_columns(block_tables, chunk_pages)
+    t, s, d = call.dims.num_tokens, call.dims.max_seqs, call.dims.head_dim
+    hkv, group = call.dims.num_kv_heads, call.dims.group_size
+    real = jnp.arange(s) < call.num_seqs.reshape(())
+    q_start = call.cu_q_lens[:-1]
+    q_len = jnp.where(real, call.cu_q_lens[1:] - q_start, 0)  # padded sequences: no rows
+    kv_len = jnp.where(real, call.kv_lens, 0)
+    tables = pad_table_columns(call.block_tables, chunk_pages)
+    pools = (call.k_pool, call.v_pool)
     options = dict(
-        dims=dims, chunk_pages=chunk_pages, sliding_window=sliding_window, soft_cap=soft_cap
+        dims=call.dims,
+        chunk_pages=chunk_pages,
+        sliding_window=call.sliding_window,
+        soft_cap=call.soft_cap,
     )
     # Room for a whole block past the last token, so an item's block never runs off the end.
     bq = min(block_q, t)
-    qs = jnp.pad(q.astype(jnp.float32) * sm_scale, ((0, bq), (0, 0), (0, 0)))
+    qs = jnp.pad(call.q.astype(jnp.float32) * call.sm_scale, ((0, bq), (0, 0), (0, 0)))
     out = jnp.zeros((t + bq, hkv * group, d), jnp.float32)
 
+    window = call.sliding_window
+
     def window_start(first_ctx: jax.Array) -> jax.Array:
-        return 0 if sliding_window is None else jnp.maximum(first_ctx - sliding_window + 1, 0)
+        return 0 if window is None else jnp.maximum(first_ctx - window + 1, 0)
 
     is_decode = q_len == 1
     (decode_seqs,) = jnp.nonzero(is_decode, size=s, fill_value=0)
@@ -149,7 +139,7 @@ def ragged_paged_attention_xla(
         qg = lax.dynamic_index_in_dim(qs, row, 0, False).reshape(hkv, group, d)
         ctx = jnp.full((group, 1), kv - 1)
         res = _attend_group(
-            qg, ctx, kv, tables[seq], (k_pool, v_pool), layer, window_start(kv - 1), kv,
+            qg, ctx, kv, tables[seq], pools, call.layer, window_start(kv - 1), kv,
             **options,
         )  # fmt: skip
         return lax.dynamic_update_index_in_dim(out, res.reshape(1, hkv * group, d), row, 0)
@@ -172,7 +162,7 @@ def ragged_paged_attention_xla(
             first_ctx = kv - n + q0
             hi = jnp.minimum(first_ctx + bq, kv)
             res = _attend_group(
-                qg, ctx, kv, tables[seq], (k_pool, v_pool), layer, window_start(first_ctx), hi,
+                qg, ctx, kv, tables[seq], pools, call.layer, window_start(first_ctx), hi,
                 **options,
             )  # fmt: skip
             res = res.reshape(hkv, group, bq, d).transpose(2, 0, 1, 3).reshape(bq, -1, d)
@@ -182,4 +172,4 @@ def ragged_paged_attention_xla(
             return lax.dynamic_update_slice_in_dim(out, jnp.where(mine, res, kept), first, 0)
 
         out = lax.fori_loop(0, ends[-1], item_step, out)
-    return out[:t].astype(q.dtype)
+    return out[:t].astype(call.q.dtype)
