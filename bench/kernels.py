@@ -30,7 +30,7 @@ from jserve.pallas import choose_impl, kv_cache_shape, ragged_paged_attention
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 2
 IMPLS_BY_BACKEND = {
-    "cpu": ("reference", "interpret"),
+    "cpu": ("reference", "interpret", "xla"),
     "gpu": ("reference", "triton"),
     "tpu": ("reference", "mosaic"),
 }
@@ -56,6 +56,8 @@ FULL_CASES = [
     Case("decode 32 x 2048", ((1, 2048),) * 32),
     Case("decode 32 x 4096", ((1, 4096),) * 32),
     _mixed(28, 2048, 4, 121, 2048),
+    Case("prefill 1 x 512", ((512, 512),)),
+    Case("prefill 16 x 32 after a 384-token prefix", ((32, 416),) * 16),
 ]
 SMOKE_CASES = [Case("decode 2 x 64", ((1, 64),) * 2), _mixed(2, 64, 1, 8, 40)]
 
@@ -91,22 +93,24 @@ def bytes_moved(case: Case, itemsize: int) -> int:
     return (kv + tokens) * itemsize
 
 
-def median_seconds(fn, args, reps: int, warmup: int = 2) -> float:
+def median_seconds(fn, args, reps: int, warmup: int = 2) -> tuple[float, float]:
+    """Median wall and CPU seconds (this process, all threads) of one call."""
     for _ in range(warmup):
         jax.block_until_ready(fn(*args))
-    times = []
+    wall, cpu = [], []
     for _ in range(reps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def copy_bandwidth(num_bytes: int, reps: int) -> float:
     """Device-to-device copy bandwidth (read + write bytes per second)."""
     x = jnp.ones((num_bytes // 4,), jnp.float32)
     copy = jax.jit(lambda a: a + 0.0)
-    return 2 * num_bytes / median_seconds(copy, (x,), reps)
+    return 2 * num_bytes / median_seconds(copy, (x,), reps)[0]
 
 
 def run(cases: list[Case], impls: tuple[str, ...], dtype, reps: int) -> list[dict]:
@@ -118,13 +122,14 @@ def run(cases: list[Case], impls: tuple[str, ...], dtype, reps: int) -> list[dic
             fn = jax.jit(
                 functools.partial(ragged_paged_attention, sm_scale=HEAD_DIM**-0.5, impl=impl)
             )
-            seconds = median_seconds(fn, args, reps)
+            seconds, cpu_seconds = median_seconds(fn, args, reps)
             rows.append(
                 dict(
                     case=case.name,
                     impl=impl,
                     tokens=int(args[0].shape[0]),
                     ms=seconds * 1e3,
+                    cpu_ms=cpu_seconds * 1e3,
                     mbytes=moved / 1e6,
                     gbps=moved / seconds / 1e9,
                 )
@@ -134,15 +139,15 @@ def run(cases: list[Case], impls: tuple[str, ...], dtype, reps: int) -> list[dic
 
 
 def markdown(rows: list[dict], copy_gbps: float | None) -> str:
-    head = "| case | impl | tokens | median ms | MB moved | GB/s |"
-    sep = "|---|---|---:|---:|---:|---:|"
+    head = "| case | impl | tokens | median ms | CPU ms | MB moved | GB/s |"
+    sep = "|---|---|---:|---:|---:|---:|---:|"
     if copy_gbps:
         head += " of copy BW |"
         sep += "---:|"
     lines = [head, sep]
     for r in rows:
         line = (
-            f"| {r['case']} | {r['impl']} | {r['tokens']} | {r['ms']:.2f} | "
+            f"| {r['case']} | {r['impl']} | {r['tokens']} | {r['ms']:.2f} | {r['cpu_ms']:.2f} | "
             f"{r['mbytes']:.1f} | {r['gbps']:.1f} |"
         )
         if copy_gbps:

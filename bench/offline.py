@@ -159,9 +159,11 @@ def make_dense_decode_step(cfg: ModelConfig):
             x, k_cache, v_cache = carry
             w, layer = xs
             h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            q = apply_rope(jnp.einsum("BD,DNH->BNH", h, w["wq"]), cos, sin)  # [B, Hq, Hd]
-            k = apply_rope(jnp.einsum("BD,DNH->BNH", h, w["wk"]), cos, sin)  # [B, Hkv, Hd]
-            v = jnp.einsum("BD,DNH->BNH", h, w["wv"])  # [B, Hkv, Hd]
+            qkv = jnp.einsum("BD,DKJH->BKJH", h, w["wqkv"])  # [B, Hkv, G + 2, Hd]
+            q = qkv[:, :, :groups].reshape(batch, cfg.num_heads, cfg.head_dim)
+            q = apply_rope(q, cos, sin)  # [B, Hq, Hd]
+            k = apply_rope(qkv[:, :, groups], cos, sin)  # [B, Hkv, Hd]
+            v = qkv[:, :, groups + 1]  # [B, Hkv, Hd]
             at = (layer, 0, pos, 0, 0)
             k_cache = jax.lax.dynamic_update_slice(k_cache, k[None, :, None], at)
             v_cache = jax.lax.dynamic_update_slice(v_cache, v[None, :, None], at)
@@ -172,7 +174,8 @@ def make_dense_decode_step(cfg: ModelConfig):
             a = jnp.einsum("BKGM,BMKD->BKGD", probs, values).reshape(batch, cfg.num_heads, -1)
             x = x + jnp.einsum("BNH,NHD->BD", a, w["wo"])
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            gate, up = h @ w["w_gate"], h @ w["w_up"]  # [B, F]
+            gate_up = jnp.einsum("BD,DJF->BJF", h, w["w_gate_up"])  # [B, 2, F]
+            gate, up = gate_up[:, 0], gate_up[:, 1]
             x = x + (jax.nn.silu(gate) * up) @ w["w_down"]
             return (x, k_cache, v_cache), None
 

@@ -2,8 +2,17 @@
 
 Layer weights are stacked on a leading layer axis and the layers run under `lax.scan`, which
 compiles about 8x faster than an unrolled loop. Every parameter carries a partition annotation
-over one mesh axis, "model": attention is split by heads and the MLP by its hidden units
-(column-parallel in, row-parallel out), so a device mesh shards the model with no code change.
+over one mesh axis, "model": attention is split by KV head groups and the MLP by its hidden
+units (column-parallel in, row-parallel out), so a device mesh shards the model with no code
+change.
+
+Projections that read the same input are fused into one weight, so each layer runs one matmul
+for Q, K and V and one for gate and up (fewer, wider dots; at one token a step is bound by
+reading weights, and every separate dot pays its own slice of the stacked weights):
+- `wqkv` [L, D, Hkv, G + 2, Hd]: for each KV head, its G query heads, then its key, then its
+  value, so sharding the KV-head axis keeps every device's query heads with their K/V head;
+- `w_gate_up` [L, D, 2, F]: gate and up side by side, sharded on F.
+Loaders produce the unfused HF names; `fuse_projections` converts once at load time.
 """
 
 from __future__ import annotations
@@ -12,6 +21,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from jserve.layers.attention import attention
@@ -33,18 +43,14 @@ class DecoderLayers(nnx.Module):
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         Hq, Hkv, Hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         m = MODEL_AXIS
+        G = Hq // Hkv
         self.attn_norm = _param((L, D), (None, None), dtype)
-        self.wq = _param((L, D, Hq, Hd), (None, None, m, None), dtype)
-        self.wk = _param((L, D, Hkv, Hd), (None, None, m, None), dtype)
-        self.wv = _param((L, D, Hkv, Hd), (None, None, m, None), dtype)
+        self.wqkv = _param((L, D, Hkv, G + 2, Hd), (None, None, m, None, None), dtype)
         if cfg.attention_bias:
-            self.bq = _param((L, Hq, Hd), (None, m, None), dtype)
-            self.bk = _param((L, Hkv, Hd), (None, m, None), dtype)
-            self.bv = _param((L, Hkv, Hd), (None, m, None), dtype)
+            self.bqkv = _param((L, Hkv, G + 2, Hd), (None, m, None, None), dtype)
         self.wo = _param((L, Hq, Hd, D), (None, m, None, None), dtype)
         self.mlp_norm = _param((L, D), (None, None), dtype)
-        self.w_gate = _param((L, D, F), (None, None, m), dtype)
-        self.w_up = _param((L, D, F), (None, None, m), dtype)
+        self.w_gate_up = _param((L, D, 2, F), (None, None, None, m), dtype)
         self.w_down = _param((L, F, D), (None, m, None), dtype)
 
 
@@ -71,17 +77,18 @@ class LlamaModel(nnx.Module):
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq))  # [T, Hd] each
         sm_scale = cfg.head_dim**-0.5
+        t, group = token_ids.shape[0], cfg.num_heads // cfg.num_kv_heads
         weights = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))  # each [L, ...]
 
         def layer_step(carry, xs):
             x, kv_cache = carry
             w, layer = xs
             h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            q = jnp.einsum("TD,DNH->TNH", h, w["wq"])  # [T, Hq, Hd]
-            k = jnp.einsum("TD,DNH->TNH", h, w["wk"])  # [T, Hkv, Hd]
-            v = jnp.einsum("TD,DNH->TNH", h, w["wv"])  # [T, Hkv, Hd]
+            qkv = jnp.einsum("TD,DKJH->TKJH", h, w["wqkv"])  # [T, Hkv, G + 2, Hd]
             if cfg.attention_bias:
-                q, k, v = q + w["bq"], k + w["bk"], v + w["bv"]
+                qkv = qkv + w["bqkv"]
+            q = qkv[:, :, :group].reshape(t, cfg.num_heads, cfg.head_dim)  # [T, Hq, Hd]
+            k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, Hkv, Hd] each
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             a, kv_cache = attention(
                 q, k, v, kv_cache, attn_meta, layer,
@@ -89,8 +96,8 @@ class LlamaModel(nnx.Module):
             )  # fmt: skip
             x = x + jnp.einsum("TNH,NHD->TD", a, w["wo"])  # [T, D]
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            gate = jnp.einsum("TD,DF->TF", h, w["w_gate"])  # [T, F]
-            up = jnp.einsum("TD,DF->TF", h, w["w_up"])  # [T, F]
+            gate_up = jnp.einsum("TD,DJF->TJF", h, w["w_gate_up"])  # [T, 2, F]
+            gate, up = gate_up[:, 0], gate_up[:, 1]  # [T, F] each
             x = x + jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, w["w_down"])  # [T, D]
             return (x, kv_cache), None
 
@@ -102,3 +109,24 @@ class LlamaModel(nnx.Module):
         else:
             logits = jnp.einsum("SD,DV->SV", h, self.lm_head[...])
         return logits.astype(jnp.float32), kv_cache
+
+
+def fuse_projections(cfg: ModelConfig, layers: dict[str, Any]) -> dict[str, Any]:
+    """Loader layer weights (HF names: wq [L, D, Hq, Hd], wk, wv, w_gate [L, D, F], w_up, and
+    biases bq, bk, bv) -> this model's fused `wqkv`, `bqkv`, `w_gate_up` (see the module
+    docstring); other entries pass through. Runs on host numpy, once per load."""
+    out = {k: v for k, v in layers.items() if k not in _UNFUSED}
+    L, D, Hkv, Hd = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
+    G = cfg.num_heads // Hkv
+    q = np.asarray(layers["wq"]).reshape(L, D, Hkv, G, Hd)
+    k, v = (np.asarray(layers[n]).reshape(L, D, Hkv, 1, Hd) for n in ("wk", "wv"))
+    out["wqkv"] = np.concatenate([q, k, v], axis=3)
+    if cfg.attention_bias:
+        bq = np.asarray(layers["bq"]).reshape(L, Hkv, G, Hd)
+        bk, bv = (np.asarray(layers[n]).reshape(L, Hkv, 1, Hd) for n in ("bk", "bv"))
+        out["bqkv"] = np.concatenate([bq, bk, bv], axis=2)
+    out["w_gate_up"] = np.stack([np.asarray(layers["w_gate"]), np.asarray(layers["w_up"])], 2)
+    return out
+
+
+_UNFUSED = ("wq", "wk", "wv", "bq", "bk", "bv", "w_gate", "w_up")

@@ -8,7 +8,7 @@ Why this order:
 - The layer axis leads so the model's `lax.scan` carries the whole pool and each layer touches
   only `pool[layer]` through a traced index (no per-layer copy of a pool slice).
 - The block axis comes next, so one block of one layer is a single contiguous run
-  (num_kv_heads * block_size * head_dim elements): the CPU interpret kernel fetches a page for
+  (num_kv_heads * block_size * head_dim elements): the CPU paths fetch a page for
   all heads with one dynamic slice, and pages concatenate along the token axis straight into the
   [num_kv_heads, tokens, head_dim] operand of a head-batched matmul, with no transpose.
 - Heads come before tokens inside a block, so one (block, head) tile [block_size, head_dim] is

@@ -1,23 +1,32 @@
 """The one public ragged paged attention entry: picks an implementation by backend.
 
-cpu -> the coarse-grid interpret kernel: on SmolLM2's shapes it was 3-6x faster than the jnp
-reference for decode (bench/kernels.py), and the reference's per-token page
-gather does not scale to prefill chunks. gpu -> the Triton kernel, tpu -> the Mosaic kernel;
-any other backend -> the jnp reference.
+cpu -> the plain-XLA loops of ragged_xla (Pallas only interprets on CPU; the interpret kernel
+stays for checking the kernel's semantics in tests). gpu -> the Triton kernel, tpu -> the Mosaic
+kernel; any other backend -> the jnp reference. bench/kernels.py times them side by side.
 """
 
 from __future__ import annotations
 
 import jax
 
+from jserve.pallas.ragged_common import RaggedCall
 from jserve.pallas.ragged_interpret import ragged_paged_attention_interpret
 from jserve.pallas.ragged_mosaic import ragged_paged_attention_mosaic
 from jserve.pallas.ragged_reference import ragged_paged_attention_reference
 from jserve.pallas.ragged_triton import ragged_paged_attention_triton
+from jserve.pallas.ragged_xla import ragged_paged_attention_xla
 
-IMPLS = ("reference", "interpret", "triton", "mosaic")
-_BY_BACKEND = {"cpu": "interpret", "gpu": "triton", "cuda": "triton", "tpu": "mosaic"}
-_NATIVE_BACKENDS = {"triton": ("gpu", "cuda"), "mosaic": ("tpu",)}
+# name -> (implementation, how it takes `interpret`): "never" (plain XLA, no interpret mode),
+# "always" (the CPU interpret kernel) or a tuple of the backends it runs on natively.
+_IMPL_TABLE = {
+    "reference": (ragged_paged_attention_reference, "never"),
+    "interpret": (ragged_paged_attention_interpret, "always"),
+    "xla": (ragged_paged_attention_xla, "never"),
+    "triton": (ragged_paged_attention_triton, ("gpu", "cuda")),
+    "mosaic": (ragged_paged_attention_mosaic, ("tpu",)),
+}
+IMPLS = tuple(_IMPL_TABLE)
+_BY_BACKEND = {"cpu": "xla", "gpu": "triton", "cuda": "triton", "tpu": "mosaic"}
 
 
 def choose_impl(backend: str | None = None) -> str:
@@ -64,30 +73,31 @@ def ragged_paged_attention(
       sm_scale: softmax scale applied to q, e.g. head_dim ** -0.5.
       sliding_window: None, or the number of most recent positions each query may see.
       soft_cap: None, or c for scores -> c * tanh(scores / c).
-      impl: "auto" (by jax.default_backend(): cpu -> "interpret", gpu -> "triton",
+      impl: "auto" (by jax.default_backend(): cpu -> "xla", gpu -> "triton",
         tpu -> "mosaic", else "reference"), or one of IMPLS.
       interpret: for "triton" / "mosaic": None runs natively on their backend and interprets
         elsewhere; True forces the interpreter. "interpret" always interprets (False is an
-        error); "reference" takes None only.
+        error); "reference" and "xla" take None only.
 
     Returns:
       [T, Hq, D] attention outputs in q's dtype.
     """
     chosen = choose_impl() if impl == "auto" else impl
-    if chosen not in IMPLS:
+    if chosen not in _IMPL_TABLE:
         raise ValueError(f"impl must be 'auto' or one of {IMPLS}; got {impl!r}")
-    args = (q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer)
-    options = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
-    if chosen == "reference":
+    fn, native = _IMPL_TABLE[chosen]
+    call = RaggedCall.make(
+        q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+    )  # fmt: skip
+    if native == "never":
         if interpret is not None:
-            raise ValueError(f"impl='reference' has no interpret mode; got interpret={interpret}")
-        return ragged_paged_attention_reference(*args, **options)
-    if chosen == "interpret":
+            raise ValueError(f"impl={chosen!r} has no interpret mode; got interpret={interpret}")
+        return fn(call)
+    if native == "always":
         if interpret is False:
-            raise ValueError("impl='interpret' only runs in interpret mode; got interpret=False")
-        return ragged_paged_attention_interpret(*args, **options)
+            raise ValueError(f"impl={chosen!r} only runs in interpret mode; got interpret=False")
+        return fn(call)
     if interpret is None:
-        interpret = jax.default_backend() not in _NATIVE_BACKENDS[chosen]
-    if chosen == "triton":
-        return ragged_paged_attention_triton(*args, **options, interpret=interpret)
-    return ragged_paged_attention_mosaic(*args, **options, interpret=interpret)
+        interpret = jax.default_backend() not in native
+    return fn(call, interpret=interpret)

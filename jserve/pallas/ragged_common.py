@@ -15,6 +15,8 @@ Masking rules every kernel follows, so NaN in memory it must not read can never 
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import jax
@@ -111,6 +113,53 @@ def validate_attention_shapes(
         num_tokens, num_q_heads, head_dim, num_layers, num_blocks, num_kv_heads, block_size,
         max_seqs, max_blocks,
     )  # fmt: skip
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class RaggedCall:
+    """One validated ragged paged attention call: the contract every implementation takes.
+
+    `ragged_paged_attention` builds it once (`RaggedCall.make` runs the static validators), and
+    each implementation is a jitted `fn(call, *, <its tiling options>)`, so the interface
+    lives here alone: a new argument is one field, read only by the implementations that use it.
+    Arrays are pytree data; the options and sizes are static (part of the jit cache key).
+    """
+
+    q: jax.Array  # [T, Hq, D]
+    k_pool: jax.Array  # [L, num_blocks, Hkv, block_size, D]
+    v_pool: jax.Array  # [L, num_blocks, Hkv, block_size, D]
+    block_tables: jax.Array  # [S, max_blocks] int32
+    cu_q_lens: jax.Array  # [S + 1] int32
+    kv_lens: jax.Array  # [S] int32
+    num_seqs: jax.Array  # [] or [1] int32
+    layer: jax.Array  # [] int32
+    sm_scale: float = dataclasses.field(metadata={"static": True})
+    sliding_window: int | None = dataclasses.field(metadata={"static": True})
+    soft_cap: float | None = dataclasses.field(metadata={"static": True})
+    dims: RaggedDims = dataclasses.field(metadata={"static": True})
+
+    @classmethod
+    def make(
+        cls,
+        q: jax.Array,
+        k_pool: jax.Array,
+        v_pool: jax.Array,
+        block_tables: jax.Array,
+        cu_q_lens: jax.Array,
+        kv_lens: jax.Array,
+        num_seqs: jax.Array,
+        layer: jax.Array,
+        *,
+        sm_scale: float,
+        sliding_window: int | None = None,
+        soft_cap: float | None = None,
+    ) -> RaggedCall:
+        """Validate the arguments (ValueError naming the offender) and bundle them."""
+        arrays = (q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer)
+        dims = validate_attention_shapes(*arrays, sm_scale, sliding_window, soft_cap)
+        return cls(*arrays, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                   dims=dims)  # fmt: skip
 
 
 def validate_attention_values(

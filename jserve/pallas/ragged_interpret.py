@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jserve.pallas.ragged_common import (
+    RaggedCall,
     RaggedDims,
     allowed,
     cap_scores,
@@ -34,7 +35,6 @@ from jserve.pallas.ragged_common import (
     pad_rows,
     pad_table_columns,
     qk,
-    validate_attention_shapes,
 )
 
 # Swept on the shared 2-core CPU with SmolLM2 shapes (block 16; timings move +-50% with load):
@@ -127,61 +127,44 @@ def _kernel(
             lax.fori_loop(0, pl.cdiv(q_len, block_q), block_step, 0)
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=("sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_chunk"),
-)
+@functools.partial(jax.jit, static_argnames=("block_q", "pages_per_chunk"))
 def ragged_paged_attention_interpret(
-    q: jax.Array,  # [T, Hq, D]
-    k_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
-    v_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
-    block_tables: jax.Array,  # [S, max_blocks] int32
-    cu_q_lens: jax.Array,  # [S + 1] int32
-    kv_lens: jax.Array,  # [S] int32
-    num_seqs: jax.Array,  # [] or [1] int32
-    layer: jax.Array,  # [] int32
+    call: RaggedCall,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_chunk: int = DEFAULT_PAGES_PER_CHUNK,
 ) -> jax.Array:
     """Ragged paged attention by the coarse-grid kernel in interpret mode (CPU); see
-    `ragged_paged_attention` for the arguments. Padded tokens' outputs are exactly 0."""
-    dims = validate_attention_shapes(
-        q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
-        sm_scale, sliding_window, soft_cap,
-    )  # fmt: skip
+    `ragged_paged_attention` for the call. Padded tokens' outputs are exactly 0."""
     validate_interpret_config(block_q, pages_per_chunk)
-    q_padded = pad_rows(q, block_q)
+    q_padded = pad_rows(call.q, block_q)
     kernel = functools.partial(
         _kernel,
-        dims=dims,
+        dims=call.dims,
         block_q=block_q,
         pages_per_chunk=pages_per_chunk,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+        sm_scale=call.sm_scale,
+        sliding_window=call.sliding_window,
+        soft_cap=call.soft_cap,
     )
     whole = pl.BlockSpec(memory_space=pl.ANY)
     out = pl.pallas_call(
         kernel,
-        grid=(dims.max_seqs,),
+        grid=(call.dims.max_seqs,),
         in_specs=[whole] * 9,
         out_specs=whole,
-        out_shape=jax.ShapeDtypeStruct(q_padded.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(q_padded.shape, call.q.dtype),
         input_output_aliases={8: 0},
         interpret=True,
     )(
-        cu_q_lens,
-        kv_lens,
-        pad_table_columns(block_tables, pages_per_chunk),
-        num_seqs.reshape(1),
-        layer.reshape(1),
+        call.cu_q_lens,
+        call.kv_lens,
+        pad_table_columns(call.block_tables, pages_per_chunk),
+        call.num_seqs.reshape(1),
+        call.layer.reshape(1),
         q_padded,
-        k_pool,
-        v_pool,
+        call.k_pool,
+        call.v_pool,
         jnp.zeros_like(q_padded),
     )
-    return out[: dims.num_tokens]
+    return out[: call.dims.num_tokens]

@@ -22,6 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jserve.pallas.ragged_common import (
+    RaggedCall,
     RaggedDims,
     allowed,
     cap_scores,
@@ -31,7 +32,6 @@ from jserve.pallas.ragged_common import (
     pad_table_columns,
     qk,
     token_seq_ids,
-    validate_attention_shapes,
 )
 
 DEFAULT_BLOCK_Q = 16  # tokens per query block: block_q * group rows, a multiple of 16
@@ -156,62 +156,45 @@ def _row_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens, group):
     return seq, jnp.repeat(seq, group)[:, None], jnp.repeat(ctx, group)[:, None]
 
 
-@functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_chunk", "interpret",
-    ),
-)  # fmt: skip
+@functools.partial(jax.jit, static_argnames=("block_q", "pages_per_chunk", "interpret"))
 def ragged_paged_attention_mosaic(
-    q: jax.Array,  # [T, Hq, D]
-    k_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
-    v_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
-    block_tables: jax.Array,  # [S, max_blocks] int32
-    cu_q_lens: jax.Array,  # [S + 1] int32
-    kv_lens: jax.Array,  # [S] int32
-    num_seqs: jax.Array,  # [] or [1] int32
-    layer: jax.Array,  # [] int32
+    call: RaggedCall,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
     block_q: int = DEFAULT_BLOCK_Q,
     pages_per_chunk: int = DEFAULT_PAGES_PER_CHUNK,
     interpret: bool = False,
 ) -> jax.Array:
     """Ragged paged attention by the Mosaic kernel (interpret=True: the TPU interpreter on CPU);
-    see `ragged_paged_attention` for the arguments. Padded tokens' outputs are exactly 0."""
-    dims = validate_attention_shapes(
-        q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
-        sm_scale, sliding_window, soft_cap,
-    )  # fmt: skip
-    validate_mosaic_config(dims, block_q, pages_per_chunk)
-    hkv, group, d = dims.num_kv_heads, dims.group_size, dims.head_dim
-    num_blocks_q = pl.cdiv(dims.num_tokens, block_q)
+    see `ragged_paged_attention` for the call. Padded tokens' outputs are exactly 0."""
+    validate_mosaic_config(call.dims, block_q, pages_per_chunk)
+    hkv, group, d = call.dims.num_kv_heads, call.dims.group_size, call.dims.head_dim
+    num_blocks_q = pl.cdiv(call.dims.num_tokens, block_q)
     padded_tokens = num_blocks_q * block_q
     rows = block_q * group
     # [T, Hq, D] -> [Hkv, padded_tokens * group, D], row = token * group + head in group.
-    qt = jnp.pad(q, ((0, padded_tokens - dims.num_tokens), (0, 0), (0, 0)))
+    qt = jnp.pad(call.q, ((0, padded_tokens - call.dims.num_tokens), (0, 0), (0, 0)))
     qt = qt.reshape(padded_tokens, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, -1, d)
-    token_seq, row_seq, row_ctx = _row_metadata(cu_q_lens, kv_lens, num_seqs, padded_tokens, group)
+    token_seq, row_seq, row_ctx = _row_metadata(
+        call.cu_q_lens, call.kv_lens, call.num_seqs, padded_tokens, group
+    )
     starts = jnp.arange(num_blocks_q) * block_q
-    last_token = jnp.minimum(starts + block_q, cu_q_lens[num_seqs.reshape(())]) - 1
+    last_token = jnp.minimum(starts + block_q, call.cu_q_lens[call.num_seqs.reshape(())]) - 1
     first_seq = token_seq[starts]
     last_seq = jnp.where(last_token >= starts, token_seq[jnp.maximum(last_token, 0)], first_seq - 1)
-    tables = pad_table_columns(block_tables, pages_per_chunk)
+    tables = pad_table_columns(call.block_tables, pages_per_chunk)
     kernel = functools.partial(
         _kernel,
-        dims=dims,
+        dims=call.dims,
         block_q=block_q,
         pages_per_chunk=pages_per_chunk,
         table_stride=tables.shape[1],
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+        sm_scale=call.sm_scale,
+        sliding_window=call.sliding_window,
+        soft_cap=call.soft_cap,
     )
     rows_spec = pl.BlockSpec((rows, 1), lambda h, i, *_: (i, 0))
     tile_spec = pl.BlockSpec((None, rows, d), lambda h, i, *_: (h, i, 0))
-    page_buf = pltpu.VMEM((2, pages_per_chunk, dims.block_size, d), k_pool.dtype)
+    page_buf = pltpu.VMEM((2, pages_per_chunk, call.dims.block_size, d), call.k_pool.dtype)
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -227,12 +210,12 @@ def ragged_paged_attention_mosaic(
             out_specs=tile_spec,
             scratch_shapes=[page_buf, page_buf, pltpu.SemaphoreType.DMA((2, 2))],
         ),
-        out_shape=jax.ShapeDtypeStruct(qt.shape, q.dtype),
+        out_shape=jax.ShapeDtypeStruct(qt.shape, call.q.dtype),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=pltpu.InterpretParams() if interpret else False,
     )(
-        cu_q_lens, kv_lens, tables.reshape(-1), layer.reshape(1), first_seq, last_seq,
-        qt, row_seq, row_ctx, k_pool, v_pool,
+        call.cu_q_lens, call.kv_lens, tables.reshape(-1), call.layer.reshape(1),
+        first_seq, last_seq, qt, row_seq, row_ctx, call.k_pool, call.v_pool,
     )  # fmt: skip
-    out = out.reshape(hkv, padded_tokens, group, d)[:, : dims.num_tokens]
-    return out.transpose(1, 0, 2, 3).reshape(dims.num_tokens, hkv * group, d)
+    out = out.reshape(hkv, padded_tokens, group, d)[:, : call.dims.num_tokens]
+    return out.transpose(1, 0, 2, 3).reshape(call.dims.num_tokens, hkv * group, d)

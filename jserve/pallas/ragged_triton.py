@@ -23,6 +23,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jserve.pallas.ragged_common import (
+    RaggedCall,
     RaggedDims,
     allowed,
     cap_scores,
@@ -30,7 +31,6 @@ from jserve.pallas.ragged_common import (
     online_softmax_init,
     online_softmax_step,
     qk,
-    validate_attention_shapes,
 )
 
 # Untuned guesses (no GPU was available when this was written): 32-row query tiles, 64-token KV
@@ -166,59 +166,46 @@ def _work_items(
 
 
 @functools.partial(
-    jax.jit,
-    static_argnames=(
-        "sm_scale", "sliding_window", "soft_cap", "block_q", "pages_per_chunk", "num_kv_splits",
-        "interpret",
-    ),
-)  # fmt: skip
+    jax.jit, static_argnames=("block_q", "pages_per_chunk", "num_kv_splits", "interpret")
+)
 def ragged_paged_attention_triton(
-    q: jax.Array,  # [T, Hq, D]
-    k_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
-    v_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
-    block_tables: jax.Array,  # [S, max_blocks] int32
-    cu_q_lens: jax.Array,  # [S + 1] int32
-    kv_lens: jax.Array,  # [S] int32
-    num_seqs: jax.Array,  # [] or [1] int32
-    layer: jax.Array,  # [] int32
+    call: RaggedCall,
     *,
-    sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
     block_q: int | None = None,
     pages_per_chunk: int | None = None,
     num_kv_splits: int = DEFAULT_NUM_KV_SPLITS,
     interpret: bool = False,
 ) -> jax.Array:
     """Ragged paged attention by the Triton kernel (interpret=True runs it on CPU); see
-    `ragged_paged_attention` for the arguments. Padded tokens' outputs are exactly 0."""
-    dims = validate_attention_shapes(
-        q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
-        sm_scale, sliding_window, soft_cap,
-    )  # fmt: skip
-    default_block_q, default_pages = default_triton_config(dims)
+    `ragged_paged_attention` for the call. Padded tokens' outputs are exactly 0."""
+    default_block_q, default_pages = default_triton_config(call.dims)
     block_q = block_q or default_block_q
     pages_per_chunk = pages_per_chunk or default_pages
-    validate_triton_config(dims, block_q, pages_per_chunk, num_kv_splits)
-    num_tokens, hkv, group, d = dims.num_tokens, dims.num_kv_heads, dims.group_size, dims.head_dim
+    validate_triton_config(call.dims, block_q, pages_per_chunk, num_kv_splits)
+    num_tokens, hkv, group, d = (
+        call.dims.num_tokens,
+        call.dims.num_kv_heads,
+        call.dims.group_size,
+        call.dims.head_dim,
+    )
     group_pad = _next_pow2(group)
     # [T, Hq, D] -> [Hkv, (T + block_q) * group_pad, D]; pad heads and rows are zeros.
-    qt = q.reshape(num_tokens, hkv, group, d)
+    qt = call.q.reshape(num_tokens, hkv, group, d)
     qt = jnp.pad(qt, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
     qt = qt.transpose(1, 0, 2, 3).reshape(hkv, -1, d)
     rows_total = qt.shape[1]
-    num_items = pl.cdiv(num_tokens, block_q) + dims.max_seqs
-    item_seq, item_q0 = _work_items(cu_q_lens, num_seqs, block_q, num_items)
+    num_items = pl.cdiv(num_tokens, block_q) + call.dims.max_seqs
+    item_seq, item_q0 = _work_items(call.cu_q_lens, call.num_seqs, block_q, num_items)
     kernel = functools.partial(
         _kernel,
-        dims=dims,
+        dims=call.dims,
         block_q=block_q,
         group_pad=group_pad,
         pages_per_chunk=pages_per_chunk,
         num_kv_splits=num_kv_splits,
-        sm_scale=sm_scale,
-        sliding_window=sliding_window,
-        soft_cap=soft_cap,
+        sm_scale=call.sm_scale,
+        sliding_window=call.sliding_window,
+        soft_cap=call.soft_cap,
     )
     f32 = jnp.float32
     acc, m, denom = pl.pallas_call(
@@ -231,12 +218,22 @@ def ragged_paged_attention_triton(
         ),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
-    )(item_seq, item_q0, cu_q_lens, kv_lens, block_tables, layer.reshape(1), qt, k_pool, v_pool)
+    )(
+        item_seq,
+        item_q0,
+        call.cu_q_lens,
+        call.kv_lens,
+        call.block_tables,
+        call.layer.reshape(1),
+        qt,
+        call.k_pool,
+        call.v_pool,
+    )
     # Merge the splits' partial softmaxes (an empty split has m = MASK_VALUE: weight 0). Rows no
     # program wrote (padding tokens, pad heads) hold garbage and are dropped below.
     weight = jnp.exp(m - m.max(axis=0, keepdims=True))[..., None]
     out = online_softmax_finish((weight * denom[..., None]).sum(0), (weight * acc).sum(0))
     out = out.reshape(hkv, num_tokens + block_q, group_pad, d)[:, :num_tokens, :group]
     out = out.transpose(1, 0, 2, 3).reshape(num_tokens, hkv * group, d)
-    real = jnp.arange(num_tokens) < cu_q_lens[num_seqs.reshape(())]
-    return jnp.where(real[:, None, None], out, 0.0).astype(q.dtype)
+    real = jnp.arange(num_tokens) < call.cu_q_lens[call.num_seqs.reshape(())]
+    return jnp.where(real[:, None, None], out, 0.0).astype(call.q.dtype)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jserve.models.config import ModelConfig
-from jserve.models.llama import MODEL_AXIS, LlamaModel
+from jserve.models.llama import MODEL_AXIS, LlamaModel, fuse_projections
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -42,7 +42,12 @@ def make_mesh(tensor_parallel_size: int = 1) -> jax.sharding.Mesh:
 def place_model(
     cfg: ModelConfig, params: Any, dtype: Any, mesh: jax.sharding.Mesh
 ) -> tuple[nnx.GraphDef, nnx.State]:
-    """Split the model once: a static graph definition and its sharded parameter state."""
+    """Split the model once: a static graph definition and its sharded parameter state.
+
+    `params` is a loader's tree (unfused projections); it is fused here, once (see
+    jserve.models.llama), before anything reaches a device.
+    """
+    params = {**params, "layers": fuse_projections(cfg, params["layers"])}
     abstract = nnx.eval_shape(lambda: LlamaModel(cfg, dtype))
     graphdef, state = nnx.split(abstract)
     shardings = nnx.get_named_sharding(state, mesh).to_pure_dict()

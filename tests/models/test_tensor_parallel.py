@@ -24,8 +24,8 @@ t = ids.shape[0]
 logits = {}
 for tp in (1, 3):
     graphdef, state = place_model(loaded.config, loaded.params, jnp.float32, make_mesh(tp))
-    wq = state["layers"]["wq"][...]
-    assert len(wq.sharding.device_set) == tp, wq.sharding
+    wqkv = state["layers"]["wqkv"][...]
+    assert len(wqkv.sharding.device_set) == tp, wqkv.sharding
 
     @jax.jit
     def forward(state):

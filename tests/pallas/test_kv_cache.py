@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.pallas import kv_cache_shape, validate_slot_mapping, write_kv
+from jserve.pallas import kv_cache_shape, write_kv
+from jserve.pallas.kv_cache import validate_slot_mapping
 
 L, NB, BS, HKV, D = 3, 6, 4, 2, 8
 

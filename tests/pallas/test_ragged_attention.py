@@ -49,13 +49,13 @@ def _check(impl: str, name: str, table: dict) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(NAMED))
-@pytest.mark.parametrize("impl", ["reference", "interpret", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", "triton"])
 def test_named_case(impl, name):
     _check(impl, name, NAMED)
 
 
 @pytest.mark.parametrize("name", sorted(LONG))
-@pytest.mark.parametrize("impl", ["reference", "interpret"])
+@pytest.mark.parametrize("impl", ["reference", "interpret", "xla"])
 def test_long_context(impl, name):
     _check(impl, name, LONG)
 
@@ -138,8 +138,8 @@ def budget(examples: int) -> settings:
 
 @budget(30)
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
-def test_hypothesis_reference_and_interpret(batch, seed):
-    _hypothesis_check(["reference", "interpret"], batch, seed)
+def test_hypothesis_reference_interpret_xla(batch, seed):
+    _hypothesis_check(["reference", "interpret", "xla"], batch, seed)
 
 
 @budget(10)
@@ -152,7 +152,7 @@ def test_hypothesis_triton(batch, seed):
 @budget(300)
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
 def test_hypothesis_all_cpu_impls_slow(batch, seed):
-    _hypothesis_check(["reference", "interpret", "triton"], batch, seed)
+    _hypothesis_check(["reference", "interpret", "xla", "triton"], batch, seed)
 
 
 @pytest.mark.slow

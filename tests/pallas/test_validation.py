@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.pallas import validate_attention_shapes, validate_attention_values
+from jserve.pallas.ragged_common import validate_attention_shapes, validate_attention_values
 from jserve.pallas.ragged_interpret import validate_interpret_config
 from jserve.pallas.ragged_mosaic import validate_mosaic_config
 from jserve.pallas.ragged_triton import validate_triton_config

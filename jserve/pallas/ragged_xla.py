@@ -1,0 +1,175 @@
+"""Ragged paged attention in plain XLA ops: the CPU serving path (Pallas only interprets there).
+
+Work is cut into row groups that each read one sequence's pages:
+- decode rows: each sequence with q_len == 1 is one group of one query row. Decode sequences
+  are packed first (`jnp.nonzero` with a static size), so the loop runs exactly once per decode
+  sequence of the step;
+- prefill items: each sequence with q_len > 1 is cut into `block_q`-row query blocks, so the
+  rows of an item share every page they read (one K/V fetch serves block_q x group rows).
+Each group loops over `chunk_pages`-page KV chunks, only from its first to its last visible
+position: trip counts follow the step's real context (and the causal diagonal), never the block
+table's width, and a loop over zero groups costs nothing, so a decode-only step pays nothing for
+the prefill loop and the reverse. A chunk is fetched as per-page dynamic slices concatenated on
+the token axis (a page of the pool layout is [Hkv, block_size, D], so no transpose); XLA fuses
+them into one copy that stays in cache, then two head-batched dots and an online-softmax update
+(the masking rules of ragged_common) finish the chunk. Results land on the token axis with a
+dynamic update per group; rows no sequence owns stay exactly 0.
+
+Why not one big gather per step: materializing every sequence's K/V up to a shared bound
+(bench/kernels.py measured the jnp reference, which gathers whole block tables) writes as many
+bytes as it reads and loses to reading each page straight into a cache-sized chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jserve.pallas.ragged_common import (
+    RaggedCall,
+    RaggedDims,
+    allowed,
+    cap_scores,
+    online_softmax_finish,
+    online_softmax_init,
+    online_softmax_step,
+    pad_table_columns,
+    qk,
+)
+
+DEFAULT_CHUNK_PAGES = 8
+DEFAULT_BLOCK_Q = 16
+
+
+def validate_xla_config(block_q: int, chunk_pages: int) -> None:
+    """Static checks of the tiling options; raises ValueError."""
+    for name, value in (("block_q", block_q), ("chunk_pages", chunk_pages)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+
+
+def _cdiv(a: jax.Array, b: int) -> jax.Array:
+    return (a + b - 1) // b
+
+
+def _attend_group(
+    q: jax.Array,  # [Hkv, M, D] float32, already scaled; row r is query token r % rows
+    row_ctx: jax.Array,  # [M, 1] last position each row may see (-1: sees nothing)
+    kv_len: jax.Array,  # [] the sequence's context length
+    table: jax.Array,  # [max_blocks padded to a multiple of chunk_pages] the sequence's pages
+    pools: tuple[jax.Array, jax.Array],  # k_pool, v_pool
+    layer: jax.Array,  # []
+    lo: jax.Array,  # [] first position any row needs
+    hi: jax.Array,  # [] one past the last position any row needs
+    *,
+    dims: RaggedDims,
+    chunk_pages: int,
+    sliding_window: int | None,
+    soft_cap: float | None,
+) -> jax.Array:
+    """Online-softmax attention of one sequence's row group; returns [Hkv, M, D] float32."""
+    chunk = chunk_pages * dims.block_size
+    k_pool, v_pool = pools
+
+    def fetch(pool: jax.Array, pages: jax.Array) -> jax.Array:  # -> [Hkv, chunk, D] float32
+        pool_layer = lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)
+        tiles = [
+            lax.dynamic_index_in_dim(pool_layer, pages[j], 0, keepdims=False)
+            for j in range(chunk_pages)
+        ]
+        return jnp.concatenate(tiles, axis=1).astype(jnp.float32)
+
+    def chunk_step(c, carry):
+        pages = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages)
+        k, v = fetch(k_pool, pages), fetch(v_pool, pages)
+        pos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)  # [1, C]
+        v = jnp.where((pos < kv_len)[..., None], v, 0.0)  # stale slots may hold NaN
+        scores = cap_scores(qk(q, k), soft_cap)  # [Hkv, M, C]
+        mask = allowed(pos, row_ctx, kv_len, sliding_window)  # [M, C]
+        return online_softmax_step(carry, scores, mask, v)
+
+    init = online_softmax_init(q.shape[:2], dims.head_dim)
+    _, denom, acc = lax.fori_loop(lo // chunk, _cdiv(hi, chunk), chunk_step, init)
+    return online_softmax_finish(denom, acc)
+
+
+@functools.partial(jax.jit, static_argnames=("block_q", "chunk_pages"))
+def ragged_paged_attention_xla(
+    call: RaggedCall,
+    *,
+    block_q: int = DEFAULT_BLOCK_Q,
+    chunk_pages: int = DEFAULT_CHUNK_PAGES,
+) -> jax.Array:
+    """Ragged paged attention in XLA ops; see `ragged_paged_attention` for the call.
+    Padded tokens' outputs are exactly 0."""
+    validate_xla_config(block_q, chunk_pages)
+    t, s, d = call.dims.num_tokens, call.dims.max_seqs, call.dims.head_dim
+    hkv, group = call.dims.num_kv_heads, call.dims.group_size
+    real = jnp.arange(s) < call.num_seqs.reshape(())
+    q_start = call.cu_q_lens[:-1]
+    q_len = jnp.where(real, call.cu_q_lens[1:] - q_start, 0)  # padded sequences: no rows
+    kv_len = jnp.where(real, call.kv_lens, 0)
+    tables = pad_table_columns(call.block_tables, chunk_pages)
+    pools = (call.k_pool, call.v_pool)
+    options = dict(
+        dims=call.dims,
+        chunk_pages=chunk_pages,
+        sliding_window=call.sliding_window,
+        soft_cap=call.soft_cap,
+    )
+    # Room for a whole block past the last token, so an item's block never runs off the end.
+    bq = min(block_q, t)
+    qs = jnp.pad(call.q.astype(jnp.float32) * call.sm_scale, ((0, bq), (0, 0), (0, 0)))
+    out = jnp.zeros((t + bq, hkv * group, d), jnp.float32)
+
+    window = call.sliding_window
+
+    def window_start(first_ctx: jax.Array) -> jax.Array:
+        return 0 if window is None else jnp.maximum(first_ctx - window + 1, 0)
+
+    is_decode = q_len == 1
+    (decode_seqs,) = jnp.nonzero(is_decode, size=s, fill_value=0)
+
+    def decode_step(i, out):
+        seq = decode_seqs[i]
+        row, kv = q_start[seq], kv_len[seq]
+        qg = lax.dynamic_index_in_dim(qs, row, 0, False).reshape(hkv, group, d)
+        ctx = jnp.full((group, 1), kv - 1)
+        res = _attend_group(
+            qg, ctx, kv, tables[seq], pools, call.layer, window_start(kv - 1), kv,
+            **options,
+        )  # fmt: skip
+        return lax.dynamic_update_index_in_dim(out, res.reshape(1, hkv * group, d), row, 0)
+
+    out = lax.fori_loop(0, is_decode.sum(), decode_step, out)
+
+    if t > 1:  # a one-token step has no prefill rows
+        blocks = jnp.where(q_len > 1, _cdiv(q_len, bq), 0)
+        ends = jnp.cumsum(blocks)
+
+        def item_step(i, out):
+            seq = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+            q0 = (i - (ends[seq] - blocks[seq])) * bq  # first row of the item in its sequence
+            first, kv, n = q_start[seq] + q0, kv_len[seq], q_len[seq]
+            rows = lax.dynamic_slice_in_dim(qs, first, bq)  # [bq, Hq, D]
+            # Row r of a head group is query token r % bq: [Hkv, group * bq, D].
+            qg = rows.reshape(bq, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, -1, d)
+            token = q0 + lax.broadcasted_iota(jnp.int32, (group * bq, 1), 0) % bq
+            ctx = jnp.where(token < n, kv - n + token, -1)  # rows past the sequence see nothing
+            first_ctx = kv - n + q0
+            hi = jnp.minimum(first_ctx + bq, kv)
+            res = _attend_group(
+                qg, ctx, kv, tables[seq], pools, call.layer, window_start(first_ctx), hi,
+                **options,
+            )  # fmt: skip
+            res = res.reshape(hkv, group, bq, d).transpose(2, 0, 1, 3).reshape(bq, -1, d)
+            # Rows past the sequence's end belong to the next sequence (or padding): keep them.
+            mine = (q0 + lax.broadcasted_iota(jnp.int32, (bq, 1, 1), 0)) < n
+            kept = lax.dynamic_slice_in_dim(out, first, bq)
+            return lax.dynamic_update_slice_in_dim(out, jnp.where(mine, res, kept), first, 0)
+
+        out = lax.fori_loop(0, ends[-1], item_step, out)
+    return out[:t].astype(call.q.dtype)
