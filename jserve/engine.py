@@ -37,6 +37,7 @@ from jserve.runtime.sampler import Sampler
 from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.runtime.step_inputs import StepInputBuilder
 from jserve.sampling_params import SamplingParams
+from jserve.validation import check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class LLMEngine:
         self.model_name = loaded.name
         self.tokenizer = loaded.tokenizer
         cfg = self.model_config = loaded.config
+        self.vocab_size = cfg.vocab_size
         dtype = resolve_dtype(args.dtype)
         mesh = make_mesh(args.tensor_parallel_size)
         graphdef, state = place_model(cfg, loaded.params, dtype, mesh)
@@ -112,6 +114,7 @@ class LLMEngine:
         self._iteration_tokens: collections.deque[int] = collections.deque()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self.num_restarts = 0
         log.info(
             "model %s: %d KV blocks of %d tokens (%.0f MiB), token buckets %s, seq buckets %s",
             self.model_name, num_blocks, args.block_size,
@@ -162,6 +165,7 @@ class LLMEngine:
         params = params or SamplingParams()
         try:
             self.sampler.check(params)
+            check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
         except ValueError as e:
             raise RequestRejected("invalid", str(e)) from None
         if request_id in self._states:
@@ -203,11 +207,10 @@ class LLMEngine:
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise RequestRejected("invalid", f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
+        try:
+            return None, check_token_ids("prompt", list(prompt), self.vocab_size)
+        except ValueError as e:
+            raise RequestRejected("invalid", str(e)) from None
 
     def abort_request(self, request_id: str, reason: str = "abort") -> RequestOutput | None:
         """End a request in any state (finish reason `reason`); its KV blocks are freed now."""
@@ -237,7 +240,7 @@ class LLMEngine:
         if not plan.is_empty:
             self._iteration_tokens.append(plan.num_batched_tokens)
             logits = self.runner.run(self.builder.build(plan))
-            sampled = self._sample(plan, logits)
+            sampled = self._sample(plan, logits, changed)
             self._postprocess(plan, sampled, changed)
         outputs = expired + [state.to_output() for state in changed.values()]
         for state in changed.values():
@@ -254,7 +257,9 @@ class LLMEngine:
         late = [rid for rid, deadline in self._deadlines.items() if now >= deadline]
         return [out for rid in late if (out := self.abort_request(rid, "timeout")) is not None]
 
-    def _sample(self, plan: StepPlan, logits: jax.Array) -> dict[str, tuple[int, list | None]]:
+    def _sample(
+        self, plan: StepPlan, logits: jax.Array, changed: dict
+    ) -> dict[str, tuple[int, list | None]]:
         rows = []
         for seq in plan.seqs:
             child = self._children[seq.request_id]
@@ -265,12 +270,21 @@ class LLMEngine:
                 )
             )
         result = self.sampler.sample(logits, rows)
-        return {seq.request_id: result.row(i) for i, seq in enumerate(plan.seqs) if seq.sample}
+        for i, error in result.failed.items():
+            self._fail(plan.seqs[i].request_id, error, changed)
+        return {
+            seq.request_id: result.row(i)
+            for i, seq in enumerate(plan.seqs)
+            if seq.sample and i not in result.failed
+        }
 
     def _postprocess(self, plan: StepPlan, sampled: dict, changed: dict) -> None:
         now = time.monotonic()
         for seq in plan.seqs:
-            state = self._children[seq.request_id].state
+            child = self._children.get(seq.request_id)
+            if child is None:
+                continue  # failed while its step was prepared
+            state = child.state
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
                 req = self.scheduler.get_request(seq.request_id)
@@ -283,7 +297,11 @@ class LLMEngine:
             if child is None:
                 continue
             changed[child.state.request_id] = child.state
-            stop_string = child.state.add_token(child.index, token, top)
+            try:
+                stop_string = child.state.add_token(child.index, token, top)
+            except Exception as e:  # detokenizing or a stop check of this request failed
+                self._fail(rid, f"{type(e).__name__}: {e}", changed)
+                continue
             if rid in finished:
                 req = finished[rid]
                 reason = _FINISH_REASONS[req.finish_reason]
@@ -292,6 +310,34 @@ class LLMEngine:
             elif stop_string is not None:
                 self.scheduler.finish_request(rid, FinishReason.STOPPED)
                 self._finish_child(rid, "stop", stop_string, changed)
+
+    def _fail(self, child_id: str, error: str, changed: dict) -> None:
+        """End the request owning `child_id` with finish reason "error": a host-side part of
+        its step failed. Only this request fails; the rest of the batch goes on."""
+        child = self._children.get(child_id)
+        if child is None:
+            return
+        log.error("request %s failed: %s", child.state.request_id, error)
+        child.state.error = error
+        self.abort_request(child.state.request_id, "error")
+        changed[child.state.request_id] = child.state
+
+    def recover(self, error: BaseException) -> list[RequestOutput]:
+        """After a step raised: fail every unfinished request with a clear error, re-make the KV
+        pool and a fresh scheduler (its prefix cache described the lost pool), count a restart.
+
+        Compiled executables are kept, so the engine serves again at once.
+        """
+        message = f"the engine step failed ({type(error).__name__}: {error}); engine restarted"
+        outputs = []
+        for request_id, state in list(self._states.items()):
+            state.error = message
+            outputs.append(self.abort_request(request_id, "error"))
+        cache = CacheConfig(self.args.block_size, self.scheduler.block_manager.num_blocks)
+        self.scheduler = Scheduler(self.scheduler.config, cache)
+        self.runner.reset_kv_cache()
+        self.num_restarts += 1
+        return [out for out in outputs if out is not None]
 
     def _finish_child(self, child_id: str, reason: str, stop, changed: dict) -> None:
         child = self._children.pop(child_id, None)
@@ -316,5 +362,6 @@ class LLMEngine:
             prompt_tokens=self._num_prompt_tokens,
             generation_tokens=self._num_generation_tokens,
             compilations=compilation_count(),
+            num_restarts=self.num_restarts,
             iteration_tokens=iteration_tokens,
         )

@@ -26,7 +26,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | None
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "timeout" | "error" | None
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
     @property
@@ -54,6 +54,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
 
 @dataclass
@@ -69,5 +70,6 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     compilations: int = 0
+    num_restarts: int = 0  # in-process engine restarts after a failed device step
     # Scheduled tokens of each iteration since the previous snapshot (drained by the reader).
     iteration_tokens: list[int] = field(default_factory=list)
