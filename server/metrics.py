@@ -38,6 +38,7 @@ _ENGINE_COUNTERS = {
     "prompt_tokens": ("prompt_tokens", "Prompt tokens processed."),
     "generation_tokens": ("generation_tokens", "Tokens generated."),
     "compilations": ("compilations", "XLA compilations of step functions."),
+    "num_restarts": ("engine_restarts", "In-process engine restarts after a failed step."),
 }
 
 
