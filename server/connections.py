@@ -1,0 +1,114 @@
+"""Connection-level defences: slow clients, half-open connections, JSON for aiohttp's own errors.
+
+aiohttp answers a request it cannot parse (bad framing, an over-long header line, an unknown
+Content-Encoding) itself, before any middleware runs, with a plain-text body that can quote
+the offending header back. `GuardedRequestHandler.handle_error` answers with an OpenAI-style
+JSON error instead, and quotes nothing the client sent.
+
+Slow clients, in the order a connection meets them:
+1. Half-open cap: a connection is half-open until the head (request line and headers) of its
+   first request is complete. Past `max_half_open` such connections, a new one is closed at
+   once, so trickling clients cannot take every file descriptor.
+2. Header timeout: aiohttp's keep-alive timer closes a connection with no complete request head
+   `header_timeout` seconds after it opened or after its previous response; bytes of a partial
+   head do not restart it. One timer bounds trickled headers and idle keep-alive connections.
+3. Body timeout: `read_json_object` answers 408 (and closes) when a body stalls.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from aiohttp import web
+from aiohttp.http_exceptions import ContentEncodingError, LineTooLong
+
+from server.api_errors import APIError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_MAX_HALF_OPEN = 128
+_HEAD_END = b"\r\n\r\n"
+# After answering a request whose body was not read (413, 408), aiohttp reads and drops what the
+# client still sends, so its close does not reset the connection before the client reads the
+# answer. Its default of 10 s would let a stalled client hold the connection: 2 s suffices.
+_LINGER_SECONDS = 2.0
+
+
+class GuardedRequestHandler(web.RequestHandler):
+    """aiohttp's per-connection protocol, plus the half-open cap and JSON error bodies."""
+
+    def __init__(
+        self, manager: web.Server, *, half_open: set, max_half_open: int, **kwargs
+    ) -> None:
+        super().__init__(manager, **kwargs)
+        self._half_open = half_open  # shared by every connection of one listener
+        self._max_half_open = max_half_open
+        self._head_tail: bytes | None = b""  # None once the first request head is complete
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        if len(self._half_open) >= self._max_half_open:
+            logger.warning("%d half-open connections: closing a new one", len(self._half_open))
+            self.force_close()
+            return
+        self._half_open.add(self)
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._half_open.discard(self)
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        if self._head_tail is not None:
+            # Look for the end of the first head across chunk boundaries (a trickle of bytes).
+            seen = self._head_tail + data
+            if _HEAD_END in seen:
+                self._head_tail = None
+                self._half_open.discard(self)
+            else:
+                self._head_tail = seen[-(len(_HEAD_END) - 1) :]
+        super().data_received(data)
+
+    def handle_error(
+        self,
+        request: web.BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
+        """The error response aiohttp itself sends for an unparseable request, as JSON."""
+        if request.writer.output_size > 0:  # as aiohttp does: too late for a response
+            raise ConnectionError("the response has started; cannot send an error response")
+        logger.info("refused a malformed request: %s", type(exc).__name__ if exc else status)
+        if isinstance(exc, LineTooLong):
+            error = APIError(431, "the request line or a header field is too long")
+        elif isinstance(exc, ContentEncodingError):
+            error = APIError(400, "the request's Content-Encoding is not supported")
+        elif status >= 500:
+            error = APIError(500, "internal server error", code="internal_error")
+        else:
+            error = APIError(status, "malformed HTTP request", code="bad_request")
+        response = error.response()
+        response.force_close()
+        return response
+
+
+def handler_factory(
+    server: web.Server,
+    *,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    max_half_open: int = DEFAULT_MAX_HALF_OPEN,
+) -> Callable[[], GuardedRequestHandler]:
+    """A protocol factory for `loop.create_server` serving `server` (an AppRunner's)."""
+    half_open: set[GuardedRequestHandler] = set()
+    loop = asyncio.get_running_loop()
+
+    def make() -> GuardedRequestHandler:
+        return GuardedRequestHandler(
+            server, half_open=half_open, max_half_open=max_half_open, loop=loop,
+            keepalive_timeout=header_timeout, lingering_time=_LINGER_SECONDS,
+        )  # fmt: skip
+
+    return make
