@@ -37,7 +37,7 @@ from jserve.runtime.sampler import Sampler
 from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.runtime.step_inputs import StepInputBuilder
 from jserve.sampling_params import SamplingParams
-from jserve.validation import check_token_ids
+from jserve.validation import check_int, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -165,6 +165,7 @@ class LLMEngine:
         params = params or SamplingParams()
         try:
             self.sampler.check(params)
+            check_int("n", params.n, 1, self.args.max_n)  # --max-n
             check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
         except ValueError as e:
             raise RequestRejected("invalid", str(e)) from None

@@ -23,6 +23,11 @@ class EngineArgs:
         scheduling: "continuous" (iteration-level) or "static" (a baseline for benchmarks).
         attention_impl: "auto" picks the kernel for the backend; or a name jserve.pallas knows.
         compilation_cache_dir: JAX's persistent compilation cache (default: <cache_dir>/xla).
+        max_waiting_requests: waiting sequences (each of a request's n samples is one); more
+            are refused with "queue_full".
+        max_n: the largest `n` (samples of one request) accepted. OpenAI allows 128; 64 keeps
+            one request to two full batches of the default 32 sequences on a CPU. It may be at
+            most half of max_waiting_requests, so one request can never fill the queue.
     """
 
     model: str | None = None
@@ -39,6 +44,7 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     long_prompt_threshold: int = 512
     max_waiting_requests: int = 1024
+    max_n: int = 64
     attention_impl: str = "auto"
     tensor_parallel_size: int = 1
     cache_dir: str | None = None
@@ -50,6 +56,12 @@ class EngineArgs:
             raise ValueError(f"scheduling must be one of {POLICIES}, got {self.scheduling!r}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 1 <= self.max_n <= max(1, self.max_waiting_requests // 2):
+            raise ValueError(
+                f"max_n must be in [1, max_waiting_requests // 2 = "
+                f"{self.max_waiting_requests // 2}] so one request cannot fill the waiting "
+                f"queue, got {self.max_n}; lower --max-n or raise --max-waiting-requests"
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:
@@ -74,7 +86,19 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     a("--scheduling", default=d.scheduling, choices=POLICIES)
     a("--long-prefill-token-threshold", type=int, default=d.long_prefill_token_threshold)
     a("--long-prompt-threshold", type=int, default=d.long_prompt_threshold)
-    a("--max-waiting-requests", type=int, default=d.max_waiting_requests)
+    a(
+        "--max-waiting-requests",
+        type=int,
+        default=d.max_waiting_requests,
+        help="waiting sequences (each sample of an n > 1 request counts); more get 429",
+    )
+    a(
+        "--max-n",
+        type=int,
+        default=d.max_n,
+        help="largest n (samples per request) accepted; "
+        "at most half of --max-waiting-requests (default: %(default)s)",
+    )
     a("--attention-impl", default=d.attention_impl)
     a("--tensor-parallel-size", type=int, default=d.tensor_parallel_size)
     a("--cache-dir", default=None, help="converted-model cache (default ~/.cache/jserve)")

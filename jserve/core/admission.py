@@ -14,9 +14,12 @@ def check_new_request(
     config: SchedulerConfig,
     known_request_ids: Container[str],
     num_waiting: int,
-    is_sibling: bool,
 ) -> None:
-    """Raise RequestRejected unless `request` may join the waiting queue."""
+    """Raise RequestRejected unless `request` may join the waiting queue.
+
+    `num_waiting` counts sequences: each sample of an `n > 1` request is one, so a request
+    with many samples meets the cap like as many requests (it cannot slip past it).
+    """
     if request.request_id in known_request_ids:
         raise RequestRejected(
             "invalid", f"request id {request.request_id!r} is already in use; use a unique id"
@@ -39,9 +42,9 @@ def check_new_request(
             f"{request.max_tokens}: {total} tokens exceed max_model_len={config.max_model_len}; "
             f"shorten the prompt or lower max_tokens",
         )
-    if not is_sibling and num_waiting >= config.max_waiting_requests:
+    if num_waiting >= config.max_waiting_requests:
         raise RequestRejected(
             "queue_full",
-            f"{num_waiting} requests are already waiting (max_waiting_requests="
-            f"{config.max_waiting_requests}); retry later",
+            f"{num_waiting} sequences are already waiting (max_waiting_requests="
+            f"{config.max_waiting_requests}, each of a request's n samples counts); retry later",
         )

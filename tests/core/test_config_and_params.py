@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
 from jserve.config import CacheConfig, SchedulerConfig
+from jserve.engine_args import EngineArgs
 from jserve.sampling_params import SamplingParams
 
 from .helpers import make_scheduler
@@ -178,3 +180,18 @@ def test_sampling_params_rejects(kwargs, message):
 def test_sampling_params_accepts_edges():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, logprobs=0, seed=-5)
     SamplingParams(logprobs=20, presence_penalty=-2.0, repetition_penalty=2.0, min_tokens=16)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_n": 0}, "max_n must be in [1, max_waiting_requests // 2 = 512]"),
+        ({"max_n": 513}, "max_n must be in [1, max_waiting_requests // 2 = 512]"),
+        ({"max_waiting_requests": 100}, "so one request cannot fill the waiting queue, got 64"),
+    ],
+)
+def test_engine_args_keep_one_request_from_filling_the_queue(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineArgs(**kwargs)
+    assert EngineArgs().max_n == 64
+    assert EngineArgs(max_waiting_requests=100, max_n=50).max_n == 50

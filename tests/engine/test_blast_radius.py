@@ -1,4 +1,5 @@
-"""One request's failure stays its own; a failed device step restarts the engine in-process.
+"""One request's failure stays its own, and no request takes more than its share of the queue;
+a failed device step restarts the engine in-process.
 
 Faults are injected where validation cannot reach (a value mutated after admission, a
 detokenizer that raises, a device step that raises), so each test shows the containment, not
@@ -22,7 +23,9 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def engine(default_model):
-    return make_engine(default_model, max_num_seqs=4, max_num_batched_tokens=64)
+    return make_engine(
+        default_model, max_num_seqs=4, max_num_batched_tokens=64, max_waiting_requests=8, max_n=4
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +49,25 @@ def test_the_offline_api_checks_ids_against_the_vocabulary(engine, prompt, param
         engine.add_request("bad", prompt, params)
     assert (error.value.reason, str(error.value)) == ("invalid", message)
     assert not engine.has_unfinished_requests()
+
+
+def test_n_is_capped_and_every_sample_counts_against_the_waiting_cap(engine):
+    few = SamplingParams(temperature=1.0, max_tokens=2, seed=1)
+    with pytest.raises(RequestRejected) as error:
+        engine.add_request("greedy-n", PROMPT, SamplingParams(n=5, max_tokens=2))
+    assert str(error.value) == "n must be an integer in [1, 4], got 5"
+    engine.add_request("four", PROMPT, SamplingParams(n=4, max_tokens=2, seed=1))
+    engine.add_request("three", PROMPT, SamplingParams(n=3, max_tokens=2, seed=1))
+    assert engine.stats().num_requests_waiting == 7
+    with pytest.raises(RequestRejected) as error:  # 2 samples, 1 place: neither joins
+        engine.add_request("two", PROMPT, SamplingParams(n=2, max_tokens=2, seed=1))
+    assert error.value.reason == "queue_full"
+    assert engine.stats().num_requests_waiting == 7
+    engine.add_request("one", PROMPT, few)
+    final = run_to_completion(engine)
+    assert sorted(final) == ["four", "one", "three"]
+    assert [len(final[r].outputs) for r in ("four", "three", "one")] == [4, 3, 1]
+    assert_no_blocks_held(engine)
 
 
 def test_a_request_whose_sampling_row_fails_fails_alone(engine, expected):
