@@ -7,8 +7,10 @@ JSON error instead, and quotes nothing the client sent.
 
 Slow clients, in the order a connection meets them:
 1. Half-open cap: a connection is half-open until the head (request line and headers) of its
-   first request is complete. Past `max_half_open` such connections, a new one is closed at
-   once, so trickling clients cannot take every file descriptor.
+   first request is complete. A new connection past `max_half_open` of them evicts the oldest
+   (the slowest sender, likely a trickling attacker, not a client of a burst whose head is
+   milliseconds away), so trickling clients can neither take every file descriptor nor lock
+   new clients out.
 2. Header timeout: aiohttp's keep-alive timer closes a connection with no complete request head
    `header_timeout` seconds after it opened or after its previous response; bytes of a partial
    head do not restart it. One timer bounds trickled headers and idle keep-alive connections.
@@ -22,14 +24,15 @@ import logging
 from collections.abc import Callable
 
 from aiohttp import web
-from aiohttp.http_exceptions import ContentEncodingError, LineTooLong
+from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
+from aiohttp.web_protocol import RequestPayloadError
 
 from server.api_errors import APIError
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_HEADER_TIMEOUT = 10.0
-DEFAULT_MAX_HALF_OPEN = 128
+DEFAULT_MAX_HALF_OPEN = 512
 _HEAD_END = b"\r\n\r\n"
 # After answering a request whose body was not read (413, 408), aiohttp reads and drops what the
 # client still sends, so its close does not reset the connection before the client reads the
@@ -41,23 +44,24 @@ class GuardedRequestHandler(web.RequestHandler):
     """aiohttp's per-connection protocol, plus the half-open cap and JSON error bodies."""
 
     def __init__(
-        self, manager: web.Server, *, half_open: set, max_half_open: int, **kwargs
+        self, manager: web.Server, *, half_open: dict, max_half_open: int, **kwargs
     ) -> None:
         super().__init__(manager, **kwargs)
-        self._half_open = half_open  # shared by every connection of one listener
+        self._half_open = half_open  # shared by the listener's connections, oldest first
         self._max_half_open = max_half_open
         self._head_tail: bytes | None = b""  # None once the first request head is complete
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         if len(self._half_open) >= self._max_half_open:
-            logger.warning("%d half-open connections: closing a new one", len(self._half_open))
-            self.force_close()
-            return
-        self._half_open.add(self)
+            oldest = next(iter(self._half_open))
+            del self._half_open[oldest]
+            logger.warning("%d half-open connections: closing the oldest", self._max_half_open)
+            oldest.force_close()
+        self._half_open[self] = None
 
     def connection_lost(self, exc: BaseException | None) -> None:
-        self._half_open.discard(self)
+        self._half_open.pop(self, None)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -66,10 +70,19 @@ class GuardedRequestHandler(web.RequestHandler):
             seen = self._head_tail + data
             if _HEAD_END in seen:
                 self._head_tail = None
-                self._half_open.discard(self)
+                self._half_open.pop(self, None)
             else:
                 self._head_tail = seen[-(len(_HEAD_END) - 1) :]
         super().data_received(data)
+
+    def log_exception(self, *args, **kwargs) -> None:
+        """A body that does not decode is the client's mistake (it got its 400): one line, no
+        traceback, so such requests cannot flood the log."""
+        error = kwargs.get("exc_info")
+        if isinstance(error, HttpProcessingError | RequestPayloadError):
+            logger.info("dropped the rest of an undecodable request body: %r", error)
+        else:
+            super().log_exception(*args, **kwargs)
 
     def handle_error(
         self,
@@ -102,7 +115,7 @@ def handler_factory(
     max_half_open: int = DEFAULT_MAX_HALF_OPEN,
 ) -> Callable[[], GuardedRequestHandler]:
     """A protocol factory for `loop.create_server` serving `server` (an AppRunner's)."""
-    half_open: set[GuardedRequestHandler] = set()
+    half_open: dict[GuardedRequestHandler, None] = {}  # insertion order: oldest first
     loop = asyncio.get_running_loop()
 
     def make() -> GuardedRequestHandler:
