@@ -162,6 +162,7 @@ async def run(opts: argparse.Namespace) -> list[Tally]:
               ("big headers, framing", headers_and_framing)]  # fmt: skip
     if opts.api_key:
         phases.append(("auth", auth))
+    phases = [(name, phase) for name, phase in phases if opts.only in name]
     tallies = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         client = Client(opts.url, opts.api_key, session)
@@ -172,6 +173,8 @@ async def run(opts: argparse.Namespace) -> list[Tally]:
             print(f"phase: {name}", file=sys.stderr)
             tally.add(await asyncio.wait_for(phase(client, tally, opts), opts.phase_timeout))
             tally.kv_leaked = await client.leaked()
+            if tally.kv_leaked:
+                tally.notes.append(f"after 10 s: {tally.kv_leaked}")
             tally.greedy_ok = known is not None and await client.greedy_text(GREEDY) == known
             tallies.append(tally)
     return tallies
@@ -199,6 +202,7 @@ def main() -> int:
     parser.add_argument("--body-timeout", type=float, default=30.0, help="the server's")
     parser.add_argument("--max-n", type=int, default=64, help="the server's --max-n")
     parser.add_argument("--phase-timeout", type=float, default=300.0, help="seconds per phase")
+    parser.add_argument("--only", default="", help="run only the phases whose name has this")
     opts = parser.parse_args()
     if opts.start:
         return _run_with_own_server(opts)

@@ -23,7 +23,7 @@ OUTCOMES = ("served", "4xx", "5xx", "closed", "lost")
 class Tally:
     name: str
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
-    kv_leaked: bool = False
+    kv_leaked: str = ""  # what was still held after the phase, if anything
     greedy_ok: bool = True
     notes: list[str] = field(default_factory=list)
 
@@ -112,16 +112,19 @@ class Client:
         except (aiohttp.ClientError, KeyError, ValueError):
             return None
 
-    async def leaked(self, settle_s: float = 10.0) -> bool:
-        """True unless running and waiting requests and KV usage return to 0 within settle_s."""
+    async def leaked(self, settle_s: float = 10.0) -> str:
+        """ "" if running and waiting requests and KV usage return to 0 within settle_s, else
+        what they still were."""
         deadline = time.monotonic() + settle_s
-        while time.monotonic() < deadline:
+        names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
+        while True:
             text = await self.get_text("/metrics")
-            names = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc")
-            if all(_metric(text, f"jserve:{name}") == 0 for name in names):
-                return False
+            values = {name: _metric(text, f"jserve:{name}") for name in names}
+            if not any(values.values()):
+                return ""
+            if time.monotonic() > deadline:
+                return " ".join(f"{name}={value:g}" for name, value in values.items())
             await asyncio.sleep(0.1)
-        return True
 
     async def raw(self, data: bytes, *, gap: float = 0.0, timeout: float = 30.0) -> str:
         """Send raw bytes (one byte per `gap` s if gap > 0); the outcome of what comes back."""
