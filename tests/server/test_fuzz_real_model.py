@@ -7,8 +7,9 @@ JSON error, and a fixed greedy request still gives its known text. At the end no
 and no KV block is held. Defect 1 of issue 10 (one request killed the engine for good) is an
 explicit example, so it is sent on every run.
 
-Budget: JSERVE_FUZZ_EXAMPLES examples (default 120, about 2 minutes here); the `slow` test runs
-JSERVE_FUZZ_SLOW_EXAMPLES (default 2000) on demand: `pytest -m slow tests/server/...`.
+Budget: JSERVE_FUZZ_EXAMPLES examples (default 200, so 400 requests: 1-2 minutes here); the
+`slow` test runs JSERVE_FUZZ_SLOW_EXAMPLES (default 2000) on demand:
+`pytest -m slow tests/server/test_fuzz_real_model.py`.
 """
 
 from __future__ import annotations
@@ -179,7 +180,7 @@ def _fuzz(base_url: str, max_examples: int) -> None:
 
 
 def test_fuzzed_requests_never_hurt_the_server(base_url):
-    _fuzz(base_url, int(os.environ.get("JSERVE_FUZZ_EXAMPLES", "120")))
+    _fuzz(base_url, int(os.environ.get("JSERVE_FUZZ_EXAMPLES", "200")))
 
 
 @pytest.mark.slow
