@@ -7,6 +7,7 @@ logit_bias, tools, best_of != n, non-text response_format) are refused rather th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,7 +126,7 @@ def _sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
         raise APIError(400, str(exc)) from exc
 
 
-def _checked(check, name: str, *args: Any, **kwargs: Any) -> Any:
+def _checked(check: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:
     """A jserve.validation check whose ValueError becomes a 400 naming the field."""
     try:
         return check(name, *args, **kwargs)
