@@ -9,9 +9,11 @@ import json
 import time
 
 import aiohttp
+import pytest
 from server_harness import parse_response, raw_exchange, serve_guarded
 
 from server.mock_engine import CharTokenizer, MockEngine
+from server.state import STATE, ServerState, read_json_object
 
 POST = (
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
@@ -167,3 +169,27 @@ async def test_tokenizing_runs_off_the_event_loop_after_the_body_limit():
             async with await slow as response:
                 assert (await response.json())["choices"][0]["text"] == "ab"
     assert _SlowTokenizer.calls == 1
+
+
+class _BodyArriving:
+    """A request whose body comes in one loop turn after the read starts."""
+
+    def __init__(self) -> None:
+        self.app = {STATE: ServerState(None, None, None, max_body_bytes=1000)}
+
+    async def read(self) -> bytes:
+        await asyncio.sleep(0)
+        return b'{"prompt": "a"}'
+
+
+@pytest.mark.parametrize("turns", range(5))
+async def test_a_client_leaving_as_its_body_arrives_still_cancels_the_handler(turns):
+    # A cancel (the client left) landing in the loop turn where the read completes was
+    # swallowed by asyncio.wait_for on Python 3.11: the abandoned request then ran to its end,
+    # holding KV blocks for nobody (seen once in bench/adversarial.py's disconnect storm).
+    task = asyncio.create_task(read_json_object(_BodyArriving()))
+    for _ in range(turns):
+        await asyncio.sleep(0)
+    if task.cancel():  # still running: the cancellation must win
+        with pytest.raises(asyncio.CancelledError):
+            await task
