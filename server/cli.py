@@ -7,7 +7,11 @@ import asyncio
 import logging
 
 from server.app import DEFAULT_MAX_BODY_BYTES
-from server.connections import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HALF_OPEN
+from server.connections import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEPALIVE_TIMEOUT,
+    DEFAULT_MAX_HALF_OPEN,
+)
 from server.runner import EngineFactory, run_server
 from server.state import DEFAULT_BODY_TIMEOUT
 
@@ -46,8 +50,16 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--header-timeout",
         type=float,
         default=DEFAULT_HEADER_TIMEOUT,
-        help="seconds a connection may take to send a complete request head (and may stay idle "
-        "between requests) before it is closed (default: %(default)s)",
+        help="seconds a new connection may take to send its first complete request head "
+        "before it is closed (default: %(default)s)",
+    )
+    group.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=DEFAULT_KEEPALIVE_TIMEOUT,
+        help="seconds an idle keep-alive connection stays open; keep it longer than clients' "
+        "connection pools keep theirs, or they lose requests sent as it closes "
+        "(default: %(default)s)",
     )
     group.add_argument(
         "--body-timeout",
@@ -71,7 +83,7 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
-    for flag in ("header_timeout", "body_timeout"):
+    for flag in ("header_timeout", "keepalive_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.max_half_open_connections < 1:
@@ -91,6 +103,7 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
             served_model_name=args.served_model_name,
             max_body_bytes=args.max_body_bytes,
             header_timeout=args.header_timeout,
+            keepalive_timeout=args.keepalive_timeout,
             body_timeout=args.body_timeout,
             max_half_open=args.max_half_open_connections,
         )

@@ -3,7 +3,7 @@
 Walkthrough:
 1. Bind the socket at once, with no engine: /health answers 503 "starting" while the engine
    factory loads and compiles the model. Connections go through server.connections' guarded
-   handler (header timeout, half-open cap, JSON bodies for aiohttp's own errors).
+   handler (header and keep-alive timeouts, half-open cap, JSON for aiohttp's own errors).
 2. When the factory returns, install the engine: /health turns 200 "ready". If the factory
    raises, log why and exit 1 (a server that can never serve should not linger). If the engine
    dies later (a failed step it could not restart from), exit 1 too, so a supervisor restarts
@@ -27,7 +27,12 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from server.app import DEFAULT_MAX_BODY_BYTES, create_app
-from server.connections import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HALF_OPEN, handler_factory
+from server.connections import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEPALIVE_TIMEOUT,
+    DEFAULT_MAX_HALF_OPEN,
+    handler_factory,
+)
 from server.engine_client import EngineClient
 from server.state import DEFAULT_BODY_TIMEOUT, STATE, ServerState, set_engine
 
@@ -48,6 +53,7 @@ async def run_server(
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     max_half_open: int = DEFAULT_MAX_HALF_OPEN,
     stop: asyncio.Event | None = None,
@@ -59,8 +65,9 @@ async def run_server(
     )  # fmt: skip
     state = app[STATE]
     runner, listener = await start_listening(
-        app, host, port, header_timeout=header_timeout, max_half_open=max_half_open
-    )
+        app, host, port, header_timeout=header_timeout, keepalive_timeout=keepalive_timeout,
+        max_half_open=max_half_open,
+    )  # fmt: skip
     bound_host, bound_port = listener.sockets[0].getsockname()[:2]
     logger.info("jserve listening on http://%s:%d", bound_host, bound_port)
 
@@ -112,6 +119,7 @@ async def start_listening(
     port: int,
     *,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
     max_half_open: int = DEFAULT_MAX_HALF_OPEN,
 ) -> tuple[web.AppRunner, asyncio.Server]:
     """Set `app` up and listen through the guarded handler; the caller closes the listener,
@@ -120,8 +128,9 @@ async def start_listening(
     await runner.setup()
     assert runner.server is not None
     factory = handler_factory(
-        runner.server, header_timeout=header_timeout, max_half_open=max_half_open
-    )
+        runner.server, header_timeout=header_timeout, keepalive_timeout=keepalive_timeout,
+        max_half_open=max_half_open,
+    )  # fmt: skip
     loop = asyncio.get_running_loop()
     return runner, await loop.create_server(factory, host, port, reuse_address=True)
 

@@ -12,7 +12,11 @@ from collections.abc import AsyncIterator
 from aiohttp.test_utils import TestClient, TestServer
 
 from server.app import create_app
-from server.connections import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HALF_OPEN
+from server.connections import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEPALIVE_TIMEOUT,
+    DEFAULT_MAX_HALF_OPEN,
+)
 from server.engine_client import EngineClient
 from server.runner import start_listening
 
@@ -71,14 +75,16 @@ async def serve_guarded(
     engine: EngineClient | None,
     *,
     header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
     max_half_open: int = DEFAULT_MAX_HALF_OPEN,
     **app_kwargs,
 ) -> AsyncIterator[tuple[str, int]]:
     """(host, port) of the app served as run_server serves it: through the guarded handler."""
     app = create_app(engine, **app_kwargs)
     runner, listener = await start_listening(
-        app, "127.0.0.1", 0, header_timeout=header_timeout, max_half_open=max_half_open
-    )
+        app, "127.0.0.1", 0, header_timeout=header_timeout, keepalive_timeout=keepalive_timeout,
+        max_half_open=max_half_open,
+    )  # fmt: skip
     try:
         yield listener.sockets[0].getsockname()[:2]
     finally:

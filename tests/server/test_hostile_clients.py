@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 import time
 
 import aiohttp
@@ -193,3 +194,20 @@ async def test_a_client_leaving_as_its_body_arrives_still_cancels_the_handler(tu
     if task.cancel():  # still running: the cancellation must win
         with pytest.raises(asyncio.CancelledError):
             await task
+
+
+async def test_an_idle_keepalive_connection_outlives_the_header_timeout():
+    # Closing idle connections at the header timeout lost requests of clients that reused a
+    # pooled connection just as it closed (30 of a 200-request burst in bench/adversarial.py).
+    get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+    async with serve_guarded(MockEngine(), header_timeout=0.3, keepalive_timeout=5) as address:
+        reader, writer = await asyncio.open_connection(*address)
+        try:
+            for _ in range(2):
+                writer.write(get)
+                head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 2)
+                assert head.startswith(b"HTTP/1.1 200"), head
+                await reader.readexactly(int(re.search(rb"Content-Length: (\d+)", head)[1]))
+                await asyncio.sleep(0.6)  # idle for twice the header timeout
+        finally:
+            writer.close()
