@@ -15,8 +15,14 @@ How a request flows (two threads, two kinds of queue):
    an exception and is raised from `generate()`.
 5. Abort (client gone, or the consumer stops iterating): an "abort" command frees the request's
    KV blocks at the next loop turn, at most one step later.
-6. If a step raises, the engine is dead: `state` becomes "dead", every in-flight request gets
-   EngineDeadError, and new requests are refused with it. Nothing hangs.
+6. A request whose own host-side work fails (adding it, building its sampling row,
+   detokenizing) fails alone: its output ends with finish_reason "error" and `error` set.
+7. If a step itself raises (the device step), the engine restarts in-process
+   (`LLMEngine.recover`): the requests in flight end with an error output, the KV pool is
+   re-made, the compiled executables are kept, and serving goes on. After
+   MAX_FAILED_STEPS_IN_A_ROW failed steps with no good one between, or if recovering raises,
+   the engine is dead: `state` becomes "dead", every in-flight request gets EngineDeadError,
+   and new requests are refused with it. Nothing hangs.
 """
 
 from __future__ import annotations
@@ -37,12 +43,17 @@ from jserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
 
+# Restarts allowed without a good step in between; past that the engine is dead, and the server
+# exits non-zero so a supervisor can restart the process.
+MAX_FAILED_STEPS_IN_A_ROW = 3
+
 
 class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.model_name = engine.model_name
         self.max_model_len = engine.max_model_len
+        self.vocab_size = engine.vocab_size
         self.tokenizer = engine.tokenizer
         self.state = "ready"
         self.dead_reason: str | None = None
@@ -100,6 +111,10 @@ class AsyncLLMEngine:
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
 
+    @property
+    def num_restarts(self) -> int:
+        return self.engine.num_restarts
+
     def stats(self) -> EngineStats:
         return self.engine.stats()
 
@@ -136,13 +151,17 @@ class AsyncLLMEngine:
             request_id, prompt, params, lane, deadline = payload
             try:
                 engine.add_request(request_id, prompt, params, lane=lane, deadline=deadline)
-            except (RequestRejected, ValueError) as e:
-                if not isinstance(e, RequestRejected):
+            except Exception as e:  # a bad request fails alone, never the step loop
+                if isinstance(e, ValueError) and not isinstance(e, RequestRejected):
                     e = RequestRejected("invalid", str(e))
+                elif not isinstance(e, RequestRejected):
+                    log.exception("adding request %s failed", request_id)
+                    engine.abort_request(request_id)
                 self._deliver(request_id, e)
 
     def _run(self) -> None:
         engine = self.engine
+        failures_in_a_row = 0
         try:
             while True:
                 with self._wake:
@@ -153,10 +172,19 @@ class AsyncLLMEngine:
                     if self._stopping and not engine.has_unfinished_requests():
                         return
                 self._drain_inbox()
-                for out in engine.step():
+                try:
+                    outputs = engine.step()
+                    failures_in_a_row = 0
+                except Exception as e:
+                    failures_in_a_row += 1
+                    if failures_in_a_row > MAX_FAILED_STEPS_IN_A_ROW:
+                        raise
+                    log.exception("engine step failed; restarting the engine in-process")
+                    outputs = engine.recover(e)
+                for out in outputs:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # a dead engine must fail its requests, never hang them
-            log.exception("engine step failed; failing all in-flight requests")
+            log.exception("engine step loop failed for good; failing all in-flight requests")
             self.state = "dead"
             self.dead_reason = f"{type(e).__name__}: {e}"
             error = EngineDeadError(self.dead_reason)

@@ -50,7 +50,9 @@ class SchedulerConfig:
         "other work shares the step (alone it may take the whole step)",
     )
     max_waiting_requests: int = setting(
-        1024, "waiting-queue cap; more requests are refused (HTTP 429, reason queue_full)"
+        1024,
+        "waiting-queue cap in sequences (each of a request's n samples counts); more are "
+        "refused (HTTP 429, reason queue_full)",
     )
     free_block_watermark: float = setting(
         0.01, "fraction, in [0, 1), of KV blocks kept free: no new prefill starts below it"

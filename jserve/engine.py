@@ -23,8 +23,10 @@ from dataclasses import dataclass
 
 import jax
 
+from jserve.config import CacheConfig
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
+from jserve.core.scheduler import Scheduler
 from jserve.engine_args import EngineArgs
 from jserve.engine_setup import build_engine_parts
 from jserve.errors import RequestRejected
@@ -40,6 +42,7 @@ from jserve.runtime.compilation import (
 from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.sampling_params import SamplingParams
 from jserve.stopping import FinishReason, StopConditions
+from jserve.validation import check_int, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +74,7 @@ class LLMEngine:
         self.model_name = parts.model_name
         self.tokenizer = parts.tokenizer
         self.model_config = parts.model_config
+        self.vocab_size = parts.model_config.vocab_size
         self.max_model_len = parts.max_model_len
         self.scheduler = parts.scheduler
         self.inputs_builder = parts.inputs_builder
@@ -84,6 +88,7 @@ class LLMEngine:
         self._iteration_tokens: collections.deque[int] = collections.deque()
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
+        self.num_restarts = 0  # in-process restarts after a failed step (LLMEngine.recover)
         self.precompile()
         # Everything allocated so far lives for the engine's lifetime: keep it out of the
         # collector's full passes, which otherwise stall a step every ~50 at 1,000 requests.
@@ -126,6 +131,11 @@ class LLMEngine:
         `deadline` (time.monotonic() clock) ends it with "timeout": see jserve.core.deadlines.
         """
         params = params or SamplingParams()
+        try:
+            check_int("n", params.n, 1, self.args.max_n)  # --max-n
+            check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+        except ValueError as e:
+            raise RequestRejected("invalid", str(e)) from None
         if request_id in self._states:
             raise RequestRejected(
                 "invalid", f"request id {request_id!r} is already in use; use a unique id"
@@ -165,11 +175,10 @@ class LLMEngine:
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        vocab = self.model_config.vocab_size
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
-            raise RequestRejected("invalid", f"prompt token ids must be integers in [0, {vocab})")
-        return None, ids
+        try:
+            return None, check_token_ids("prompt", list(prompt), self.vocab_size)
+        except ValueError as e:
+            raise RequestRejected("invalid", str(e)) from None
 
     def abort_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
@@ -198,7 +207,7 @@ class LLMEngine:
         if not plan.is_empty:
             self._iteration_tokens.append(plan.num_batched_tokens)
             logits = self.runner.run(self.inputs_builder.build(plan))
-            sampled = self._sample(plan, logits)
+            sampled = self._sample(plan, logits, changed)
             self._postprocess(plan, sampled, changed)
         outputs = [state.to_output() for state in changed.values()]
         for state in changed.values():
@@ -206,7 +215,9 @@ class LLMEngine:
                 self._states.pop(state.request_id, None)
         return outputs
 
-    def _sample(self, plan: StepPlan, logits: jax.Array) -> dict[str, tuple[int, list | None]]:
+    def _sample(
+        self, plan: StepPlan, logits: jax.Array, changed: dict
+    ) -> dict[str, tuple[int, list | None]]:
         rows = []
         for seq in plan.seqs:
             child = self._children[seq.request_id]
@@ -218,12 +229,21 @@ class LLMEngine:
                 )
             )  # fmt: skip
         result = self.sampler.sample(logits, rows)
-        return {seq.request_id: result.row(i) for i, seq in enumerate(plan.seqs) if seq.sample}
+        for i, error in result.failed.items():
+            self._fail(plan.seqs[i].request_id, error, changed)
+        return {
+            seq.request_id: result.row(i)
+            for i, seq in enumerate(plan.seqs)
+            if seq.sample and i not in result.failed
+        }
 
     def _postprocess(self, plan: StepPlan, sampled: dict, changed: dict) -> None:
         now = time.monotonic()
         for seq in plan.seqs:
-            state = self._children[seq.request_id].state
+            child = self._children.get(seq.request_id)
+            if child is None:
+                continue  # failed while its step was prepared
+            state = child.state
             if state.metrics.first_scheduled_time is None:
                 state.metrics.first_scheduled_time = now
                 # Its first chunk starts after the tokens its admission found cached.
@@ -236,7 +256,11 @@ class LLMEngine:
             if child is None:
                 continue
             changed[child.state.request_id] = child.state
-            stop_string = child.state.add_token(child.index, token, top)
+            try:
+                stop_string = child.state.add_token(child.index, token, top)
+            except Exception as e:  # detokenizing or a stop check of this request failed
+                self._fail(rid, f"{type(e).__name__}: {e}", changed)
+                continue
             if rid in finished:
                 reason = finished[rid].finish_reason
                 stop = token if reason is FinishReason.STOP else None
@@ -244,6 +268,34 @@ class LLMEngine:
             elif stop_string is not None:
                 self.scheduler.finish_request(rid, FinishReason.STOP)
                 self._finish_child(rid, FinishReason.STOP, stop_string, changed)
+
+    def _fail(self, child_id: str, error: str, changed: dict) -> None:
+        """End the request owning `child_id` with finish reason "error": a host-side part of
+        its step failed. Only this request fails; the rest of the batch goes on."""
+        child = self._children.get(child_id)
+        if child is None:
+            return
+        log.error("request %s failed: %s", child.state.request_id, error)
+        child.state.error = error
+        self.abort_request(child.state.request_id, FinishReason.ERROR)
+        changed[child.state.request_id] = child.state
+
+    def recover(self, error: BaseException) -> list[RequestOutput]:
+        """After a step raised: fail every unfinished request with a clear error, re-make the KV
+        pool and a fresh scheduler (its prefix cache described the lost pool), count a restart.
+
+        Compiled executables are kept, so the engine serves again at once.
+        """
+        message = f"the engine step failed ({type(error).__name__}: {error}); engine restarted"
+        outputs = []
+        for request_id, state in list(self._states.items()):
+            state.error = message
+            outputs.append(self.abort_request(request_id, FinishReason.ERROR))
+        cache = CacheConfig(self.args.block_size, self.scheduler.block_manager.num_blocks)
+        self.scheduler = Scheduler(self.scheduler.config, cache)
+        self.runner.reset_kv_cache()
+        self.num_restarts += 1
+        return [out for out in outputs if out is not None]
 
     def _finish_child(
         self, child_id: str, reason: FinishReason, stop: int | str | None, changed: dict
@@ -271,5 +323,6 @@ class LLMEngine:
             generation_tokens=self._num_generation_tokens,
             compilations=compilation_count(),
             serving_compilations=serving_compilation_count(),
+            num_restarts=self.num_restarts,
             iteration_tokens=iteration_tokens,
         )

@@ -65,6 +65,11 @@ class EngineArgs:
     long_prefill_token_threshold: int = _scheduler_setting("long_prefill_token_threshold")
     long_prompt_threshold: int = _scheduler_setting("long_prompt_threshold")
     max_waiting_requests: int = _scheduler_setting("max_waiting_requests")
+    max_n: int = setting(
+        64,
+        "largest n (samples of one request) accepted; at most half of max_waiting_requests, "
+        "so one request can never fill the queue (OpenAI allows 128)",
+    )
     long_lane_max_share: float = _scheduler_setting("long_lane_max_share")
     free_block_watermark: float = _scheduler_setting("free_block_watermark")
     aging_iterations: int = _scheduler_setting("aging_iterations")
@@ -95,6 +100,12 @@ class EngineArgs:
             raise ValueError(f"scheduling must be one of {POLICIES}, got {self.scheduling!r}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if not 1 <= self.max_n <= max(1, self.max_waiting_requests // 2):
+            raise ValueError(
+                f"max_n must be in [1, max_waiting_requests // 2 = "
+                f"{self.max_waiting_requests // 2}] so one request cannot fill the waiting "
+                f"queue, got {self.max_n}; lower --max-n or raise --max-waiting-requests"
+            )
 
     @classmethod
     def field_names(cls) -> set[str]:

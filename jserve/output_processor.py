@@ -36,6 +36,7 @@ class RequestState:
     metrics: RequestMetrics
     samples: list[SampleState] = field(default_factory=list)
     num_cached_tokens: int = 0
+    error: str | None = None  # set when the engine fails the request (finish_reason "error")
 
     @classmethod
     def create(
@@ -121,6 +122,7 @@ class RequestState:
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
         )
 
 

@@ -28,7 +28,7 @@ class CompletionOutput:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, Logprob]] | None = None
-    finish_reason: FinishReason | None = None  # a str: "stop", "length", "abort", "timeout"
+    finish_reason: FinishReason | None = None  # a str: stop, length, abort, timeout, error
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 
     @property
@@ -56,6 +56,7 @@ class RequestOutput:
     finished: bool = False
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
+    error: str | None = None  # why the engine failed this request (finish_reason "error")
 
 
 @dataclass
@@ -72,5 +73,6 @@ class EngineStats:
     generation_tokens: int = 0
     compilations: int = 0
     serving_compilations: int = 0  # after warm-up: should stay 0
+    num_restarts: int = 0  # in-process engine restarts after a failed device step
     # Scheduled tokens of each iteration since the previous snapshot (drained by the reader).
     iteration_tokens: list[int] = field(default_factory=list)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from jserve.validation import INT64_MAX, INT64_MIN, check_float, check_int, show
+
 MAX_LOGPROBS = 20
 
 
@@ -54,52 +56,30 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
-        _check(self.temperature >= 0.0, f"temperature must be >= 0, got {self.temperature}")
-        _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
-        _check(
-            _is_int(self.top_k) and self.top_k >= 0,
-            f"top_k must be 0 or -1 (off) or an integer >= 1, got {self.top_k!r}",
-        )
-        _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
-        _check(
-            self.seed is None or _is_int(self.seed),
-            f"seed must be an integer or None, got {self.seed!r}",
-        )
-        _check(
-            self.max_tokens is None or (_is_int(self.max_tokens) and self.max_tokens >= 1),
-            f"max_tokens must be an integer >= 1 or None, got {self.max_tokens!r}",
-        )
-        _check(
-            _is_int(self.min_tokens) and self.min_tokens >= 0,
-            f"min_tokens must be an integer >= 0, got {self.min_tokens!r}",
-        )
+        """Model-independent checks (token ids against the vocabulary are the engine's)."""
+        check_int("n", self.n, 1)
+        check_float("temperature", self.temperature, 0.0)
+        check_float("top_p", self.top_p, 0.0, 1.0, lo_open=True)
+        check_int("top_k", self.top_k, 0)  # -1 (off) was normalised to 0
+        check_float("min_p", self.min_p, 0.0, 1.0)
+        if self.seed is not None:
+            check_int("seed", self.seed, INT64_MIN, INT64_MAX)
+        if self.max_tokens is not None:
+            check_int("max_tokens", self.max_tokens, 1)
+        check_int("min_tokens", self.min_tokens, 0)
         _check(
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
         _check(
             all(isinstance(s, str) and s for s in self.stop),
-            f"stop must be a non-empty string or a list of non-empty strings, got {self.stop!r}",
+            f"stop must be a non-empty string or a list of non-empty strings, got "
+            f"{show(self.stop)}",
         )
-        _check(
-            all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-            f"stop_token_ids must be integers >= 0, got {self.stop_token_ids!r}",
-        )
-        _check(
-            self.logprobs is None
-            or (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS),
-            f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}",
-        )
-        for name in ("presence_penalty", "frequency_penalty"):
-            value = getattr(self, name)
-            _check(-2.0 <= value <= 2.0, f"{name} must be in [-2, 2], got {value}")
-        _check(
-            0.0 < self.repetition_penalty <= 2.0,
-            f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}",
-        )
-
-
-def _is_int(value: object) -> bool:
-    # bool is an int subclass; `n=True` is a caller's mistake, not 1.
-    return isinstance(value, int) and not isinstance(value, bool)
+        for i, token in enumerate(self.stop_token_ids):
+            check_int(f"stop_token_ids[{i}]", token, 0)
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
+        check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
+        check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)

@@ -34,6 +34,7 @@ class FinishReason(enum.StrEnum):
     LENGTH = "length"  # max_tokens (or the context limit) reached
     ABORT = "abort"  # the caller or the client ended it
     TIMEOUT = "timeout"  # unfinished at its deadline
+    ERROR = "error"  # the engine failed it (its host-side step work raised, or a device step)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,9 @@ _TYPE_BY_STATUS = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
     503: "service_unavailable",
@@ -32,8 +34,10 @@ class APIError(Exception):
         param: str | None = None,
         code: str | None = None,
         headers: dict[str, str] | None = None,
+        close_connection: bool = False,
     ) -> None:
         super().__init__(message)
+        self.close_connection = close_connection  # the rest of the request cannot be read
         self.status = status
         self.message = message
         self.param = param
@@ -51,7 +55,10 @@ class APIError(Exception):
         }
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+        if self.close_connection:
+            response.force_close()
+        return response
 
 
 def rejection_to_api_error(exc: RequestRejected) -> APIError:

@@ -6,13 +6,15 @@ loading (run_server starts the engine in the background and installs it with `se
 
 Middlewares, outermost first:
 1. errors: APIError, aiohttp's HTTP errors (404, 405, 413) and any unexpected exception become
-   OpenAI-style JSON bodies; nothing escapes as an HTML page or a dropped connection.
+   OpenAI-style JSON bodies; nothing escapes as an HTML page or a dropped connection. (Requests
+   aiohttp cannot even parse never reach a middleware: server.connections answers those.)
 2. admission: while draining for shutdown every endpoint but /health and /metrics answers 503;
    with an API key set, every endpoint but /health and /metrics needs `Authorization: Bearer`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -21,11 +23,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from jserve.errors import EngineDeadError
+from jserve.validation import check_token_ids
 from server.api_errors import APIError
 from server.engine_client import EngineClient
 from server.generation import chat_completions, completions
 from server.protocol import BOOL, parse_messages, render_chat, typed_field
-from server.state import STATE, ServerState, read_json_object
+from server.state import DEFAULT_BODY_TIMEOUT, STATE, ServerState, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -67,8 +70,9 @@ async def _admission_middleware(request: web.Request, handler: Handler) -> web.S
         if state.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         if state.api_key is not None:
-            supplied = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(supplied.encode(), f"Bearer {state.api_key}".encode()):
+            # aiohttp decodes header bytes that are not UTF-8 as surrogates: encode them back.
+            supplied = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(supplied, f"Bearer {state.api_key}".encode()):
                 raise APIError(
                     401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
                     code="invalid_api_key",
@@ -77,8 +81,13 @@ async def _admission_middleware(request: web.Request, handler: Handler) -> web.S
 
 
 async def _health(request: web.Request) -> web.Response:
-    health = request.app[STATE].health()
-    return web.json_response({"status": health}, status=200 if health == "ready" else 503)
+    state = request.app[STATE]
+    health = state.health()
+    body: dict[str, str | int] = {"status": health}
+    restarts = state.engine.num_restarts if state.engine is not None else 0
+    if restarts:  # the engine failed a step and recovered: operators should know
+        body["engine_restarts"] = restarts
+    return web.json_response(body, status=200 if health == "ready" else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -111,19 +120,24 @@ async def _tokenize(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     state.check_model(body.get("model"))
     tokenizer = engine.tokenizer
+    # Tokenizing (and rendering a template) may take seconds: worker thread, not the loop.
     if "messages" in body:
         add_generation_prompt = typed_field(body, "add_generation_prompt", BOOL, True)
-        text = render_chat(tokenizer, parse_messages(body), add_generation_prompt)
-        tokens = tokenizer.encode(text, add_special_tokens=False)
+        messages = parse_messages(body)
+
+        def encode() -> list[int]:
+            text = render_chat(tokenizer, messages, add_generation_prompt)
+            return tokenizer.encode(text, add_special_tokens=False)
+
     elif isinstance(body.get("prompt"), str):
-        add_special = body.get("add_special_tokens", True)
-        if not isinstance(add_special, bool):
-            raise APIError(
-                400, "'add_special_tokens' must be a boolean", param="add_special_tokens"
-            )
-        tokens = tokenizer.encode(body["prompt"], add_special_tokens=add_special)
+        add_special = typed_field(body, "add_special_tokens", BOOL, True)
+
+        def encode() -> list[int]:
+            return tokenizer.encode(body["prompt"], add_special_tokens=add_special)
+
     else:
         raise APIError(400, "send 'prompt' (a string) or 'messages' (a list)", param="prompt")
+    tokens = await asyncio.to_thread(encode)
     response = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
     return web.json_response(response)
 
@@ -135,12 +149,17 @@ async def _detokenize(request: web.Request) -> web.Response:
     body = await read_json_object(request)
     state.check_model(body.get("model"))
     tokens = body.get("tokens")
-    valid = isinstance(tokens, list) and all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in tokens
-    )
-    if not valid:
-        raise APIError(400, "'tokens' must be a list of non-negative integers", param="tokens")
-    return web.json_response({"prompt": engine.tokenizer.decode(tokens)})
+    if not isinstance(tokens, list):
+        raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
+
+    def decode() -> str:  # a long list takes a while: worker thread, not the loop
+        return engine.tokenizer.decode(check_token_ids("tokens", tokens, engine.vocab_size))
+
+    try:
+        text = await asyncio.to_thread(decode)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="tokens") from exc
+    return web.json_response({"prompt": text})
 
 
 def create_app(
@@ -149,6 +168,7 @@ def create_app(
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine=None` serves /health "starting" until set_engine().
 
@@ -158,7 +178,7 @@ def create_app(
     app = web.Application(
         middlewares=[_error_middleware, _admission_middleware], client_max_size=max_body_bytes
     )
-    app[STATE] = ServerState(engine, served_model_name, api_key, max_body_bytes)
+    app[STATE] = ServerState(engine, served_model_name, api_key, max_body_bytes, body_timeout)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/models", _models)

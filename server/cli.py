@@ -14,7 +14,13 @@ import sys
 from jserve.cli import add_library_commands, run_command
 from jserve.engine_args import add_engine_arguments
 from server.app import DEFAULT_MAX_BODY_BYTES
+from server.connections import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEPALIVE_TIMEOUT,
+    DEFAULT_MAX_HALF_OPEN,
+)
 from server.runner import EngineFactory, run_server
+from server.state import DEFAULT_BODY_TIMEOUT
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,13 +44,43 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "--shutdown-timeout",
         type=float,
         default=30.0,
-        help="seconds in-flight requests may take to finish after SIGTERM (default: 30)",
+        help="seconds in-flight requests may take to finish after SIGTERM; then each still "
+        "running is cut, its stream ending with an error event and [DONE] (default: 30)",
     )
     group.add_argument(
         "--max-body-bytes",
         type=int,
         default=DEFAULT_MAX_BODY_BYTES,
         help="larger request bodies are refused with 413 (default: %(default)s)",
+    )
+    group.add_argument(
+        "--header-timeout",
+        type=float,
+        default=DEFAULT_HEADER_TIMEOUT,
+        help="seconds a new connection may take to send its first complete request head "
+        "before it is closed (default: %(default)s)",
+    )
+    group.add_argument(
+        "--keepalive-timeout",
+        type=float,
+        default=DEFAULT_KEEPALIVE_TIMEOUT,
+        help="seconds an idle keep-alive connection stays open; keep it longer than clients' "
+        "connection pools keep theirs, or they lose requests sent as it closes "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--body-timeout",
+        type=float,
+        default=DEFAULT_BODY_TIMEOUT,
+        help="seconds a client may take to send a request body; a stalled body gets 408 "
+        "(default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-half-open-connections",
+        type=int,
+        default=DEFAULT_MAX_HALF_OPEN,
+        help="connections that have not yet sent a complete request head; further ones are "
+        "closed at once (default: %(default)s)",
     )
 
 
@@ -54,6 +90,13 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     if args.max_body_bytes < 1:
         raise ValueError(f"--max-body-bytes must be >= 1, got {args.max_body_bytes}")
+    for flag in ("header_timeout", "keepalive_timeout", "body_timeout"):
+        if not getattr(args, flag) > 0:
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.max_half_open_connections < 1:
+        raise ValueError(
+            f"--max-half-open-connections must be >= 1, got {args.max_half_open_connections}"
+        )
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
@@ -66,6 +109,10 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
             api_key=args.api_key,
             served_model_name=args.served_model_name,
             max_body_bytes=args.max_body_bytes,
+            header_timeout=args.header_timeout,
+            keepalive_timeout=args.keepalive_timeout,
+            body_timeout=args.body_timeout,
+            max_half_open=args.max_half_open_connections,
         )
     )
 

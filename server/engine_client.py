@@ -43,9 +43,11 @@ class EngineClient(Protocol):
 
     model_name: str
     max_model_len: int
+    vocab_size: int  # token ids are in [0, vocab_size)
     tokenizer: TokenizerLike
     state: str  # "starting" | "ready" | "dead" | "stopping"
     dead_reason: str | None
+    num_restarts: int  # in-process restarts after failed steps (each failed its requests)
 
     def generate(
         self,

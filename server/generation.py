@@ -1,12 +1,16 @@
 """/v1/completions and /v1/chat/completions: one engine request per HTTP request.
 
 Walkthrough of one request:
-1. Check the engine is ready, parse the body (400 on any bad field), check the model name.
+1. Check the engine is ready, parse the body (400 on any bad field), check the model name,
+   then render and tokenize the prompt in a worker thread (megabytes of text take seconds;
+   the event loop must keep serving every other stream meanwhile).
 2. Start `engine.generate` and wait for its first output *before* answering, so a refusal
    (queue full, prompt too long) still gets its own status code (429, 400) instead of an error
    buried in a 200 stream.
 3. Stream SSE chunks of what is new per choice (or wait for the final output and answer once).
-4. However the handler ends before the final output (client disconnect cancels the handler;
+4. A request that ended badly (cut by shutdown, or failed in the engine) ends a stream with an
+   error event, then [DONE]; without streaming it is a 503 or 500 JSON error.
+5. However the handler ends before the final output (client disconnect cancels the handler;
    a failed write raises; shutdown cancels it after the drain timeout), `finally` aborts the
    engine request, which frees its KV blocks at once.
 """
@@ -27,8 +31,8 @@ from server.api_errors import APIError, rejection_to_api_error
 from server.engine_client import EngineClient
 from server.metrics import RequestTracker, ServerMetrics
 from server.openai_format import ChoiceCursor, ResponseBuilder
-from server.protocol import ParsedRequest, parse_chat, parse_completion
-from server.state import STATE, read_json_object
+from server.protocol import ParsedRequest, encode_prompt, parse_chat, parse_completion
+from server.state import STATE, ServerState, read_json_object
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +46,12 @@ class _Generation:
     """One engine request: admission, tracked outputs, and abort unless it finished."""
 
     def __init__(
-        self, engine: EngineClient, parsed: ParsedRequest, request_id: str, metrics: ServerMetrics
+        self,
+        engine: EngineClient,
+        parsed: ParsedRequest,
+        prompt_ids: list[int],
+        request_id: str,
+        metrics: ServerMetrics,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -52,7 +61,7 @@ class _Generation:
         self.final: RequestOutput | None = None
         self.rejected = False
         self.outputs = engine.generate(
-            parsed.prompt,
+            prompt_ids,
             parsed.params,
             request_id,
             lane=parsed.lane,
@@ -92,6 +101,18 @@ class _Generation:
             await aclose()
 
 
+def _failure(gen: _Generation, state: ServerState) -> APIError | None:
+    """Why a request that ended did not end well, if it did not: cut by shutdown, or failed in
+    the engine (its own host-side step failed, or a failed device step restarted the engine)."""
+    if gen.request_id in state.cut:
+        return APIError(
+            503, "the server shut down before this request finished", code="shutting_down"
+        )
+    if gen.final is not None and gen.final.error is not None:
+        return APIError(500, f"the request failed: {gen.final.error}", code="request_failed")
+    return None
+
+
 async def _stream(
     request: web.Request, gen: _Generation, builder: ResponseBuilder, include_usage: bool
 ) -> web.StreamResponse:
@@ -123,17 +144,25 @@ async def _stream(
         logger.exception("request %s failed mid-stream", gen.request_id)
         await response.write(_sse(APIError(500, "internal server error").body()))
     else:
-        if include_usage and gen.final is not None:
+        failure = _failure(gen, request.app[STATE])
+        if failure is not None:  # an error event the OpenAI client raises, then [DONE]
+            await response.write(_sse(failure.body()))
+        elif include_usage and gen.final is not None:
             await response.write(_sse(builder.usage_chunk(gen.final)))
     await response.write(_sse("[DONE]"))
     await response.write_eof()
     return response
 
 
-async def _respond_once(gen: _Generation, builder: ResponseBuilder) -> web.Response:
+async def _respond_once(
+    request: web.Request, gen: _Generation, builder: ResponseBuilder
+) -> web.Response:
     last = await gen.first()
     async for output in gen.rest():
         last = output
+    failure = _failure(gen, request.app[STATE])
+    if failure is not None:
+        raise failure
     return web.json_response(builder.full_response(last))
 
 
@@ -142,24 +171,31 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     engine = state.ready_engine()
     body = await read_json_object(request)
     try:
-        if kind == "completion":
-            parsed = parse_completion(body)
-        else:
-            parsed = parse_chat(body, engine.tokenizer)
+        parsed = parse_completion(body) if kind == "completion" else parse_chat(body)
     except APIError:
         state.metrics.request_rejected.labels("invalid").inc()
         raise
     state.check_model(parsed.model)
+    try:
+        prompt_ids = await asyncio.to_thread(
+            encode_prompt, engine.tokenizer, parsed, engine.vocab_size
+        )
+    except APIError:
+        state.metrics.request_rejected.labels("invalid").inc()
+        raise
     request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
     builder = ResponseBuilder(
         kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs
     )
-    gen = _Generation(engine, parsed, request_id, state.metrics)
+    gen = _Generation(engine, parsed, prompt_ids, request_id, state.metrics)
+    state.in_flight.add(request_id)
     try:
         if parsed.stream:
             return await _stream(request, gen, builder, parsed.include_usage)
-        return await _respond_once(gen, builder)
+        return await _respond_once(request, gen, builder)
     finally:
+        state.in_flight.discard(request_id)
+        state.cut.discard(request_id)
         await gen.release()
 
 

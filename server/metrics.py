@@ -42,6 +42,7 @@ _ENGINE_COUNTERS = {
         "serving_compilations",
         "XLA compilations after warm-up: each is a shape outside the precompiled buckets.",
     ),
+    "num_restarts": ("engine_restarts", "In-process engine restarts after a failed step."),
 }
 
 

@@ -1,6 +1,7 @@
 """A mock EngineClient whose output can be computed by hand, for server tests and demos.
 
-- Tokenizer: one token per character, token id = ord(char).
+- Tokenizer: one token per character, token id = ord(char); the vocabulary is every code
+  point, [0, 0x110000).
 - Generation: choice j of a request with prompt ids P emits, at step k, token P[(j + k) % len(P)]
   (the prompt repeated, choice j starting j characters in). Sampling settings other than n,
   max_tokens, min_tokens, stop, stop_token_ids and logprobs are accepted and ignored.
@@ -79,9 +80,11 @@ class MockEngine:
     ) -> None:
         self.model_name = model_name
         self.max_model_len = max_model_len
+        self.vocab_size = 0x110000
         self.tokenizer = CharTokenizer()
         self.state = "ready"
         self.dead_reason: str | None = None
+        self.num_restarts = 0
         self.token_delay = token_delay
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting

@@ -11,11 +11,13 @@ vLLM's integer `priority` is accepted only as its default 0 (see `_refuse_priori
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from jserve.config import LANES
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from jserve.validation import FLOAT32_MAX, check_float, check_int, check_token_ids
 from server.api_errors import APIError
 from server.engine_client import TokenizerLike
 
@@ -40,7 +42,8 @@ _INT_FIELDS = ("n", "top_k", "min_tokens", "seed")
 
 @dataclass
 class ParsedRequest:
-    prompt: str | list[int]
+    prompt: str | list[int] | None  # None for chat, whose `messages` become the prompt
+    messages: list[dict[str, Any]] | None
     params: SamplingParams
     model: str | None
     stream: bool
@@ -128,6 +131,14 @@ def _sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
         raise APIError(400, str(exc)) from exc
 
 
+def _checked(check: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:
+    """A jserve.validation check whose ValueError becomes a 400 naming the field."""
+    try:
+        return check(name, *args, **kwargs)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param=name.split("[")[0]) from exc
+
+
 def _request_options(body: dict) -> tuple[bool, bool, str, float | None]:
     stream = typed_field(body, "stream", BOOL, False)
     options = typed_field(body, "stream_options", OBJECT)
@@ -141,8 +152,8 @@ def _request_options(body: dict) -> tuple[bool, bool, str, float | None]:
         raise APIError(400, f"'lane' must be one of {list(LANES)}, got {lane!r}", param="lane")
     _refuse_priority(body)
     timeout = typed_field(body, "timeout", NUMBER)
-    if timeout is not None and timeout <= 0:
-        raise APIError(400, f"'timeout' must be > 0 seconds, got {timeout}", param="timeout")
+    if timeout is not None:
+        _checked(check_float, "timeout", timeout, 0.0, FLOAT32_MAX, lo_open=True)
     return stream, include_usage, lane, timeout
 
 
@@ -174,9 +185,7 @@ def _prompt(body: dict) -> str | list[int]:
             raise APIError(400, "'prompt' must not be empty", param="prompt")
         return prompt
     if isinstance(prompt, list) and prompt and all(_is_kind(t, INT) for t in prompt):
-        if min(prompt) < 0:
-            raise APIError(400, "'prompt' token ids must be >= 0", param="prompt")
-        return prompt
+        return prompt  # checked against the vocabulary by encode_prompt
     if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
         raise APIError(
             400,
@@ -196,7 +205,7 @@ def parse_completion(body: dict) -> ParsedRequest:
     params = _sampling_params(_common(body, max_tokens, logprobs))
     stream, include_usage, lane, timeout = _request_options(body)
     model = typed_field(body, "model", STR)
-    return ParsedRequest(prompt, params, model, stream, include_usage, lane, timeout)
+    return ParsedRequest(prompt, None, params, model, stream, include_usage, lane, timeout)
 
 
 def parse_messages(body: dict) -> list[dict[str, Any]]:
@@ -235,12 +244,10 @@ def render_chat(
         raise APIError(400, f"cannot format the conversation: {exc}", param="messages") from exc
 
 
-def parse_chat(body: dict, tokenizer: TokenizerLike) -> ParsedRequest:
-    """Parse a chat request; the prompt is rendered with the chat template and tokenized here
-    (without adding special tokens again: the template already holds them)."""
+def parse_chat(body: dict) -> ParsedRequest:
+    """Parse a chat request; encode_prompt renders and tokenizes its messages."""
     _refuse_unsupported(body)
     messages = parse_messages(body)
-    prompt_ids = tokenizer.encode(render_chat(tokenizer, messages), add_special_tokens=False)
     max_tokens = typed_field(body, "max_completion_tokens", INT)
     if max_tokens is None:
         max_tokens = typed_field(body, "max_tokens", INT)
@@ -250,15 +257,30 @@ def parse_chat(body: dict, tokenizer: TokenizerLike) -> ParsedRequest:
     top_logprobs = typed_field(body, "top_logprobs", INT)
     if top_logprobs is not None and not want_logprobs:
         raise APIError(400, "'top_logprobs' requires logprobs=true", param="top_logprobs")
-    if top_logprobs is not None and not 0 <= top_logprobs <= MAX_LOGPROBS:
-        raise APIError(
-            400, f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top_logprobs}",
-            param="top_logprobs",
-        )  # fmt: skip
+    if top_logprobs is not None:
+        _checked(check_int, "top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
     logprobs = (top_logprobs or 0) if want_logprobs else None
     params = _sampling_params(_common(body, max_tokens, logprobs))
     stream, include_usage, lane, timeout = _request_options(body)
     model = typed_field(body, "model", STR)
     return ParsedRequest(
-        prompt_ids, params, model, stream, include_usage, lane, timeout, top_logprobs or 0
+        None, messages, params, model, stream, include_usage, lane, timeout, top_logprobs or 0
     )
+
+
+def encode_prompt(tokenizer: TokenizerLike, parsed: ParsedRequest, vocab_size: int) -> list[int]:
+    """The request's prompt token ids, every id (stop ids too) checked against the vocabulary.
+
+    Slow for long prompts (seconds for megabytes of text): the server runs it in a worker
+    thread, never on the event loop. Chat messages are rendered with the chat template and
+    tokenized without adding special tokens again (the template holds them).
+    """
+    if parsed.messages is not None:
+        text = render_chat(tokenizer, parsed.messages)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    elif isinstance(parsed.prompt, str):
+        ids = tokenizer.encode(parsed.prompt)
+    else:
+        ids = _checked(check_token_ids, "prompt", parsed.prompt or [], vocab_size)
+    _checked(check_token_ids, "stop_token_ids", parsed.params.stop_token_ids, vocab_size)
+    return ids

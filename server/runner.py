@@ -2,13 +2,18 @@
 
 Walkthrough:
 1. Bind the socket at once, with no engine: /health answers 503 "starting" while the engine
-   factory loads and compiles the model.
+   factory loads and compiles the model. Connections go through server.connections' guarded
+   handler (header and keep-alive timeouts, half-open cap, JSON for aiohttp's own errors).
 2. When the factory returns, install the engine: /health turns 200 "ready". If the factory
-   raises, log why and exit 1 (a server that can never serve should not linger).
-3. On SIGTERM or SIGINT: mark the server draining (any request that still arrives on an open
-   connection gets 503 "shutting_down"), stop listening, let in-flight requests finish for up
-   to `shutdown_timeout` seconds (aiohttp then cancels the rest, which aborts their engine
-   requests), shut the engine down, and exit 0.
+   raises, log why and exit 1 (a server that can never serve should not linger). If the engine
+   dies later (a failed step it could not restart from), exit 1 too, so a supervisor restarts
+   the process.
+3. On SIGTERM or SIGINT, drain: /health answers 503 "draining" and every other request that
+   arrives gets 503 "shutting_down", but the listener stays up so load balancers can see it.
+   In-flight requests may finish for up to `shutdown_timeout` seconds; at that moment every
+   one still running is aborted (its KV freed), and its stream ends with an error event then
+   [DONE] (a non-streaming one gets a 503). Then stop listening, close the connections, shut
+   the engine down and exit 0.
 """
 
 from __future__ import annotations
@@ -22,12 +27,20 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from server.app import DEFAULT_MAX_BODY_BYTES, create_app
+from server.connections import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEPALIVE_TIMEOUT,
+    DEFAULT_MAX_HALF_OPEN,
+    handler_factory,
+)
 from server.engine_client import EngineClient
-from server.state import STATE, set_engine
+from server.state import DEFAULT_BODY_TIMEOUT, STATE, ServerState, set_engine
 
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[], Awaitable[EngineClient]]
+_CUT_GRACE_SECONDS = 2.0  # for cut handlers to write their error event and [DONE]
+_POLL_SECONDS = 0.05
 
 
 async def run_server(
@@ -39,21 +52,27 @@ async def run_server(
     api_key: str | None = None,
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    max_half_open: int = DEFAULT_MAX_HALF_OPEN,
     stop: asyncio.Event | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (or `stop` is set); return the process exit code."""
     app = create_app(
-        None, api_key=api_key, served_model_name=served_model_name, max_body_bytes=max_body_bytes
-    )
+        None, api_key=api_key, served_model_name=served_model_name,
+        max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+    )  # fmt: skip
     state = app[STATE]
-    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=shutdown_timeout)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    bound_host, bound_port = runner.addresses[0][:2]
+    runner, listener = await start_listening(
+        app, host, port, header_timeout=header_timeout, keepalive_timeout=keepalive_timeout,
+        max_half_open=max_half_open,
+    )  # fmt: skip
+    bound_host, bound_port = listener.sockets[0].getsockname()[:2]
     logger.info("jserve listening on http://%s:%d", bound_host, bound_port)
 
-    stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
+    stop = stop or asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     exit_code = 0
@@ -68,14 +87,23 @@ async def run_server(
         elif engine_task.done():
             set_engine(app, engine_task.result())
             logger.info("engine ready: serving %r", state.model_name)
-            await stop_task
-        logger.info("shutting down: draining in-flight requests (up to %.0f s)", shutdown_timeout)
+            death_task = asyncio.create_task(_engine_death(engine_task.result()))
+            await asyncio.wait({stop_task, death_task}, return_when=asyncio.FIRST_COMPLETED)
+            death_task.cancel()
+            if state.engine is not None and state.engine.state == "dead":
+                logger.error("the engine is dead (%s): exiting 1", state.engine.dead_reason)
+                exit_code = 1
+        if exit_code == 0:
+            logger.info("draining in-flight requests (up to %.1f s)", shutdown_timeout)
+            state.draining = True
+            await _drain(state, shutdown_timeout)
     finally:
         state.draining = True
         stop_task.cancel()
         engine_task.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await engine_task  # its outcome was handled above
+        listener.close()
         await runner.cleanup()
         if state.engine is not None:
             await state.engine.shutdown()
@@ -83,3 +111,48 @@ async def run_server(
             loop.remove_signal_handler(sig)
     logger.info("jserve stopped")
     return exit_code
+
+
+async def start_listening(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    max_half_open: int = DEFAULT_MAX_HALF_OPEN,
+) -> tuple[web.AppRunner, asyncio.Server]:
+    """Set `app` up and listen through the guarded handler; the caller closes the listener,
+    then cleans the runner up (cancelling handlers still running after a short grace)."""
+    runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_CUT_GRACE_SECONDS)
+    await runner.setup()
+    assert runner.server is not None
+    factory = handler_factory(
+        runner.server, header_timeout=header_timeout, keepalive_timeout=keepalive_timeout,
+        max_half_open=max_half_open,
+    )  # fmt: skip
+    loop = asyncio.get_running_loop()
+    return runner, await loop.create_server(factory, host, port, reuse_address=True)
+
+
+async def _engine_death(engine: EngineClient) -> None:
+    """Returns once the engine is dead (it has no event to wait on: poll its state)."""
+    while engine.state != "dead":
+        await asyncio.sleep(_POLL_SECONDS * 10)
+
+
+async def _drain(state: ServerState, timeout: float) -> None:
+    """Let in-flight requests finish for `timeout` s, then cut (abort) every one still going."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while state.in_flight and loop.time() < deadline:
+        await asyncio.sleep(min(_POLL_SECONDS, max(0.0, deadline - loop.time())))
+    if not state.in_flight or state.engine is None:
+        return
+    logger.warning("shutdown timeout: cutting %d in-flight requests", len(state.in_flight))
+    for request_id in list(state.in_flight):
+        state.cut.add(request_id)
+        await state.engine.abort(request_id)
+    grace = loop.time() + _CUT_GRACE_SECONDS
+    while state.in_flight and loop.time() < grace:
+        await asyncio.sleep(_POLL_SECONDS)

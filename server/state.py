@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
+from aiohttp.web_protocol import RequestPayloadError
 
 from server.api_errors import APIError
 from server.engine_client import EngineClient
 from server.metrics import ServerMetrics
+
+DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may take to send a request body
 
 
 @dataclass
@@ -19,8 +24,11 @@ class ServerState:
     served_model_name: str | None
     api_key: str | None
     max_body_bytes: int
+    body_timeout: float = DEFAULT_BODY_TIMEOUT
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     draining: bool = False
+    in_flight: set[str] = field(default_factory=set)  # engine request ids being served
+    cut: set[str] = field(default_factory=set)  # of those, the ones shutdown aborted
     start_error: str | None = None  # why the engine failed to start, if it did
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -31,11 +39,11 @@ class ServerState:
         return self.engine.model_name if self.engine is not None else ""
 
     def health(self) -> str:
-        """'ready', 'starting', 'stopping' or 'dead: <reason>'."""
+        """'ready', 'starting', 'draining' or 'dead: <reason>'."""
         if self.start_error is not None:
             return f"dead: {self.start_error}"
         if self.draining:
-            return "stopping"
+            return "draining"
         if self.engine is None:
             return "starting"
         if self.engine.state == "dead":
@@ -53,7 +61,7 @@ class ServerState:
                 503, "the model is still loading; retry shortly", code="starting",
                 headers={"Retry-After": "5"},
             )  # fmt: skip
-        if health == "stopping":
+        if health in ("draining", "stopping"):
             raise APIError(503, "the server is shutting down", code="shutting_down")
         raise APIError(503, f"the engine is not serving ({health})", code="engine_dead")
 
@@ -79,10 +87,32 @@ def _reject_non_finite(constant: str) -> float:
 
 
 async def read_json_object(request: web.Request) -> dict:
-    """The request body as a JSON object, or a 400 saying what is wrong with it."""
-    raw = await request.read()
+    """The request body as a JSON object, or a 4xx saying what is wrong with it.
+
+    The body must arrive within the app's body timeout (408 otherwise: a stalled client must
+    not hold a handler forever); its size limit is enforced while reading (413).
+    """
+    timeout = request.app[STATE].body_timeout
+    try:
+        # Not asyncio.wait_for: on Python 3.11 it swallows a cancellation (the client left)
+        # that lands as the read completes, and the abandoned request then runs to the end.
+        async with asyncio.timeout(timeout):
+            raw = await request.read()
+    except TimeoutError:
+        raise APIError(
+            408, f"the request body did not arrive within {timeout:g} s", code="request_timeout",
+            close_connection=True,
+        ) from None  # fmt: skip
+    except (HttpProcessingError, RequestPayloadError) as exc:  # e.g. gzip that is not gzip
+        cause = exc.__cause__ if isinstance(exc.__cause__, HttpProcessingError) else exc
+        raise APIError(
+            400, f"the request body could not be decoded: {type(cause).__name__}",
+            code="bad_request_body", close_connection=True,
+        ) from None  # fmt: skip
     try:
         body = json.loads(raw, parse_constant=_reject_non_finite)
+    except RecursionError:
+        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
         raise APIError(400, f"request body is not valid JSON: {exc}") from exc
     if not isinstance(body, dict):

@@ -11,10 +11,13 @@ def check_new_request(
     request: Request,
     config: SchedulerConfig,
     num_waiting: int,
-    is_sibling: bool,
 ) -> None:
     """Raise RequestRejected unless `request` may join the waiting queue (its id is the
-    caller's to keep unique: see Request)."""
+    caller's to keep unique: see Request).
+
+    `num_waiting` counts sequences: each sample of an `n > 1` request is one, so a request
+    with many samples meets the cap like as many requests (it cannot slip past it).
+    """
     if request.num_prompt_tokens == 0:
         raise RequestRejected("invalid", "the prompt has no tokens; send at least one token")
     max_tokens, min_tokens = request.stop.max_tokens, request.stop.min_tokens
@@ -34,9 +37,9 @@ def check_new_request(
             f"{max_tokens}: {total} tokens exceed max_model_len={config.max_model_len}; "
             f"shorten the prompt or lower max_tokens",
         )
-    if not is_sibling and num_waiting >= config.max_waiting_requests:
+    if num_waiting >= config.max_waiting_requests:
         raise RequestRejected(
             "queue_full",
-            f"{num_waiting} requests are already waiting (max_waiting_requests="
-            f"{config.max_waiting_requests}); retry later",
+            f"{num_waiting} sequences are already waiting (max_waiting_requests="
+            f"{config.max_waiting_requests}, each of a request's n samples counts); retry later",
         )

@@ -83,12 +83,13 @@ class Scheduler:
 
         An "interactive" prompt longer than `long_prompt_threshold` moves to the "long" lane.
         Siblings of an `n > 1` group (same `group_id` and prompt, added right after the first
-        member) skip the queue cap, since the group was admitted with its first member; they
-        wait until the first member's prompt is computed, then share its full prompt blocks.
+        member) count against the queue cap like any sequence (the engine adds all members or
+        none); they wait until the first member's prompt is computed, then share its full
+        prompt blocks.
         """
         is_sibling = request.group_id is not None and request.group_id in self.group_leaders
         try:
-            check_new_request(request, self.config, len(self.waiting), is_sibling)
+            check_new_request(request, self.config, len(self.waiting))
         except Exception:
             request.status = RequestStatus.FINISHED
             raise

@@ -155,8 +155,12 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`. Special-token text in it (e.g. "<|im_start|>") becomes that special
-        token, as in transformers; `add_special_tokens` adds BOS/EOS as the model asks."""
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        token, as in transformers; `add_special_tokens` adds BOS/EOS as the model asks.
+
+        Through `encode_batch`, which releases the GIL while it works: `encode` holds it (2.5 s
+        for 3.9 MB of text, stalling the server's event loop even from a worker thread).
+        """
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -80,9 +80,13 @@ class ModelRunner:
         sharding = jax.sharding.NamedSharding(
             mesh, jax.sharding.PartitionSpec(None, None, MODEL_AXIS, None, None)
         )
-        zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-        self.kv_cache = (zeros(), zeros())
+        self._zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        self.reset_kv_cache()
         self._executables: dict[tuple[int, int], Any] = {}
+
+    def reset_kv_cache(self) -> None:
+        """A fresh (zero) KV pool, e.g. after a failed step consumed the donated one."""
+        self.kv_cache = (self._zeros(), self._zeros())
 
     def precompile(
         self,

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.runtime.sampling_tensors import SamplingRow, SamplingTensorBuilder, SamplingTensors
-from jserve.sampling_params import MAX_LOGPROBS
+from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 TOP_CANDIDATES = 128  # logits read by the top-k / top-p fast path
 _CANDIDATE_BLOCK = 64  # vocabulary block of the candidate search
@@ -267,6 +267,9 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     return _logprobs(logits, tokens, t)
 
 
+_NEUTRAL_ROW = SamplingRow(SamplingParams(temperature=0.0), 0, (), ())
+
+
 class SampledTokens(NamedTuple):
     """One step's sampler output on the host (one device_get), rows in batch order."""
 
@@ -276,6 +279,7 @@ class SampledTokens(NamedTuple):
     top_ids: np.ndarray  # [S, MAX_LOGPROBS] int32
     top_logprobs: np.ndarray  # [S, MAX_LOGPROBS] float32
     num_logprobs: list[int | None]  # per real row, SamplingParams.logprobs
+    failed: dict[int, str]  # row index -> why its tensors could not be built (its token is junk)
 
     def row(self, i: int) -> tuple[int, list[tuple[int, float]] | None]:
         """(token, logprobs): the sampled (id, logprob) then the top n, or None if not asked."""
@@ -326,12 +330,34 @@ class Sampler:
         return time.perf_counter() - start
 
     def sample(self, logits: jax.Array, rows: Sequence[SamplingRow]) -> SampledTokens:
-        """Sample the real `rows` from `logits` [S, V] (rows past len(rows) are padding)."""
+        """Sample the real `rows` from `logits` [S, V] (rows past len(rows) are padding).
+
+        A row whose tensors cannot be built fails alone: it is reported in `failed` and
+        sampled as a neutral greedy row, so the rest of the batch goes on.
+        """
         bucket = logits.shape[0]
         if bucket not in self._executables:
             raise RuntimeError(
                 f"no sampler executable for {bucket} rows; precompiled: {sorted(self._executables)}"
             )
-        tensors = self.builder.build(rows, bucket)
+        tensors, failed = self._build(rows, bucket)
         out = jax.device_get(self._executables[bucket](logits, tensors))
-        return SampledTokens(*out, num_logprobs=[row.params.logprobs for row in rows])
+        num_logprobs = [row.params.logprobs for row in rows]
+        return SampledTokens(*out, num_logprobs=num_logprobs, failed=failed)
+
+    def _build(
+        self, rows: Sequence[SamplingRow], seq_bucket: int
+    ) -> tuple[SamplingTensors, dict[int, str]]:
+        try:
+            return self.builder.build(rows, seq_bucket), {}
+        except Exception:  # find the culprit rows one at a time (rare, so no hurry)
+            failed = {}
+            for i, row in enumerate(rows):
+                try:
+                    self.builder.build([row], self.builder.seq_buckets[0])
+                except Exception as e:
+                    failed[i] = f"{type(e).__name__}: {e}"
+            if not failed:
+                raise  # a batch-wide failure: not one request's fault
+            rows = [_NEUTRAL_ROW if i in failed else row for i, row in enumerate(rows)]
+            return self.builder.build(rows, seq_bucket), failed

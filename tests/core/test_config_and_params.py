@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -108,23 +109,66 @@ def test_sampling_params_normalises_stop_and_top_k():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"n": 0}, "n must be an integer >= 1, got 0"),
-        ({"n": True}, "n must be an integer >= 1, got True"),
-        ({"temperature": -1.0}, "temperature must be >= 0, got -1.0"),
-        ({"top_p": 0.0}, "top_p must be in (0, 1], got 0.0"),
-        ({"top_p": 1.5}, "top_p must be in (0, 1], got 1.5"),
-        ({"top_k": -2}, "top_k must be 0 or -1 (off) or an integer >= 1, got -2"),
-        ({"min_p": 1.5}, "min_p must be in [0, 1], got 1.5"),
-        ({"seed": 1.5}, "seed must be an integer or None, got 1.5"),
-        ({"max_tokens": 0}, "max_tokens must be an integer >= 1 or None, got 0"),
-        ({"min_tokens": -1}, "min_tokens must be an integer >= 0, got -1"),
+        ({"n": 0}, "n must be an integer in [1, 2147483647], got 0"),
+        ({"n": True}, "n must be an integer in [1, 2147483647], got True"),
+        (
+            {"temperature": -1.0},
+            "temperature must be a finite number in [0, 3.40282e+38] (as float32), got -1.0",
+        ),
+        (
+            {"temperature": float("inf")},
+            "temperature must be a finite number in [0, 3.40282e+38] (as float32), got inf",
+        ),
+        (
+            {"temperature": 1e39},
+            "temperature must be a finite number in [0, 3.40282e+38] (as float32), got 1e+39",
+        ),
+        ({"top_p": 0.0}, "top_p must be a finite number in (0, 1] (as float32), got 0.0"),
+        ({"top_p": 1e-300}, "top_p must be a finite number in (0, 1] (as float32), got 1e-300"),
+        ({"top_p": 1.5}, "top_p must be a finite number in (0, 1] (as float32), got 1.5"),
+        ({"top_k": -2}, "top_k must be an integer in [0, 2147483647], got -2"),
+        ({"top_k": 2**31}, "top_k must be an integer in [0, 2147483647], got 2147483648"),
+        ({"min_p": 1.5}, "min_p must be a finite number in [0, 1] (as float32), got 1.5"),
+        ({"min_p": float("nan")}, "min_p must be a finite number in [0, 1] (as float32), got nan"),
+        (
+            {"seed": 1.5},
+            "seed must be an integer in [-9223372036854775808, 9223372036854775807], got 1.5",
+        ),
+        (
+            {"seed": 2**64},
+            "seed must be an integer in [-9223372036854775808, 9223372036854775807], "
+            "got 18446744073709551616",
+        ),
+        ({"max_tokens": 0}, "max_tokens must be an integer in [1, 2147483647], got 0"),
+        ({"max_tokens": 2**31}, "max_tokens must be an integer in [1, 2147483647], got 2147483648"),
+        ({"min_tokens": -1}, "min_tokens must be an integer in [0, 2147483647], got -1"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens (20) must be <= max_tokens (10)"),
         ({"stop": ""}, "stop must be a non-empty string or a list of non-empty strings"),
-        ({"stop_token_ids": [-3]}, "stop_token_ids must be integers >= 0, got [-3]"),
-        ({"logprobs": 21}, "logprobs must be None or an integer in [0, 20], got 21"),
-        ({"presence_penalty": 2.5}, "presence_penalty must be in [-2, 2], got 2.5"),
-        ({"frequency_penalty": -3.0}, "frequency_penalty must be in [-2, 2], got -3.0"),
-        ({"repetition_penalty": 0.0}, "repetition_penalty must be in (0, 2], got 0.0"),
+        (
+            {"stop_token_ids": [-3]},
+            "stop_token_ids[0] must be an integer in [0, 2147483647], got -3",
+        ),
+        (
+            {"stop_token_ids": [2, 2**31]},
+            "stop_token_ids[1] must be an integer in [0, 2147483647], got 2147483648",
+        ),
+        ({"logprobs": 21}, "logprobs must be an integer in [0, 20], got 21"),
+        (
+            {"presence_penalty": 2.5},
+            "presence_penalty must be a finite number in [-2, 2] (as float32), got 2.5",
+        ),
+        (
+            {"frequency_penalty": -3.0},
+            "frequency_penalty must be a finite number in [-2, 2] (as float32), got -3.0",
+        ),
+        (
+            {"repetition_penalty": 0.0},
+            "repetition_penalty must be a finite number in (0, 2] (as float32), got 0.0",
+        ),
+        (
+            {"repetition_penalty": 1e-300},
+            "repetition_penalty must be a finite number in (0, 2] (as float32), got 1e-300",
+        ),
     ],
 )
 def test_sampling_params_rejects(kwargs, message):
@@ -156,3 +200,18 @@ def test_scheduler_config_takes_every_shared_setting_from_engine_args_by_name():
     assert config.max_model_len == 200
     for name, value in changed.items():
         assert getattr(config, name) == value, name
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_n": 0}, "max_n must be in [1, max_waiting_requests // 2 = 512]"),
+        ({"max_n": 513}, "max_n must be in [1, max_waiting_requests // 2 = 512]"),
+        ({"max_waiting_requests": 100}, "so one request cannot fill the waiting queue, got 64"),
+    ],
+)
+def test_engine_args_keep_one_request_from_filling_the_queue(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        EngineArgs(**kwargs)
+    assert EngineArgs().max_n == 64
+    assert EngineArgs(max_waiting_requests=100, max_n=50).max_n == 50

@@ -28,14 +28,18 @@ def test_too_long_names_both_numbers():
     scheduler.add_request(make_request("fits", 100, max_tokens=28))
 
 
-def test_queue_full_but_siblings_of_an_admitted_group_still_join():
-    scheduler = make_scheduler(max_waiting_requests=2)
+def test_the_queue_cap_counts_every_sample_of_a_group():
+    scheduler = make_scheduler(max_waiting_requests=3)
     scheduler.add_request(make_request("a", 4))
     scheduler.add_request(make_request("g-0", 4, group_id="g"))
-    error = rejection(scheduler, make_request("b", 4))
-    assert error.reason == "queue_full"
-    assert "2 requests are already waiting (max_waiting_requests=2)" in str(error)
     scheduler.add_request(make_request("g-1", 4, group_id="g"))
+    for sibling_or_new in (make_request("g-2", 4, group_id="g"), make_request("b", 4)):
+        error = rejection(scheduler, sibling_or_new)
+        assert error.reason == "queue_full"
+        assert str(error) == (
+            "3 sequences are already waiting (max_waiting_requests=3, each of a request's n "
+            "samples counts); retry later"
+        )
     assert scheduler.stats().num_waiting == 3
 
 

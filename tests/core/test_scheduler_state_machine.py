@@ -94,7 +94,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         tail = data.draw(st.lists(st.integers(3, 12), min_size=tail_len, max_size=tail_len))
         prompt = list(prefix) + tail
         group_id = f"g{self.num_added}" if n > 1 else None
-        for member in range(n):
+        members = []
+        for _ in range(n):
             self.num_added += 1
             request = Request(
                 f"r{self.num_added}",
@@ -108,17 +109,19 @@ class SchedulerMachine(RuleBasedStateMachine):
                 group_id=group_id,
             )
             too_long = prompt_len + max_tokens > self.config.max_model_len
-            queue_full = member == 0 and len(self.scheduler.waiting) >= (
-                self.config.max_waiting_requests
-            )
+            queue_full = len(self.scheduler.waiting) >= self.config.max_waiting_requests
             try:
                 self.scheduler.add_request(request)
             except RequestRejected as error:
                 expected = "too_long" if too_long else "queue_full" if queue_full else None
                 assert error.reason == expected, (error.reason, str(error))
-                return  # the engine adds no siblings of a rejected leader
+                for added in members:  # as the engine does: all samples or none
+                    assert self.scheduler.abort(added)
+                    self.live.pop(added)
+                return
             assert not too_long and not queue_full
             self.live[request.request_id] = request
+            members.append(request.request_id)
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())

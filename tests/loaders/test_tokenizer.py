@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import time
 
 import gguf
 import pytest
@@ -186,3 +188,22 @@ def test_bad_tokenizer_config_is_named(smollm2_tokenizer, tmp_path):
     config.write_text(json.dumps({"eos_token": "<|not_a_token|>"}))
     with pytest.raises(ValueError, match=r"eos_token '<\|not_a_token\|>' is not in the vocab"):
         Tokenizer.from_pretrained_dir(tmp_path)
+
+
+def test_encoding_a_long_text_in_a_worker_thread_leaves_the_event_loop_free(smollm2_tokenizer):
+    """As the server tokenizes: asyncio.to_thread. (A bare `encode` held the GIL, which stalled
+    the loop for the whole call, though a plain thread's sleep loop did not show it.)"""
+    text = "word " * 400_000  # 2 MB: more than a second to encode
+
+    async def worst_loop_gap() -> float:
+        work = asyncio.ensure_future(asyncio.to_thread(smollm2_tokenizer.encode, text))
+        worst, last = 0.0, time.monotonic()
+        while not work.done():
+            await asyncio.sleep(0.005)
+            now = time.monotonic()
+            worst, last = max(worst, now - last), now
+        assert len(await work) == 400_001  # "word" 400,000 times, then the last space
+        return worst
+
+    gap = asyncio.run(worst_loop_gap())
+    assert gap < 0.3, f"the event loop stalled for {gap:.2f} s"

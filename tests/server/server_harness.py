@@ -3,6 +3,7 @@ and the mock's output computed independently of the mock's code."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import re
@@ -11,7 +12,13 @@ from collections.abc import AsyncIterator
 from aiohttp.test_utils import TestClient, TestServer
 
 from server.app import create_app
+from server.connections import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_KEEPALIVE_TIMEOUT,
+    DEFAULT_MAX_HALF_OPEN,
+)
 from server.engine_client import EngineClient
+from server.runner import start_listening
 
 
 @contextlib.asynccontextmanager
@@ -61,3 +68,51 @@ def metric_sum(text: str, name: str) -> float:
     """The sum of one metric over all its label sets."""
     values = re.findall(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", text, re.MULTILINE)
     return sum(float(v) for v in values)
+
+
+@contextlib.asynccontextmanager
+async def serve_guarded(
+    engine: EngineClient | None,
+    *,
+    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
+    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
+    max_half_open: int = DEFAULT_MAX_HALF_OPEN,
+    **app_kwargs,
+) -> AsyncIterator[tuple[str, int]]:
+    """(host, port) of the app served as run_server serves it: through the guarded handler."""
+    app = create_app(engine, **app_kwargs)
+    runner, listener = await start_listening(
+        app, "127.0.0.1", 0, header_timeout=header_timeout, keepalive_timeout=keepalive_timeout,
+        max_half_open=max_half_open,
+    )  # fmt: skip
+    try:
+        yield listener.sockets[0].getsockname()[:2]
+    finally:
+        listener.close()
+        await runner.cleanup()
+
+
+async def raw_exchange(address: tuple[str, int], data: bytes, timeout: float = 5.0) -> bytes:
+    """Send raw bytes on a fresh connection; the one response to them (b"" if the server
+    closed without one)."""
+    reader, writer = await asyncio.open_connection(*address)
+    try:
+        writer.write(data)
+        await writer.drain()
+        async with asyncio.timeout(timeout):
+            try:
+                head = await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError as e:
+                return e.partial
+            length = re.search(rb"(?i)\r\ncontent-length: *(\d+)", head)
+            return head + await reader.readexactly(int(length.group(1)) if length else 0)
+    finally:
+        writer.close()
+
+
+def parse_response(raw: bytes) -> tuple[int, dict[str, str], bytes]:
+    """(status, headers with lower-case names, body) of one raw HTTP/1.1 response."""
+    head, _, body = raw.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in header_lines)
+    return int(status_line.split()[1]), {k.lower(): v for k, v in headers.items()}, body

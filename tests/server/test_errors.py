@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from server_harness import metric, parse_sse, serve
+from server_harness import metric, parse_sse, serve, stream_events
 
 from jserve.errors import RequestRejected
+from jserve.validation import INT32_MAX
 from server.mock_engine import MockEngine
 from server.state import STATE, set_engine
 
@@ -25,15 +26,38 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": ""}, 400, "prompt", "must not be empty"),
     (COMPLETIONS, {"prompt": []}, 400, "prompt", "non-empty"),
     (COMPLETIONS, {"prompt": [1, "a"]}, 400, "prompt", "token ids"),
-    (COMPLETIONS, {"prompt": [-1]}, 400, "prompt", ">= 0"),
+    (COMPLETIONS, {"prompt": [-1]}, 400, "prompt",
+     "prompt[0] must be a token id in [0, 1114112), got -1"),
+    (COMPLETIONS, {"prompt": [5, 2**31]}, 400, "prompt",
+     "prompt[1] must be a token id in [0, 1114112), got 2147483648"),
     (COMPLETIONS, {"prompt": ["a", "b"]}, 400, "prompt", "one prompt per request"),
     (COMPLETIONS, {"prompt": "a", "max_tokens": "x"}, 400, "max_tokens", "must be an integer"),
     (COMPLETIONS, {"prompt": "a", "max_tokens": 0}, 400, None, "max_tokens must be"),
     (COMPLETIONS, {"prompt": "a", "temperature": "hot"}, 400, "temperature", "a number"),
-    (COMPLETIONS, {"prompt": "a", "temperature": -1}, 400, None, "temperature must be >= 0"),
-    (COMPLETIONS, {"prompt": "a", "top_p": 0}, 400, None, "top_p must be in (0, 1]"),
+    (COMPLETIONS, {"prompt": "a", "temperature": -1}, 400, None,
+     "temperature must be a finite number in [0, 3.40282e+38] (as float32), got -1"),
+    # Defect 7: 1e400 parses as inf, 1e-300 rounds to 0 in float32.
+    (COMPLETIONS, b'{"prompt": "a", "temperature": 1e400}', 400, None,
+     "temperature must be a finite number in [0, 3.40282e+38] (as float32), got inf"),
+    (COMPLETIONS, {"prompt": "a", "repetition_penalty": 1e-300}, 400, None,
+     "repetition_penalty must be a finite number in (0, 2] (as float32), got 1e-300"),
+    (COMPLETIONS, {"prompt": "a", "top_p": 0}, 400, None,
+     "top_p must be a finite number in (0, 1] (as float32), got 0"),
+    (COMPLETIONS, {"prompt": "a", "top_k": 2**31}, 400, None,
+     f"top_k must be an integer in [0, {INT32_MAX}], got 2147483648"),
+    (COMPLETIONS, {"prompt": "a", "max_tokens": 2**31}, 400, None,
+     f"max_tokens must be an integer in [1, {INT32_MAX}], got 2147483648"),
+    (COMPLETIONS, {"prompt": "a", "seed": 2**64}, 400, None, "seed must be an integer in"),
+    # Defect 1: the stop id that overflowed the sampler's int32 array and killed the engine.
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 4, "min_tokens": 1,
+                   "stop_token_ids": [2147483648]}, 400, None,
+     f"stop_token_ids[0] must be an integer in [0, {INT32_MAX}], got 2147483648"),
+    (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [3, 0x110000]}, 400, "stop_token_ids",
+     "stop_token_ids[1] must be a token id in [0, 1114112), got 1114112"),
+    (COMPLETIONS, b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", 400, None,
+     "not valid JSON: nested too deeply"),
     (COMPLETIONS, {"prompt": "a", "n": True}, 400, "n", "must be an integer"),
-    (COMPLETIONS, {"prompt": "a", "n": 0}, 400, None, "n must be an integer >= 1"),
+    (COMPLETIONS, {"prompt": "a", "n": 0}, 400, None, f"n must be an integer in [1, {INT32_MAX}]"),
     (COMPLETIONS, {"prompt": "a", "logprobs": 21}, 400, None, "logprobs must be"),
     (COMPLETIONS, {"prompt": "a", "stop": [1]}, 400, "stop", "list of strings"),
     (COMPLETIONS, {"prompt": "a", "stop_token_ids": ["x"]}, 400, "stop_token_ids", "integers"),
@@ -45,7 +69,8 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": "a", "lane": 1}, 400, "lane", "must be a string"),
     (COMPLETIONS, {"prompt": "a", "priority": "batch"}, 400, "priority", "choose a lane"),
     (COMPLETIONS, {"prompt": "a", "priority": 5}, 400, "priority", "not supported"),
-    (COMPLETIONS, {"prompt": "a", "timeout": 0}, 400, "timeout", "> 0"),
+    (COMPLETIONS, {"prompt": "a", "timeout": 0}, 400, "timeout",
+     "timeout must be a finite number in (0,"),
     (COMPLETIONS, {"prompt": "a", "stream_options": {}}, 400, "stream_options", "stream=true"),
     (COMPLETIONS, {"prompt": "x" * 300}, 400, "prompt", "max_model_len (256)"),
     (COMPLETIONS, {"prompt": "x" * 250, "max_tokens": 7}, 400, "prompt", "(250 tokens)"),
@@ -57,13 +82,19 @@ BAD_INPUTS = [
      "messages", "only text content parts"),
     (CHAT, {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs", "requires logprobs=true"),
     (CHAT, {"messages": HI, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs",
-     "must be in [0, 20]"),
+     "top_logprobs must be an integer in [0, 20], got 21"),
     (CHAT, {"messages": HI, "logprobs": 1}, 400, "logprobs", "must be a boolean"),
     (CHAT, {"messages": HI, "tools": [{"type": "function"}]}, 400, "tools", "not supported"),
     (CHAT, {"messages": HI, "response_format": {"type": "json_object"}}, 400,
      "response_format", "only response_format type 'text'"),
     ("/tokenize", {"text": "a"}, 400, "prompt", "send 'prompt'"),
-    ("/detokenize", {"tokens": [1, -2]}, 400, "tokens", "non-negative integers"),
+    ("/detokenize", {"tokens": [1, -2]}, 400, "tokens",
+     "tokens[1] must be a token id in [0, 1114112), got -2"),
+    # Defect 5 (a 500 before) and defect 7 (a 200 with empty text before).
+    ("/detokenize", {"tokens": [2**70]}, 400, "tokens",
+     "tokens[0] must be a token id in [0, 1114112), got 1180591620717411303424"),
+    ("/detokenize", {"tokens": [0x110000]}, 400, "tokens", "tokens[0] must be a token id"),
+    ("/detokenize", {"tokens": "abc"}, 400, "tokens", "'tokens' must be a list of token ids"),
 ]  # fmt: skip
 
 
@@ -205,7 +236,7 @@ async def test_503_while_draining():
         assert refused.status == 503
         assert _check_error_body(await refused.json(), 503)["code"] == "shutting_down"
         health = await client.get("/health")
-        assert (health.status, await health.json()) == (503, {"status": "stopping"})
+        assert (health.status, await health.json()) == (503, {"status": "draining"})
 
 
 class _BrokenEngine(MockEngine):
@@ -252,3 +283,53 @@ async def test_unexpected_error_mid_stream_ends_the_stream_cleanly():
         assert events[1]["error"]["type"] == "server_error"
         assert (await client.get("/health")).status == 200
         assert engine.stats().num_requests_running == 0  # the server aborted it
+
+
+async def test_health_and_metrics_report_engine_restarts():
+    engine = MockEngine()
+    async with serve(engine) as client:
+        health = await client.get("/health")
+        assert (health.status, await health.json()) == (200, {"status": "ready"})
+        engine.num_restarts = engine._stats.num_restarts = 2
+        health = await client.get("/health")
+        assert (health.status, await health.json()) == (
+            200,
+            {"status": "ready", "engine_restarts": 2},
+        )
+        metrics = await (await client.get("/metrics")).text()
+    assert metric(metrics, "jserve:engine_restarts_total") == 2
+
+
+class _FailsItsRequest(MockEngine):
+    """The engine fails the request after one token (as LLMEngine does when the request's own
+    host-side work raises, or when a failed step restarts the engine)."""
+
+    async def generate(self, prompt, params, request_id, *, priority="interactive", timeout=None):
+        async for output in super().generate(prompt, params, request_id):
+            if output.finished:
+                return
+            yield output
+            await self.abort(request_id)
+            output.error = "OverflowError: Python int too large to convert to C long"
+            for choice in output.outputs:
+                choice.finish_reason = "error"
+            output.finished = True
+            yield output
+            return
+
+
+async def test_a_request_the_engine_failed_is_a_500_or_an_error_event():
+    engine = _FailsItsRequest(token_delay=0.001)
+    body = {"prompt": "abc", "max_tokens": 50}
+    async with serve(engine) as client:
+        once = await client.post(COMPLETIONS, json=body)
+        assert once.status == 500
+        error = _check_error_body(await once.json(), 500)
+        assert error["code"] == "request_failed"
+        assert error["message"] == (
+            "the request failed: OverflowError: Python int too large to convert to C long"
+        )
+        events = await stream_events(client, COMPLETIONS, body)
+        assert events[0]["choices"][0]["text"] == "a"
+        assert events[-2]["error"]["code"] == "request_failed" and events[-1] == "[DONE]"
+        assert (await client.get("/health")).status == 200

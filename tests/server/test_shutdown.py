@@ -1,18 +1,20 @@
-"""Start-up and SIGTERM on a real server process (`python -m server --mock`) on a loopback port."""
+"""Start-up, SIGTERM and engine death of a real server process (`python -m server --mock`)."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 import aiohttp
+import openai
 import pytest
 from server_harness import echo_text, parse_sse
 
+from server.mock_engine import MockEngine
 from server.runner import run_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -55,9 +57,13 @@ async def test_sigterm_during_a_stream_lets_it_finish_then_exits_0():
                 first = await response.content.readuntil(b"\n\n")
                 proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
-                with pytest.raises(aiohttp.ClientConnectionError):  # no longer listening
-                    async with aiohttp.ClientSession() as fresh:
-                        await fresh.get(f"{url}/health")
+                # Still listening while it drains: /health tells load balancers to go away,
+                # and new work is refused.
+                async with aiohttp.ClientSession() as fresh:
+                    assert await _health(fresh, url) == (503, {"status": "draining"})
+                    async with fresh.post(f"{url}/v1/completions", json=body) as refused:
+                        assert refused.status == 503
+                        assert (await refused.json())["error"]["code"] == "shutting_down"
                 rest = await response.content.read()
         events = parse_sse((first + rest).decode())
         assert "".join(e["choices"][0]["text"] for e in events[:-1]) == echo_text("drain me", 40)
@@ -69,21 +75,57 @@ async def test_sigterm_during_a_stream_lets_it_finish_then_exits_0():
             proc.kill()
 
 
-async def test_streams_past_the_shutdown_timeout_are_cut_and_the_process_still_exits_0():
-    proc, url = await _start("--mock-token-delay", "0.02", "--shutdown-timeout", "0.3")
+async def test_streams_past_the_shutdown_timeout_are_cut_with_an_error_event_then_done():
+    proc, url = await _start("--mock-token-delay", "0.03", "--shutdown-timeout", "1.5")
     try:
         async with aiohttp.ClientSession() as session:
             while (await _health(session, url))[0] != 200:
                 await asyncio.sleep(0.05)
-            body = {"prompt": "too slow", "max_tokens": 200, "stream": True}  # ~4 s of tokens
+            body = {"prompt": "too slow", "max_tokens": 200, "stream": True}  # ~6 s of tokens
+            once = {"prompt": "too slow", "max_tokens": 200}
             async with session.post(f"{url}/v1/completions", json=body) as response:
-                await response.content.readuntil(b"\n\n")
+                first = await response.content.readuntil(b"\n\n")
+                plain = asyncio.create_task(session.post(f"{url}/v1/completions", json=once))
+                await asyncio.sleep(0.2)  # the non-streaming one is under way too
                 proc.send_signal(signal.SIGTERM)
-                received = b""
-                # The connection is closed mid-stream, as it should be.
-                with contextlib.suppress(aiohttp.ClientPayloadError):
-                    received = await response.content.read()
-        assert b"[DONE]" not in received
+                signalled = time.monotonic()
+                rest = await response.content.read()
+                cut_after = time.monotonic() - signalled
+            events = parse_sse((first + rest).decode())
+            async with await plain as unstreamed:
+                assert unstreamed.status == 503
+                assert (await unstreamed.json())["error"]["code"] == "shutting_down"
+        # Cut at the timeout, not at twice it (aiohttp's own shutdown took 2x).
+        assert 1.5 <= cut_after < 2.0, cut_after
+        *chunks, error, done = events
+        assert done == "[DONE]" and chunks
+        assert error["error"]["code"] == "shutting_down", error
+        assert "shut down before this request finished" in error["error"]["message"]
+        code, stderr = await _exit_code(proc, timeout=5)
+        assert code == 0, stderr
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+
+
+async def test_the_openai_client_reads_a_cut_stream_as_an_error():
+    proc, url = await _start("--mock-token-delay", "0.03", "--shutdown-timeout", "0.5")
+    try:
+        async with aiohttp.ClientSession() as session:
+            while (await _health(session, url))[0] != 200:
+                await asyncio.sleep(0.05)
+        client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        stream = await client.completions.create(
+            model="mock-model", prompt="cut me", max_tokens=200, stream=True
+        )
+        texts = []
+        with pytest.raises(openai.APIError, match="shut down before this request finished"):
+            async for chunk in stream:
+                texts.append(chunk.choices[0].text)
+                if len(texts) == 1:
+                    proc.send_signal(signal.SIGTERM)
+        text = "".join(texts)
+        assert text and text == echo_text("cut me", len(text))
         code, stderr = await _exit_code(proc, timeout=5)
         assert code == 0, stderr
     finally:
@@ -109,3 +151,15 @@ async def test_an_engine_that_fails_to_start_exits_1():
         raise FileNotFoundError("no model at /nowhere.gguf")
 
     assert await run_server(broken_factory, port=0) == 1
+
+
+async def test_an_engine_that_dies_makes_the_server_exit_1():
+    engine = MockEngine(token_delay=0.01)
+
+    async def factory():
+        return engine
+
+    server = asyncio.create_task(run_server(factory, port=0))
+    await asyncio.sleep(0.3)  # serving
+    engine.kill("a step failed and the engine could not restart")
+    assert await asyncio.wait_for(server, timeout=5) == 1
