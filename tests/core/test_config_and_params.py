@@ -196,7 +196,7 @@ def test_scheduler_config_takes_every_shared_setting_from_engine_args_by_name():
     changed = {name: value for name, value in changed.items() if name in engine_fields}
     changed["long_prefill_token_threshold"] = 0  # chunked prefill is off
     assert set(changed) == {f.name for f in shared} - {"max_model_len"}
-    config = EngineArgs(**changed).scheduler_config(max_model_len=200)
+    config = EngineArgs(**changed, max_n=2).scheduler_config(max_model_len=200)
     assert config.max_model_len == 200
     for name, value in changed.items():
         assert getattr(config, name) == value, name

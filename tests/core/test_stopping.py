@@ -40,5 +40,5 @@ def test_stop_strings_are_searched_from_min_tokens_on():
 
 
 def test_finish_reasons_are_the_strings_http_bodies_carry():
-    assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "timeout"]
+    assert [str(r) for r in FinishReason] == ["stop", "length", "abort", "timeout", "error"]
     assert json.dumps({"finish_reason": FinishReason.TIMEOUT}) == '{"finish_reason": "timeout"}'
