@@ -26,7 +26,8 @@ class Request:
     `all_token_ids` is prompt + output; tokens before `num_computed_tokens` have their KV in
     `block_ids`. Token storage is `array("q")` (int64), not lists: arrays hold no object
     references, so the garbage collector never walks them (lists of tokens made each full
-    collection cost about 25 ms per 2,000 live requests). The last known token is computed in
+    collection's cost grow with every live request's length; `python bench/scheduler.py`
+    shows the p99 it costs). The last known token is computed in
     the step that samples the next one, so a decoding request has exactly one uncomputed token.
 
     `stop` holds its stop rules (`max_tokens` among them; see jserve.stopping). A request the
