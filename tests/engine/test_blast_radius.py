@@ -9,6 +9,7 @@ the validation in front of it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -73,7 +74,10 @@ def test_n_is_capped_and_every_sample_counts_against_the_waiting_cap(engine):
 def test_a_request_whose_sampling_row_fails_fails_alone(engine, expected):
     bad = SamplingParams(temperature=0, max_tokens=4, min_tokens=2)
     engine.add_request("bad", "Hi", bad)
-    bad.stop_token_ids.append(2**31)  # past validation: the int32 row overflows (defect 1)
+    # Past validation: a stop id the int32 sampling row cannot hold (defect 1), banned while
+    # the request is below its min_tokens.
+    state = engine._states["bad"]
+    state.stop = dataclasses.replace(state.stop, min_tokens_banned_ids=(2, 2**31))
     engine.add_request("good", PROMPT, GREEDY)
     final = run_to_completion(engine)
     failed = final["bad"]

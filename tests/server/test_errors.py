@@ -304,7 +304,7 @@ class _FailsItsRequest(MockEngine):
     """The engine fails the request after one token (as LLMEngine does when the request's own
     host-side work raises, or when a failed step restarts the engine)."""
 
-    async def generate(self, prompt, params, request_id, *, priority="interactive", timeout=None):
+    async def generate(self, prompt, params, request_id, *, lane="interactive", timeout=None):
         async for output in super().generate(prompt, params, request_id):
             if output.finished:
                 return
