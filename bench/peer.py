@@ -2,7 +2,7 @@
 
     python bench/peer.py --vllm-python /work/peer/vllm-venv/bin/python \\
         --vllm-model /work/peer/smollm2-hf                      # offline: three workloads
-    python bench/peer.py ... --online                           # and both servers online
+    python bench/peer.py ... --mode online                      # both servers (or: both)
     python bench/peer.py --smoke                                # jserve only, seconds (CI)
 
 Offline (bench/peer_driver.py runs each engine in its own interpreter, jserve first, then vLLM):
@@ -15,8 +15,9 @@ engines; greedy, EOS ignored, so both generate exactly the same number of tokens
 (bench/quiet.py: load before at most --max-load, other processes under 10% of a core while it
 ran); otherwise the row says why not.
 
-Online (--online): each engine as a server, one after the other, driven by bench/serve.py with
-the same synthetic workload, all requests at once and at a Poisson --request-rate.
+Online (--mode online or both): each engine as a server, one after the other, driven by
+bench/serve.py with the same synthetic workload, all requests at once and at a Poisson
+--request-rate.
 
 vLLM is never a dependency: it runs from its own virtualenv (bench/peer_vllm.md).
 """
@@ -194,7 +195,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-python", default=None, help="python of the vLLM virtualenv")
     parser.add_argument("--vllm-model", default=None, help="HF directory vLLM loads")
     parser.add_argument("--smoke", action="store_true", help="jserve only, tiny workloads")
-    parser.add_argument("--online", action="store_true", help="also compare both servers")
+    parser.add_argument(
+        "--mode", choices=["offline", "online", "both"], default="offline",
+        help="offline engines, servers under bench/serve.py, or both (default: offline)",
+    )  # fmt: skip
     parser.add_argument("--request-rate", type=float, default=1.5, help="online Poisson req/s")
     parser.add_argument("--vllm-port", type=int, default=8200)
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -206,7 +210,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if not args.smoke and not (args.vllm_python and args.vllm_model):
         parser.error("give --vllm-python and --vllm-model (see bench/peer_vllm.md), or --smoke")
     if args.smoke:  # small buckets compile in seconds; no peer, so no quietness to judge
-        args.vllm_python, args.online = None, False
+        args.vllm_python, args.mode = None, "offline"
         args.max_num_seqs, args.max_num_batched_tokens = 8, 64
         args.max_load = float("inf")
     return args
@@ -215,19 +219,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    paths = []
-    for workload in make_workloads(args.smoke):
-        path = args.out / f"peer_workload_{workload['name']}.json"
-        path.write_text(json.dumps(workload))
-        paths.append(path)
-    results = {"jserve": run_driver("jserve", sys.executable, None, paths, args)}
-    if args.vllm_python:
-        results["vllm"] = run_driver("vllm", args.vllm_python, args.vllm_model, paths, args)
-    table, rows = offline_table(results, args.max_load)
-    report = {"offline": rows, "engines": {e: {k: v for k, v in r.items() if k != "runs"}
-                                           for e, r in results.items()}}  # fmt: skip
-    print("\n## Offline\n\n" + table)
-    if args.online:
+    report: dict = {}
+    if args.mode in ("offline", "both"):
+        paths = []
+        for workload in make_workloads(args.smoke):
+            path = args.out / f"peer_workload_{workload['name']}.json"
+            path.write_text(json.dumps(workload))
+            paths.append(path)
+        results = {"jserve": run_driver("jserve", sys.executable, None, paths, args)}
+        if args.vllm_python:
+            results["vllm"] = run_driver("vllm", args.vllm_python, args.vllm_model, paths, args)
+        table, rows = offline_table(results, args.max_load)
+        report["offline"] = rows
+        report["engines"] = {
+            e: {k: v for k, v in r.items() if k != "runs"} for e, r in results.items()
+        }
+        print("\n## Offline\n\n" + table)
+    if args.mode in ("online", "both"):
         online = run_online(args)
         report["online"] = {name: r["summary"] for name, r in online.items()}
         print("\n## Online\n\n" + online_table(online))
