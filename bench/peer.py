@@ -1,9 +1,9 @@
 """jserve against vLLM on the same CPU, workloads and protocol, in one invocation.
 
-    python bench/peer.py --vllm-python /work/peer/vllm-venv/bin/python \\
-        --vllm-model /work/peer/smollm2-hf                      # offline: three workloads
-    python bench/peer.py ... --mode online                      # both servers (or: both)
-    python bench/peer.py --smoke                                # jserve only, seconds (CI)
+    python bench/peer.py --vllm-python $PEER/vllm-venv/bin/python \\
+        --vllm-model $PEER/smollm2-hf              # offline: three workloads
+    python bench/peer.py ... --mode online         # both servers (or: both)
+    python bench/peer.py --smoke                   # jserve only, seconds (CI)
 
 Offline (bench/peer_driver.py runs each engine in its own interpreter, jserve first, then vLLM):
 - random: 64 requests, prompts 16-512 and outputs 8-256 tokens (uniform, seeded);
@@ -19,7 +19,8 @@ Online (--mode online or both): each engine as a server, one after the other, dr
 bench/serve.py with the same synthetic workload, all requests at once and at a Poisson
 --request-rate.
 
-vLLM is never a dependency: it runs from its own virtualenv (bench/peer_vllm.md).
+vLLM is never a dependency: it runs from its own virtualenv, made as bench/peer_vllm.md says
+($PEER is the folder it was made in).
 """
 
 from __future__ import annotations
