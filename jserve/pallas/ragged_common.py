@@ -53,6 +53,13 @@ def _check_int_vector(name: str, x: jax.Array, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must be int32 {list(shape)}; got {x.dtype} {list(x.shape)}")
 
 
+def check_tile_options(**options: int) -> None:
+    """Static checks every kernel makes of its tiling options: each must be an int >= 1."""
+    for name, value in options.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+
+
 def validate_attention_shapes(
     q: jax.Array,
     k_pool: jax.Array,

@@ -29,6 +29,7 @@ from jserve.pallas.ragged_common import (
     RaggedDims,
     allowed,
     cap_scores,
+    check_tile_options,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
@@ -42,13 +43,6 @@ from jserve.pallas.ragged_common import (
 # 0.69 / 1.18 / 1.22 ms. block_q 16-128 made no difference beyond that noise on a mixed batch.
 DEFAULT_PAGES_PER_CHUNK = 8
 DEFAULT_BLOCK_Q = 32
-
-
-def validate_interpret_config(block_q: int, pages_per_chunk: int) -> None:
-    """Static checks of the kernel's tiling options; raises ValueError."""
-    for name, value in (("block_q", block_q), ("pages_per_chunk", pages_per_chunk)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
 
 
 def _kernel(
@@ -136,7 +130,7 @@ def ragged_paged_attention_interpret(
 ) -> jax.Array:
     """Ragged paged attention by the coarse-grid kernel in interpret mode (CPU); see
     `ragged_paged_attention` for the call. Padded tokens' outputs are exactly 0."""
-    validate_interpret_config(block_q, pages_per_chunk)
+    check_tile_options(block_q=block_q, pages_per_chunk=pages_per_chunk)
     q_padded = pad_rows(call.q, block_q)
     kernel = functools.partial(
         _kernel,

@@ -26,6 +26,7 @@ from jserve.pallas.ragged_common import (
     RaggedDims,
     allowed,
     cap_scores,
+    check_tile_options,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
@@ -40,9 +41,7 @@ DEFAULT_PAGES_PER_CHUNK = 4
 
 def validate_mosaic_config(dims: RaggedDims, block_q: int, pages_per_chunk: int) -> None:
     """Static checks of TPU tiling rules; raises ValueError."""
-    for name, value in (("block_q", block_q), ("pages_per_chunk", pages_per_chunk)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+    check_tile_options(block_q=block_q, pages_per_chunk=pages_per_chunk)
     if (block_q * dims.group_size) % 16:
         raise ValueError(
             f"block_q * group_size = {block_q} * {dims.group_size} must be a multiple of 16 "

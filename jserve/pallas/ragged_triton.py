@@ -27,6 +27,7 @@ from jserve.pallas.ragged_common import (
     RaggedDims,
     allowed,
     cap_scores,
+    check_tile_options,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
@@ -58,8 +59,7 @@ def validate_triton_config(
     for name, value in (("block_q", block_q), ("pages_per_chunk", pages_per_chunk)):
         if not isinstance(value, int) or not _is_pow2(value):
             raise ValueError(f"{name} must be a power of two; got {value!r}")
-    if not isinstance(num_kv_splits, int) or num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits must be an int >= 1; got {num_kv_splits!r}")
+    check_tile_options(num_kv_splits=num_kv_splits)
     checks = {
         "head_dim": dims.head_dim,
         "block_q * next_pow2(group_size)": rows,

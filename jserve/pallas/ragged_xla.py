@@ -33,6 +33,7 @@ from jserve.pallas.ragged_common import (
     RaggedDims,
     allowed,
     cap_scores,
+    check_tile_options,
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
@@ -42,13 +43,6 @@ from jserve.pallas.ragged_common import (
 
 DEFAULT_CHUNK_PAGES = 8
 DEFAULT_BLOCK_Q = 16
-
-
-def validate_xla_config(block_q: int, chunk_pages: int) -> None:
-    """Static checks of the tiling options; raises ValueError."""
-    for name, value in (("block_q", block_q), ("chunk_pages", chunk_pages)):
-        if not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1; got {value!r}")
 
 
 def _cdiv(a: jax.Array, b: int) -> jax.Array:
@@ -105,7 +99,7 @@ def ragged_paged_attention_xla(
 ) -> jax.Array:
     """Ragged paged attention in XLA ops; see `ragged_paged_attention` for the call.
     Padded tokens' outputs are exactly 0."""
-    validate_xla_config(block_q, chunk_pages)
+    check_tile_options(block_q=block_q, chunk_pages=chunk_pages)
     t, s, d = call.dims.num_tokens, call.dims.max_seqs, call.dims.head_dim
     hkv, group = call.dims.num_kv_heads, call.dims.group_size
     real = jnp.arange(s) < call.num_seqs.reshape(())

@@ -6,8 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.pallas.ragged_common import validate_attention_shapes, validate_attention_values
-from jserve.pallas.ragged_interpret import validate_interpret_config
+from jserve.pallas.ragged_common import (
+    check_tile_options,
+    validate_attention_shapes,
+    validate_attention_values,
+)
 from jserve.pallas.ragged_mosaic import validate_mosaic_config
 from jserve.pallas.ragged_triton import validate_triton_config
 from tests.pallas.ragged_cases import Geometry, build_case
@@ -97,9 +100,9 @@ def test_value_validation_messages(change, message):
 
 
 def test_interpret_config():
-    validate_interpret_config(32, 8)
+    check_tile_options(block_q=32, pages_per_chunk=8)
     with pytest.raises(ValueError, match="block_q must be an int >= 1; got 0"):
-        validate_interpret_config(0, 8)
+        check_tile_options(block_q=0, pages_per_chunk=8)
 
 
 def test_triton_config_needs_powers_of_two():
