@@ -44,14 +44,18 @@ async def _health(session: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
         return response.status, await response.json()
 
 
+async def _until_ready(session: aiohttp.ClientSession, url: str) -> None:
+    while (await _health(session, url))[0] != 200:
+        await asyncio.sleep(0.05)
+
+
 async def test_sigterm_during_a_stream_lets_it_finish_then_exits_0():
     proc, url = await _start("--mock-start-delay", "0.5", "--mock-token-delay", "0.02",
                              "--shutdown-timeout", "10")  # fmt: skip
     try:
         async with aiohttp.ClientSession() as session:
             assert await _health(session, url) == (503, {"status": "starting"})
-            while (await _health(session, url))[0] != 200:
-                await asyncio.sleep(0.05)
+            await _until_ready(session, url)
             body = {"prompt": "drain me", "max_tokens": 40, "stream": True}
             async with session.post(f"{url}/v1/completions", json=body) as response:
                 first = await response.content.readuntil(b"\n\n")
@@ -79,8 +83,7 @@ async def test_streams_past_the_shutdown_timeout_are_cut_with_an_error_event_the
     proc, url = await _start("--mock-token-delay", "0.03", "--shutdown-timeout", "1.5")
     try:
         async with aiohttp.ClientSession() as session:
-            while (await _health(session, url))[0] != 200:
-                await asyncio.sleep(0.05)
+            await _until_ready(session, url)
             body = {"prompt": "too slow", "max_tokens": 200, "stream": True}  # ~6 s of tokens
             once = {"prompt": "too slow", "max_tokens": 200}
             async with session.post(f"{url}/v1/completions", json=body) as response:
@@ -112,8 +115,7 @@ async def test_the_openai_client_reads_a_cut_stream_as_an_error():
     proc, url = await _start("--mock-token-delay", "0.03", "--shutdown-timeout", "0.5")
     try:
         async with aiohttp.ClientSession() as session:
-            while (await _health(session, url))[0] != 200:
-                await asyncio.sleep(0.05)
+            await _until_ready(session, url)
         client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         stream = await client.completions.create(
             model="mock-model", prompt="cut me", max_tokens=200, stream=True
