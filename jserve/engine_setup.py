@@ -12,11 +12,12 @@ import logging
 import math
 from dataclasses import dataclass
 
+from jserve.cache_dir import default_cache_dir
 from jserve.config import CacheConfig
 from jserve.core.buckets import make_seq_buckets, make_token_buckets, step_buckets
 from jserve.core.scheduler import Scheduler
 from jserve.engine_args import EngineArgs
-from jserve.loaders.model_source import LoadedModel, default_cache_dir, load_model
+from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
 from jserve.runtime.compilation import enable_persistent_cache

@@ -16,6 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from jserve.cache_dir import default_cache_dir
 from jserve.loaders.checkpoint_dir import is_checkpoint_dir, restore_params, save_checkpoint
 from jserve.loaders.gguf_file import config_from_gguf, open_gguf, params_from_gguf
 from jserve.loaders.hf_params import Params
@@ -55,13 +56,6 @@ def default_model_path() -> Path:
             f"{INSTALL_DEFAULT_MODEL}"
         )
     return path
-
-
-def default_cache_dir() -> Path:
-    """$JSERVE_CACHE_DIR, else $XDG_CACHE_HOME/jserve, else ~/.cache/jserve."""
-    if env := os.environ.get("JSERVE_CACHE_DIR"):
-        return Path(env).expanduser()
-    return Path(os.environ.get("XDG_CACHE_HOME", "~/.cache")).expanduser() / "jserve"
 
 
 def read_gguf(path: Path, name: str | None = None) -> LoadedModel:

@@ -1,8 +1,9 @@
 """Kernels: the paged KV pool layout, its write, and ragged paged attention (jax only).
 
 `ragged_paged_attention` dispatches by backend to one implementation module, each with the same
-anatomy: ragged_reference (jnp), ragged_xla (plain XLA loops, the CPU serving path),
-ragged_interpret (coarse-grid Pallas, CPU interpret mode, for checking kernel semantics),
+anatomy: ragged_reference (jnp), ragged_xla (plain XLA loops), ragged_native (decode rows in a
+native C++ kernel built by native_build, prefill rows in ragged_xla: the CPU serving path for
+float32), ragged_interpret (coarse-grid Pallas, CPU interpret mode, for checking kernel semantics),
 ragged_triton (GPU) and ragged_mosaic (TPU). ragged_common holds the one call contract they all
 take (`RaggedCall`), the validators and the masking; kv_cache the pool layout and the KV write.
 Validators are not re-exported here: import them from their modules.

@@ -1,17 +1,21 @@
-"""The one public ragged paged attention entry: picks an implementation by backend.
+"""The one public ragged paged attention entry: picks an implementation by backend and dtype.
 
-cpu -> the plain-XLA loops of ragged_xla (Pallas only interprets on CPU; the interpret kernel
-stays for checking the kernel's semantics in tests). gpu -> the Triton kernel, tpu -> the Mosaic
-kernel; any other backend -> the jnp reference. bench/kernels.py times them side by side.
+cpu -> ragged_native (decode rows in a native kernel, prefill rows in XLA) for float32 where the
+kernel builds, else the plain-XLA loops of ragged_xla (Pallas only interprets on CPU; the
+interpret kernel stays for checking the kernel's semantics in tests). gpu -> the Triton kernel,
+tpu -> the Mosaic kernel; any other backend -> the jnp reference. bench/kernels.py times them
+side by side.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 from jserve.pallas.ragged_common import RaggedCall
 from jserve.pallas.ragged_interpret import ragged_paged_attention_interpret
 from jserve.pallas.ragged_mosaic import ragged_paged_attention_mosaic
+from jserve.pallas.ragged_native import native_supports, ragged_paged_attention_native
 from jserve.pallas.ragged_reference import ragged_paged_attention_reference
 from jserve.pallas.ragged_triton import ragged_paged_attention_triton
 from jserve.pallas.ragged_xla import ragged_paged_attention_xla
@@ -22,16 +26,21 @@ _IMPL_TABLE = {
     "reference": (ragged_paged_attention_reference, "never"),
     "interpret": (ragged_paged_attention_interpret, "always"),
     "xla": (ragged_paged_attention_xla, "never"),
+    "native": (ragged_paged_attention_native, "never"),
     "triton": (ragged_paged_attention_triton, ("gpu", "cuda")),
     "mosaic": (ragged_paged_attention_mosaic, ("tpu",)),
 }
 IMPLS = tuple(_IMPL_TABLE)
-_BY_BACKEND = {"cpu": "xla", "gpu": "triton", "cuda": "triton", "tpu": "mosaic"}
+_BY_BACKEND = {"cpu": "native", "gpu": "triton", "cuda": "triton", "tpu": "mosaic"}
 
 
-def choose_impl(backend: str | None = None) -> str:
-    """The implementation "auto" means on `backend` (default: jax.default_backend())."""
-    return _BY_BACKEND.get(backend or jax.default_backend(), "reference")
+def choose_impl(backend: str | None = None, dtype: jnp.dtype = jnp.float32) -> str:
+    """The implementation "auto" means on `backend` (default: jax.default_backend()) for pools
+    of `dtype`: on CPU the native kernel where it supports the dtype and builds, else XLA."""
+    chosen = _BY_BACKEND.get(backend or jax.default_backend(), "reference")
+    if chosen == "native" and not native_supports(dtype):
+        return "xla"
+    return chosen
 
 
 def ragged_paged_attention(
@@ -73,16 +82,17 @@ def ragged_paged_attention(
       sm_scale: softmax scale applied to q, e.g. head_dim ** -0.5.
       sliding_window: None, or the number of most recent positions each query may see.
       soft_cap: None, or c for scores -> c * tanh(scores / c).
-      impl: "auto" (by jax.default_backend(): cpu -> "xla", gpu -> "triton",
-        tpu -> "mosaic", else "reference"), or one of IMPLS.
+      impl: "auto" (by jax.default_backend(): cpu -> "native" for float32 where its kernel
+        builds, else "xla"; gpu -> "triton", tpu -> "mosaic", else "reference"), or one of
+        IMPLS.
       interpret: for "triton" / "mosaic": None runs natively on their backend and interprets
         elsewhere; True forces the interpreter. "interpret" always interprets (False is an
-        error); "reference" and "xla" take None only.
+        error); "reference", "xla" and "native" take None only.
 
     Returns:
       [T, Hq, D] attention outputs in q's dtype.
     """
-    chosen = choose_impl() if impl == "auto" else impl
+    chosen = choose_impl(dtype=q.dtype) if impl == "auto" else impl
     if chosen not in _IMPL_TABLE:
         raise ValueError(f"impl must be 'auto' or one of {IMPLS}; got {impl!r}")
     fn, native = _IMPL_TABLE[chosen]

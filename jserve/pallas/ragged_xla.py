@@ -23,6 +23,7 @@ bytes as it reads and loses to reading each page straight into a cache-sized chu
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -90,6 +91,109 @@ def _attend_group(
     return online_softmax_finish(denom, acc)
 
 
+class _Step(NamedTuple):
+    """What the decode and prefill loops of one call share."""
+
+    call: RaggedCall
+    qs: jax.Array  # [T + bq, Hq, D] float32 scaled queries, bq zero rows appended
+    q_start: jax.Array  # [S]
+    q_len: jax.Array  # [S], 0 for padded sequences
+    kv_len: jax.Array  # [S], 0 for padded sequences
+    tables: jax.Array  # [S, max_blocks padded to chunk_pages]
+    bq: int
+    chunk_pages: int
+
+    @classmethod
+    def make(cls, call: RaggedCall, block_q: int, chunk_pages: int) -> _Step:
+        check_tile_options(block_q=block_q, chunk_pages=chunk_pages)
+        real = jnp.arange(call.dims.max_seqs) < call.num_seqs.reshape(())
+        q_start = call.cu_q_lens[:-1]
+        bq = min(block_q, call.dims.num_tokens)
+        # Room for a whole block past the last token, so an item's block never runs off the end.
+        qs = jnp.pad(call.q.astype(jnp.float32) * call.sm_scale, ((0, bq), (0, 0), (0, 0)))
+        return cls(
+            call, qs, q_start,
+            q_len=jnp.where(real, call.cu_q_lens[1:] - q_start, 0),  # padded: no rows
+            kv_len=jnp.where(real, call.kv_lens, 0),
+            tables=pad_table_columns(call.block_tables, chunk_pages),
+            bq=bq, chunk_pages=chunk_pages,
+        )  # fmt: skip
+
+    def window_start(self, first_ctx: jax.Array) -> jax.Array:
+        window = self.call.sliding_window
+        return 0 if window is None else jnp.maximum(first_ctx - window + 1, 0)
+
+    def attend(self, q, row_ctx, seq, lo, hi) -> jax.Array:
+        call = self.call
+        return _attend_group(
+            q, row_ctx, self.kv_len[seq], self.tables[seq], (call.k_pool, call.v_pool),
+            call.layer, lo, hi, dims=call.dims, chunk_pages=self.chunk_pages,
+            sliding_window=call.sliding_window, soft_cap=call.soft_cap,
+        )  # fmt: skip
+
+
+def _decode_rows(st: _Step, out: jax.Array) -> jax.Array:
+    """Writes the row of every sequence with q_len == 1 into `out` [T + bq, Hq, D]."""
+    hkv, group, d = st.call.dims.num_kv_heads, st.call.dims.group_size, st.call.dims.head_dim
+    is_decode = st.q_len == 1
+    (decode_seqs,) = jnp.nonzero(is_decode, size=st.call.dims.max_seqs, fill_value=0)
+
+    def decode_step(i, out):
+        seq = decode_seqs[i]
+        row, kv = st.q_start[seq], st.kv_len[seq]
+        qg = lax.dynamic_index_in_dim(st.qs, row, 0, False).reshape(hkv, group, d)
+        ctx = jnp.full((group, 1), kv - 1)
+        res = st.attend(qg, ctx, seq, st.window_start(kv - 1), kv)
+        return lax.dynamic_update_index_in_dim(out, res.reshape(1, hkv * group, d), row, 0)
+
+    return lax.fori_loop(0, is_decode.sum(), decode_step, out)
+
+
+def prefill_rows(
+    call: RaggedCall,
+    out: jax.Array,
+    *,
+    block_q: int = DEFAULT_BLOCK_Q,
+    chunk_pages: int = DEFAULT_CHUNK_PAGES,
+) -> jax.Array:
+    """`out` [T, Hq, D] float32 with the rows of every sequence with q_len > 1 written over it
+    (other rows kept): the prefill half of this module, which other CPU paths reuse."""
+    st = _Step.make(call, block_q, chunk_pages)
+    t = call.dims.num_tokens
+    out = _prefill_rows(st, jnp.pad(out, ((0, st.bq), (0, 0), (0, 0))))
+    return out[:t]
+
+
+def _prefill_rows(st: _Step, out: jax.Array) -> jax.Array:
+    """Writes the rows of every sequence with q_len > 1 into `out` [T + bq, Hq, D]."""
+    if st.call.dims.num_tokens == 1:  # a one-token step has no prefill rows
+        return out
+    hkv, group, d = st.call.dims.num_kv_heads, st.call.dims.group_size, st.call.dims.head_dim
+    bq = st.bq
+    blocks = jnp.where(st.q_len > 1, _cdiv(st.q_len, bq), 0)
+    ends = jnp.cumsum(blocks)
+
+    def item_step(i, out):
+        seq = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
+        q0 = (i - (ends[seq] - blocks[seq])) * bq  # first row of the item in its sequence
+        first, kv, n = st.q_start[seq] + q0, st.kv_len[seq], st.q_len[seq]
+        rows = lax.dynamic_slice_in_dim(st.qs, first, bq)  # [bq, Hq, D]
+        # Row r of a head group is query token r % bq: [Hkv, group * bq, D].
+        qg = rows.reshape(bq, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, -1, d)
+        token = q0 + lax.broadcasted_iota(jnp.int32, (group * bq, 1), 0) % bq
+        ctx = jnp.where(token < n, kv - n + token, -1)  # rows past the sequence see nothing
+        first_ctx = kv - n + q0
+        hi = jnp.minimum(first_ctx + bq, kv)
+        res = st.attend(qg, ctx, seq, st.window_start(first_ctx), hi)
+        res = res.reshape(hkv, group, bq, d).transpose(2, 0, 1, 3).reshape(bq, -1, d)
+        # Rows past the sequence's end belong to the next sequence (or padding): keep them.
+        mine = (q0 + lax.broadcasted_iota(jnp.int32, (bq, 1, 1), 0)) < n
+        kept = lax.dynamic_slice_in_dim(out, first, bq)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(mine, res, kept), first, 0)
+
+    return lax.fori_loop(0, ends[-1], item_step, out)
+
+
 @functools.partial(jax.jit, static_argnames=("block_q", "chunk_pages"))
 def ragged_paged_attention_xla(
     call: RaggedCall,
@@ -99,71 +203,8 @@ def ragged_paged_attention_xla(
 ) -> jax.Array:
     """Ragged paged attention in XLA ops; see `ragged_paged_attention` for the call.
     Padded tokens' outputs are exactly 0."""
-    check_tile_options(block_q=block_q, chunk_pages=chunk_pages)
-    t, s, d = call.dims.num_tokens, call.dims.max_seqs, call.dims.head_dim
-    hkv, group = call.dims.num_kv_heads, call.dims.group_size
-    real = jnp.arange(s) < call.num_seqs.reshape(())
-    q_start = call.cu_q_lens[:-1]
-    q_len = jnp.where(real, call.cu_q_lens[1:] - q_start, 0)  # padded sequences: no rows
-    kv_len = jnp.where(real, call.kv_lens, 0)
-    tables = pad_table_columns(call.block_tables, chunk_pages)
-    pools = (call.k_pool, call.v_pool)
-    options = dict(
-        dims=call.dims,
-        chunk_pages=chunk_pages,
-        sliding_window=call.sliding_window,
-        soft_cap=call.soft_cap,
-    )
-    # Room for a whole block past the last token, so an item's block never runs off the end.
-    bq = min(block_q, t)
-    qs = jnp.pad(call.q.astype(jnp.float32) * call.sm_scale, ((0, bq), (0, 0), (0, 0)))
-    out = jnp.zeros((t + bq, hkv * group, d), jnp.float32)
-
-    window = call.sliding_window
-
-    def window_start(first_ctx: jax.Array) -> jax.Array:
-        return 0 if window is None else jnp.maximum(first_ctx - window + 1, 0)
-
-    is_decode = q_len == 1
-    (decode_seqs,) = jnp.nonzero(is_decode, size=s, fill_value=0)
-
-    def decode_step(i, out):
-        seq = decode_seqs[i]
-        row, kv = q_start[seq], kv_len[seq]
-        qg = lax.dynamic_index_in_dim(qs, row, 0, False).reshape(hkv, group, d)
-        ctx = jnp.full((group, 1), kv - 1)
-        res = _attend_group(
-            qg, ctx, kv, tables[seq], pools, call.layer, window_start(kv - 1), kv,
-            **options,
-        )  # fmt: skip
-        return lax.dynamic_update_index_in_dim(out, res.reshape(1, hkv * group, d), row, 0)
-
-    out = lax.fori_loop(0, is_decode.sum(), decode_step, out)
-
-    if t > 1:  # a one-token step has no prefill rows
-        blocks = jnp.where(q_len > 1, _cdiv(q_len, bq), 0)
-        ends = jnp.cumsum(blocks)
-
-        def item_step(i, out):
-            seq = jnp.searchsorted(ends, i, side="right").astype(jnp.int32)
-            q0 = (i - (ends[seq] - blocks[seq])) * bq  # first row of the item in its sequence
-            first, kv, n = q_start[seq] + q0, kv_len[seq], q_len[seq]
-            rows = lax.dynamic_slice_in_dim(qs, first, bq)  # [bq, Hq, D]
-            # Row r of a head group is query token r % bq: [Hkv, group * bq, D].
-            qg = rows.reshape(bq, hkv, group, d).transpose(1, 2, 0, 3).reshape(hkv, -1, d)
-            token = q0 + lax.broadcasted_iota(jnp.int32, (group * bq, 1), 0) % bq
-            ctx = jnp.where(token < n, kv - n + token, -1)  # rows past the sequence see nothing
-            first_ctx = kv - n + q0
-            hi = jnp.minimum(first_ctx + bq, kv)
-            res = _attend_group(
-                qg, ctx, kv, tables[seq], pools, call.layer, window_start(first_ctx), hi,
-                **options,
-            )  # fmt: skip
-            res = res.reshape(hkv, group, bq, d).transpose(2, 0, 1, 3).reshape(bq, -1, d)
-            # Rows past the sequence's end belong to the next sequence (or padding): keep them.
-            mine = (q0 + lax.broadcasted_iota(jnp.int32, (bq, 1, 1), 0)) < n
-            kept = lax.dynamic_slice_in_dim(out, first, bq)
-            return lax.dynamic_update_slice_in_dim(out, jnp.where(mine, res, kept), first, 0)
-
-        out = lax.fori_loop(0, ends[-1], item_step, out)
+    st = _Step.make(call, block_q, chunk_pages)
+    t, hq, d = call.q.shape
+    out = jnp.zeros((t + st.bq, hq, d), jnp.float32)
+    out = _prefill_rows(st, _decode_rows(st, out))
     return out[:t].astype(call.q.dtype)

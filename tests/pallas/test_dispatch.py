@@ -30,15 +30,38 @@ def _args(case=CASE):
 
 def test_choose_impl_by_backend():
     assert [choose_impl(b) for b in ("cpu", "gpu", "cuda", "tpu", "rocm")] == [
-        "xla", "triton", "triton", "mosaic", "reference",
+        "native", "triton", "triton", "mosaic", "reference",
     ]  # fmt: skip
-    assert choose_impl() == "xla"  # the tests run on CPU
+    assert choose_impl() == "native"  # the tests run on CPU, with a C++ compiler
+    assert choose_impl("cpu", jnp.bfloat16) == "xla"  # the native kernel is float32 only
 
 
-def test_auto_is_the_xla_path_on_cpu():
+def test_auto_is_the_native_path_on_cpu():
     auto = ragged_paged_attention(*_args(), sm_scale=0.125)
-    xla = ragged_paged_attention(*_args(), sm_scale=0.125, impl="xla")
-    np.testing.assert_array_equal(np.asarray(auto), np.asarray(xla))
+    native = ragged_paged_attention(*_args(), sm_scale=0.125, impl="native")
+    np.testing.assert_array_equal(np.asarray(auto), np.asarray(native))
+
+
+@pytest.mark.parametrize("compiler", [None, "false"])
+def test_cpu_falls_back_to_xla_without_a_native_kernel(monkeypatch, tmp_path, caplog, compiler):
+    """No C++ compiler, or one that fails: a warning, and "auto" on CPU is the XLA path."""
+    from jserve.pallas import native_build
+
+    monkeypatch.setenv("JSERVE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_build, "_compiler", lambda: compiler)
+    native_build.load.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger=native_build.__name__):
+            assert choose_impl("cpu") == "xla"
+        assert "plain XLA" in caplog.text
+    finally:
+        native_build.load.cache_clear()
+
+
+def test_native_rejects_other_dtypes():
+    args = _args(build_case([(1, 20)], Geometry(dtype="bfloat16")))
+    with pytest.raises(ValueError, match="impl='native' needs float32"):
+        ragged_paged_attention(*args, sm_scale=0.125, impl="native")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -58,6 +81,7 @@ def test_every_listed_impl_dispatches_and_is_right(impl):
         ("cuda", None, "impl must be 'auto' or one of"),
         ("reference", True, "impl='reference' has no interpret mode"),
         ("xla", False, "impl='xla' has no interpret mode"),
+        ("native", True, "impl='native' has no interpret mode"),
         ("interpret", False, "impl=.interpret. only runs in interpret mode"),
     ],
 )
@@ -66,7 +90,7 @@ def test_dispatch_rejects_bad_choices(impl, interpret, message):
         ragged_paged_attention(*_args(), sm_scale=0.125, impl=impl, interpret=interpret)
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret", "xla"])
+@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", "native"])
 def test_write_then_attend_inside_layer_scan(impl):
     """The engine's step: scan over layers carrying both pools, write K/V then attend, with a
     traced layer index; each layer must see only its own cache."""

@@ -49,13 +49,15 @@ def _check(impl: str, name: str, table: dict) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(NAMED))
-@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", "native", "triton"])
 def test_named_case(impl, name):
+    if impl == "native" and NAMED[name][1].dtype != "float32":
+        pytest.skip("the native kernel is float32 only (the dispatcher uses xla for others)")
     _check(impl, name, NAMED)
 
 
 @pytest.mark.parametrize("name", sorted(LONG))
-@pytest.mark.parametrize("impl", ["reference", "interpret", "xla"])
+@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", "native"])
 def test_long_context(impl, name):
     _check(impl, name, LONG)
 
@@ -126,6 +128,8 @@ def _hypothesis_check(impls, batch, seed):
     seqs, geometry, options = batch
     case = build_case(seqs, geometry, seed=seed)
     for impl in impls:
+        if impl == "native" and geometry.dtype != "float32":
+            continue  # float32 only; the dispatcher sends other dtypes to xla
         assert_matches_naive(impl, case, **options)
 
 
@@ -138,8 +142,8 @@ def budget(examples: int) -> settings:
 
 @budget(30)
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
-def test_hypothesis_reference_interpret_xla(batch, seed):
-    _hypothesis_check(["reference", "interpret", "xla"], batch, seed)
+def test_hypothesis_cpu_impls(batch, seed):
+    _hypothesis_check(["reference", "interpret", "xla", "native"], batch, seed)
 
 
 @budget(10)
@@ -152,7 +156,7 @@ def test_hypothesis_triton(batch, seed):
 @budget(300)
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
 def test_hypothesis_all_cpu_impls_slow(batch, seed):
-    _hypothesis_check(["reference", "interpret", "xla", "triton"], batch, seed)
+    _hypothesis_check(["reference", "interpret", "xla", "native", "triton"], batch, seed)
 
 
 @pytest.mark.slow

@@ -1,0 +1,252 @@
+// Decode rows of ragged paged attention for CPU, float32, as an XLA FFI custom call.
+//
+// The operation and masking contract are ragged_common.py's: sequence s owns query rows
+// cu_q_lens[s]:cu_q_lens[s + 1] and kv_lens[s] cached positions reached through
+// block_tables[s]. This kernel computes the rows of sequences with exactly one query row (a
+// decode step), which sees positions p < kv_lens[s] (and p >= kv_lens[s] - sliding_window);
+// every other output row is 0, for the caller to fill (ragged_native.py runs the prefill rows in
+// XLA, where its dots are fast). Positions a row may not see are never read, so stale slots and
+// unused pages (which may hold anything, NaN included) cannot reach an output.
+//
+// Why native code: XLA's CPU backend runs ragged_xla's per-page loop as a chain of small ops and
+// gathers pages at a few GB/s; a decode row is a memory-bound matrix-vector product, and this
+// kernel reads each page straight from the pool once for all the query heads that share it.
+//
+// Work units are (decode sequence, KV head). Units are taken from an atomic counter by the
+// calling thread and by tasks on XLA's intra-op thread pool, so the call finishes even if no
+// pool thread is free.
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// Bounds of the per-unit stack buffers; the handler refuses larger shapes.
+constexpr int64_t kMaxHeadDim = 256;  // head_dim
+constexpr int64_t kMaxPage = 64;      // positions per page (block_size)
+constexpr int64_t kMaxGroup = 16;     // query heads per KV head
+constexpr int64_t kPrefetchPages = 2;  // pages requested ahead of the one being computed
+constexpr int64_t kFloatsPerLine = 16; // 64-byte cache lines
+
+struct Unit {
+  int64_t seq, head;
+};
+
+struct Problem {
+  const float* q;      // [T, Hq, D]
+  const float* k;      // [L, NB, Hkv, B, D]
+  const float* v;      // [L, NB, Hkv, B, D]
+  const int32_t* tables;  // [S, MB]
+  const int32_t* cu;      // [S + 1]
+  const int32_t* kv;      // [S]
+  float* out;             // [T, Hq, D]
+  int64_t hq, hkv, d, nb, bs, mb, layer;
+  float scale, soft_cap;  // soft_cap <= 0: none
+  int64_t window;         // <= 0: none
+};
+
+// exp for the softmax, written so loops over it vectorize (libm's expf does not): Cody-Waite
+// range reduction and a degree-6 polynomial, about 2 ulp on the range softmax uses (x <= 0).
+inline float fast_exp(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float n = std::nearbyint(x * 1.44269504088896341f);
+  const float r = (x - n * 0.693359375f) + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  std::memcpy(&p, &bits, sizeof p);
+  return p;
+}
+
+// One unit: the decode row of sequence u.seq for the query heads of KV head u.head, read page by
+// page over the positions it may see, with an online softmax per query head.
+// kD is the head dim when known at compile time (0: read it from the problem).
+template <int64_t kD>
+void run_unit(const Problem& p, const Unit& u) {
+  const int64_t d = kD ? kD : p.d;
+  const int64_t group = p.hq / p.hkv, bs = p.bs;
+  const int64_t row = p.cu[u.seq], kv_len = p.kv[u.seq];
+  const int64_t lo = p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0;
+  alignas(64) float qs[kMaxGroup * kMaxHeadDim];
+  alignas(64) float acc[kMaxGroup * kMaxHeadDim];
+  alignas(64) float sc[kMaxGroup * kMaxPage];
+  float mx[kMaxGroup], den[kMaxGroup];
+  std::fill(acc, acc + group * d, 0.0f);
+  std::fill(mx, mx + group, -std::numeric_limits<float>::infinity());
+  std::fill(den, den + group, 0.0f);
+  const float* src = p.q + (row * p.hq + u.head * group) * d;
+  for (int64_t i = 0; i < group * d; ++i) qs[i] = src[i] * p.scale;
+  const int32_t* table = p.tables + u.seq * p.mb;
+  const int64_t page_stride = p.hkv * bs * d;
+  const int64_t layer_offset = p.layer * p.nb * page_stride + u.head * bs * d;
+  const int64_t last_page = (kv_len - 1) / bs;
+  for (int64_t page = lo / bs; page <= last_page; ++page) {
+    const float* kp = p.k + layer_offset + table[page] * page_stride;
+    const float* vp = p.v + layer_offset + table[page] * page_stride;
+    // Pages are scattered in the pool, so the hardware prefetcher cannot run ahead across
+    // them: ask for the next pages' K and V while this one is computed.
+    for (int64_t ahead = 1; ahead <= kPrefetchPages && page + ahead <= last_page; ++ahead) {
+      const int64_t next = layer_offset + table[page + ahead] * page_stride;
+      for (int64_t b = 0; b < bs * d; b += kFloatsPerLine) {
+        __builtin_prefetch(p.k + next + b);
+        __builtin_prefetch(p.v + next + b);
+      }
+    }
+    // The visible positions of this page: [j0, j1). Nothing outside them is read.
+    const int64_t base = page * bs;
+    const int64_t j0 = std::max<int64_t>(lo - base, 0);
+    const int64_t j1 = std::min<int64_t>(kv_len - base, bs);
+    for (int64_t j = j0; j < j1; ++j) {  // one K row load serves every query head
+      const float* kj = kp + j * d;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qs + g * d;
+        float s = 0.0f;
+        for (int64_t i = 0; i < d; ++i) s += qg[i] * kj[i];
+        sc[g * bs + j] = s;
+      }
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = sc + g * bs;
+      if (p.soft_cap > 0.0f) {
+        for (int64_t j = j0; j < j1; ++j) sg[j] = p.soft_cap * std::tanh(sg[j] / p.soft_cap);
+      }
+      float page_max = sg[j0];
+      for (int64_t j = j0 + 1; j < j1; ++j) page_max = std::max(page_max, sg[j]);
+      const float m_new = std::max(mx[g], page_max);
+      const float alpha = den[g] > 0.0f ? fast_exp(mx[g] - m_new) : 0.0f;
+      mx[g] = m_new;
+      float sum = 0.0f;
+      for (int64_t j = j0; j < j1; ++j) {
+        sg[j] = fast_exp(sg[j] - m_new);
+        sum += sg[j];
+      }
+      den[g] = den[g] * alpha + sum;
+      float* ag = acc + g * d;
+      for (int64_t i = 0; i < d; ++i) ag[i] *= alpha;
+    }
+    for (int64_t j = j0; j < j1; ++j) {  // one V row load serves every query head
+      const float* vj = vp + j * d;
+      for (int64_t g = 0; g < group; ++g) {
+        const float w = sc[g * bs + j];
+        float* ag = acc + g * d;
+        for (int64_t i = 0; i < d; ++i) ag[i] += w * vj[i];
+      }
+    }
+  }
+  float* dst = p.out + (row * p.hq + u.head * group) * d;
+  for (int64_t g = 0; g < group; ++g) {
+    const float inv = den[g] > 0.0f ? 1.0f / den[g] : 0.0f;
+    for (int64_t i = 0; i < d; ++i) dst[g * d + i] = acc[g * d + i] * inv;
+  }
+}
+
+void run_unit_any(const Problem& p, const Unit& u) {
+  switch (p.d) {
+    case 64: return run_unit<64>(p, u);
+    case 128: return run_unit<128>(p, u);
+    default: return run_unit<0>(p, u);
+  }
+}
+
+struct Work {
+  Problem problem;
+  std::vector<Unit> units;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+void drain(Work& w) {
+  const int64_t n = static_cast<int64_t>(w.units.size());
+  for (int64_t i = w.next.fetch_add(1); i < n; i = w.next.fetch_add(1)) {
+    run_unit_any(w.problem, w.units[i]);
+    w.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> num_seqs,
+                               ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                               float sm_scale, int64_t sliding_window, float soft_cap) {
+  const auto qd = q.dimensions();
+  const auto pd = k_pool.dimensions();
+  const auto td = block_tables.dimensions();
+  if (qd.size() != 3 || pd.size() != 5 || td.size() != 2) {
+    return ffi::Error::InvalidArgument("ragged attention: unexpected ranks");
+  }
+  if (pd[4] > kMaxHeadDim || pd[3] > kMaxPage || qd[1] % pd[2] || qd[1] / pd[2] > kMaxGroup) {
+    return ffi::Error::InvalidArgument(
+        "native ragged attention: head_dim must be <= 256, block_size <= 64 and query heads "
+        "per KV head <= 16");
+  }
+  auto work = std::make_shared<Work>();
+  Problem& p = work->problem;
+  p.q = q.typed_data();
+  p.k = k_pool.typed_data();
+  p.v = v_pool.typed_data();
+  p.tables = block_tables.typed_data();
+  p.cu = cu_q_lens.typed_data();
+  p.kv = kv_lens.typed_data();
+  p.out = out->typed_data();
+  p.hq = qd[1];
+  p.d = qd[2];
+  p.nb = pd[1];
+  p.hkv = pd[2];
+  p.bs = pd[3];
+  p.mb = td[1];
+  p.layer = layer.typed_data()[0];
+  p.scale = sm_scale;
+  p.soft_cap = soft_cap;
+  p.window = sliding_window;
+  std::memset(p.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);
+  const int64_t n = num_seqs.typed_data()[0];
+  for (int64_t s = 0; s < n; ++s) {
+    if (p.cu[s + 1] - p.cu[s] != 1 || p.kv[s] < 1) continue;  // not a decode row
+    for (int64_t h = 0; h < p.hkv; ++h) work->units.push_back({s, h});
+  }
+  const int64_t n_units = static_cast<int64_t>(work->units.size());
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_units) - 1;
+  for (int64_t i = 0; i < helpers; ++i) {
+    pool.Schedule([work] { drain(*work); });
+  }
+  drain(*work);
+  while (work->done.load(std::memory_order_acquire) < n_units) std::this_thread::yield();
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveRaggedAttentionF32, RaggedAttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));

@@ -1,0 +1,45 @@
+"""Ragged paged attention with decode rows in a native CPU kernel: the CPU serving path (float32).
+
+Decode rows (sequences with one query row) are memory-bound matrix-vector products, where
+XLA's CPU loops are slowest: the kernel (`native/ragged_attention_cpu.cc`, built by
+`native_build`) reads each of their pages straight from the pool, only the positions the row
+may see, spread over XLA's intra-op threads. Prefill rows are matrix products, where XLA's dots
+win: they run in ragged_xla's prefill loop. Both follow ragged_common's contract. Other dtypes,
+and machines where the kernel cannot be built, use ragged_xla for everything.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jserve.pallas import native_build
+from jserve.pallas.ragged_common import RaggedCall
+from jserve.pallas.ragged_xla import prefill_rows
+
+TARGET = "jserve_ragged_attention_f32"
+
+
+def native_supports(dtype: jnp.dtype) -> bool:
+    """Whether the native kernel can run this dtype on this machine (building it if need be)."""
+    return jnp.dtype(dtype) == jnp.float32 and native_build.load() is not None
+
+
+@jax.jit
+def ragged_paged_attention_native(call: RaggedCall) -> jax.Array:
+    """Ragged paged attention through the native kernel; see `ragged_paged_attention`."""
+    if not native_supports(call.q.dtype):
+        raise ValueError(
+            f"impl='native' needs float32 and a native kernel built on this machine (see the "
+            f"log); got {call.q.dtype}"
+        )
+    kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(call.q.shape, jnp.float32))
+    decoded = kernel(
+        call.q, call.k_pool, call.v_pool, call.block_tables, call.cu_q_lens, call.kv_lens,
+        call.num_seqs.reshape(1), call.layer,
+        sm_scale=np.float32(call.sm_scale),
+        sliding_window=np.int64(call.sliding_window or 0),
+        soft_cap=np.float32(call.soft_cap or 0.0),
+    )  # fmt: skip
+    return prefill_rows(call, decoded)
