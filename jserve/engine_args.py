@@ -75,8 +75,9 @@ class EngineArgs:
     aging_iterations: int = _scheduler_setting("aging_iterations")
     attention_impl: str = setting(
         "auto",
-        "attention implementation: auto picks by backend (interpret on CPU, triton on GPU, "
-        "mosaic on TPU), or one of reference, interpret, triton, mosaic",
+        "attention implementation: auto picks by backend and dtype (native for float32 on CPU, "
+        "where its C++ kernel builds, else xla; triton on GPU; mosaic on TPU), or one of "
+        "reference, xla, native, interpret, triton, mosaic",
         vllm="VLLM_ATTENTION_BACKEND (an environment variable)",
     )
     tensor_parallel_size: int = setting(
