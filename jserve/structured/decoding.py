@@ -119,9 +119,10 @@ class StructuredDecoding:
                 failed[i] = f"the grammar matcher failed: {matcher.error}"
             else:
                 ready.append((matcher.matcher, i))
-        if self._executor is None:
-            self._executor = llguidance.LLExecutor()
-        llg_numpy.fill_next_token_bitmask_par(self._executor, ready, self._bitmask)
+        if ready:  # llguidance refuses an empty batch
+            if self._executor is None:
+                self._executor = llguidance.LLExecutor()
+            llg_numpy.fill_next_token_bitmask_par(self._executor, ready, self._bitmask)
         masks = {i: self._bitmask[i] for _, i in ready}
         self.host_seconds += time.perf_counter() - start
         self.num_masked_steps += 1

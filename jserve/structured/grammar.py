@@ -33,8 +33,8 @@ def _json_schema_text(schema: str | dict) -> str:
         parsed = json.loads(schema)
     except json.JSONDecodeError as e:
         raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
-    if not isinstance(parsed, dict | bool):
-        raise GrammarError("a JSON schema must be an object")
+    if not isinstance(parsed, dict):
+        raise GrammarError(f"a JSON schema must be an object, got {type(parsed).__name__}")
     return json.dumps(parsed)
 
 
@@ -51,12 +51,12 @@ def grammar_source(spec: StructuredOutputsParams) -> tuple[str, str]:
 
 
 def _llguidance_grammar(kind: str, text: str) -> str:
-    if kind == "json":
-        return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
     try:
+        if kind == "json":
+            return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
         return llguidance.grammar_from(kind, text)
-    except ValueError as e:  # a GBNF grammar that does not convert to Lark
-        raise GrammarError(f"invalid grammar: {e}") from None
+    except ValueError as e:  # e.g. a GBNF grammar that does not convert to Lark
+        raise GrammarError(_explain(kind, str(e))) from None
 
 
 def _explain(kind: str, error: str) -> str:

@@ -160,6 +160,8 @@ def test_constrained_greedy_equals_unconstrained_when_the_model_already_complies
     ("spec", "words"),
     [
         (dict(json='{"type": "object"'), "not valid JSON"),
+        (dict(json="true"), "must be an object"),
+        (dict(grammar="root ::= ("), "invalid grammar"),
         (dict(json={"type": "strin"}), "invalid JSON schema"),
         (dict(json={"type": "array", "uniqueItems": True}), "does not support"),
         (dict(regex="[a-"), "invalid regex"),
@@ -186,3 +188,13 @@ def test_matcher_sync_rolls_back_and_replays_exactly(engine):
         assert matcher.tokens == fresh.tokens == list(prefix)
         assert matcher.matcher.compute_bitmask() == fresh.matcher.compute_bitmask()
         fresh = SequenceMatcher(template)
+
+
+def test_a_row_whose_output_left_the_grammar_fails_alone(engine):
+    spec = StructuredOutputsParams(choice=("yes", "no"))
+    good, bad = engine.structured.new_matcher(spec), engine.structured.new_matcher(spec)
+    outside = engine.tokenizer.encode("maybe")
+    masks, failed = engine.structured.fill_masks([(0, bad, outside)])  # nothing left to mask
+    assert masks == {} and "outside the grammar" in failed[0]
+    masks, failed = engine.structured.fill_masks([(0, good, []), (1, bad, outside)])
+    assert list(masks) == [0] and list(failed) == [1]
