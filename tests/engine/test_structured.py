@@ -89,7 +89,8 @@ def constrained(max_tokens: int = 160, **kwargs) -> SamplingParams:
 def test_requests_over_8_schemas_mixed_with_unconstrained_all_validate(engine, count):
     """One continuous batch; the unconstrained neighbours' long prompts (~300 tokens each)
     overflow the 48-block pool, so sequences are preempted and resumed with their matchers."""
-    misses, preemptions = engine.structured.grammars.misses, engine.stats().num_preemptions
+    before = engine.stats()
+    misses = engine.structured.grammars.misses
     expected = {}
     for i in range(4):  # first, so that they run together
         long_prompt = " ".join(f"item{i}-{k}" for k in range(60))
@@ -106,7 +107,9 @@ def test_requests_over_8_schemas_mixed_with_unconstrained_all_validate(engine, c
         expected[f"s{i}"] = schema
     with forbid_compilation():
         final = run_to_completion(engine)
-    assert engine.stats().num_preemptions > preemptions  # the batch did not fit the KV pool
+    after = engine.stats()
+    assert after.num_preemptions > before.num_preemptions  # the batch did not fit the KV pool
+    assert after.prefix_cache_hits > before.prefix_cache_hits  # the shared chat preamble
     assert engine.structured.grammars.misses - misses <= len(SCHEMAS)  # compiled once each
     for rid, schema in expected.items():
         out = final[rid].outputs[0]
