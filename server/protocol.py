@@ -198,8 +198,9 @@ def _prompt(body: dict) -> str | list[int]:
 
 def parse_completion(body: dict) -> ParsedRequest:
     _refuse_unsupported(body)
-    if body.get("tools") is not None:
-        raise APIError(400, "'tools' is only supported on /v1/chat/completions", param="tools")
+    for name in ("tools", "functions"):
+        if body.get(name) is not None:
+            raise APIError(400, f"'{name}' is only supported on /v1/chat/completions", param=name)
     prompt = _prompt(body)
     max_tokens = typed_field(body, "max_tokens", INT, 16)
     logprobs = typed_field(body, "logprobs", INT)
