@@ -4,9 +4,9 @@
 `import jserve.core` (the pure-Python scheduler) never pulls in JAX.
 """
 
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

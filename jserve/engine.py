@@ -42,6 +42,8 @@ from jserve.runtime.compilation import (
 from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.sampling_params import SamplingParams
 from jserve.stopping import FinishReason, StopConditions
+from jserve.structured.decoding import SequenceMatcher, StructuredDecoding
+from jserve.structured.grammar import GrammarError
 from jserve.validation import check_int, check_token_ids
 
 log = logging.getLogger(__name__)
@@ -62,6 +64,7 @@ class _Child:
     state: RequestState
     index: int
     seed: int
+    matcher: SequenceMatcher | None = None  # its grammar state, if the request is constrained
 
 
 class LLMEngine:
@@ -81,6 +84,9 @@ class LLMEngine:
         self.runner = parts.runner
         self.sampler = parts.sampler
         self._bucket_pairs = parts.bucket_pairs
+        self.structured = StructuredDecoding(
+            self.tokenizer, self.vocab_size, max(s for _, s in self._bucket_pairs)
+        )
         self._states: dict[str, RequestState] = {}
         self._children: dict[str, _Child] = {}  # scheduler request id -> child
         self._rng = random.Random(args.seed)
@@ -148,6 +154,7 @@ class LLMEngine:
             self.sampler.check_banned_ids(stop.banned_ids(0))
         except ValueError as e:
             raise RequestRejected("invalid", str(e)) from None
+        matchers = self._matchers(params)
         state = RequestState.create(request_id, text, ids, params, stop, self.tokenizer, arrival)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         children = []
@@ -164,9 +171,19 @@ class LLMEngine:
                     self._children.pop(added)
                 raise
             children.append(child_id)
-            self._children[child_id] = _Child(state, i, (base_seed + 7919 * i) & 0x7FFFFFFF)
+            seed = (base_seed + 7919 * i) & 0x7FFFFFFF
+            self._children[child_id] = _Child(state, i, seed, matchers[i])
         self._states[request_id] = state
         self._num_prompt_tokens += len(ids)
+
+    def _matchers(self, params: SamplingParams) -> list[SequenceMatcher | None]:
+        """One grammar matcher per sample of a constrained request (compiled once, cached)."""
+        if params.structured_outputs is None:
+            return [None] * params.n
+        try:
+            return [self.structured.new_matcher(params.structured_outputs) for _ in range(params.n)]
+        except GrammarError as e:
+            raise RequestRejected("invalid", str(e)) from None
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -218,23 +235,31 @@ class LLMEngine:
     def _sample(
         self, plan: StepPlan, logits: jax.Array, changed: dict
     ) -> dict[str, tuple[int, list | None]]:
+        children = [self._children[seq.request_id] for seq in plan.seqs]
+        # Computed while the model step dispatched above runs (see jserve.structured.decoding).
+        masks, mask_failed = self.structured.fill_masks(
+            [
+                (i, child.matcher, seq.output_token_ids)
+                for i, (seq, child) in enumerate(zip(plan.seqs, children, strict=True))
+                if child.matcher is not None and seq.sample
+            ]
+        )
         rows = []
-        for seq in plan.seqs:
-            child = self._children[seq.request_id]
+        for i, (seq, child) in enumerate(zip(plan.seqs, children, strict=True)):
             output = seq.output_token_ids
             rows.append(
                 SamplingRow(
                     child.state.params, child.seed, seq.prompt_token_ids, output,
-                    child.state.stop.banned_ids(len(output)),
+                    child.state.stop.banned_ids(len(output)), masks.get(i),
                 )
             )  # fmt: skip
         result = self.sampler.sample(logits, rows)
-        for i, error in result.failed.items():
+        for i, error in {**mask_failed, **result.failed}.items():
             self._fail(plan.seqs[i].request_id, error, changed)
         return {
             seq.request_id: result.row(i)
             for i, seq in enumerate(plan.seqs)
-            if seq.sample and i not in result.failed
+            if seq.sample and i not in result.failed and i not in mask_failed
         }
 
     def _postprocess(self, plan: StepPlan, sampled: dict, changed: dict) -> None:
@@ -258,14 +283,17 @@ class LLMEngine:
             changed[child.state.request_id] = child.state
             try:
                 stop_string = child.state.add_token(child.index, token, top)
-            except Exception as e:  # detokenizing or a stop check of this request failed
+                complete = child.matcher is not None and self.structured.advance(
+                    child.matcher, token
+                )
+            except Exception as e:  # detokenizing, a stop check or the grammar of it failed
                 self._fail(rid, f"{type(e).__name__}: {e}", changed)
                 continue
             if rid in finished:
                 reason = finished[rid].finish_reason
                 stop = token if reason is FinishReason.STOP else None
                 self._finish_child(rid, reason, stop, changed)
-            elif stop_string is not None:
+            elif stop_string is not None or complete:  # a complete grammar admits nothing more
                 self.scheduler.finish_request(rid, FinishReason.STOP)
                 self._finish_child(rid, FinishReason.STOP, stop_string, changed)
 

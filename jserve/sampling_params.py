@@ -2,6 +2,9 @@
 
 Normalisation (so the engine sees one spelling of each choice): `stop` becomes a list of
 strings, `stop_token_ids` a list of ints, and `top_k=-1` (vLLM's older "off") becomes 0.
+
+`structured_outputs` (vLLM's StructuredOutputsParams) constrains the output to a JSON schema,
+any JSON object, a regex, a choice of strings or a grammar; jserve.structured compiles it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,53 @@ MAX_LOGPROBS = 20
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+
+
+@dataclass(frozen=True)
+class StructuredOutputsParams:
+    """Exactly one output constraint, vLLM's field names: `json` a JSON schema (a dict or its
+    JSON text), `json_object` any JSON object, `regex`, `choice` one of these strings, `grammar`
+    a Lark or GBNF grammar. Whether the constraint compiles is the engine's check (it needs
+    the grammar engine and the tokenizer); here only its shape is checked."""
+
+    json: str | dict | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        _check(
+            len(given) == 1,
+            f"structured outputs need exactly one of {list(STRUCTURED_KINDS)}, got "
+            f"{given or 'none'}",
+        )
+        _check(
+            self.json is None or isinstance(self.json, str | dict),
+            "structured outputs 'json' must be a JSON schema (an object or its JSON text)",
+        )
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(
+                value is None or (isinstance(value, str) and value != ""),
+                f"structured outputs '{name}' must be a non-empty string",
+            )
+        _check(
+            self.choice is None
+            or (bool(self.choice) and all(isinstance(c, str) and c for c in self.choice)),
+            "structured outputs 'choice' must be a non-empty list of non-empty strings",
+        )
+
+    @property
+    def kind(self) -> str:
+        """Which of STRUCTURED_KINDS is set."""
+        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
 
 
 @dataclass
@@ -42,6 +92,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:

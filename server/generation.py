@@ -185,7 +185,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
         raise
     request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
     builder = ResponseBuilder(
-        kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs
+        kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools
     )
     gen = _Generation(engine, parsed, prompt_ids, request_id, state.metrics)
     state.in_flight.add(request_id)

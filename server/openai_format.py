@@ -1,7 +1,9 @@
 """Build OpenAI response objects (and streaming chunks) from engine outputs.
 
 Engine outputs are cumulative; a `ChoiceCursor` remembers how much of one choice was already
-sent so each chunk carries only the new text, tokens and logprobs.
+sent so each chunk carries only the new text, tokens and logprobs. A chat request with tools
+turns the output's call blocks into `tool_calls` (server/tools.py): streamed content stops
+where a block may start, and the calls come in the choice's last chunk.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from typing import Any
 
 from jserve.outputs import CompletionOutput, Logprob, RequestOutput
 from server.engine_client import TokenizerLike
+from server.tools import ToolRequest, split_tool_calls, streamable_content_end
 
 
 def usage(output: RequestOutput) -> dict[str, int]:
@@ -98,12 +101,14 @@ class ResponseBuilder:
         model: str,
         tokenizer: TokenizerLike,
         top_logprobs: int = 0,
+        tools: ToolRequest | None = None,
     ) -> None:
         self.kind = kind
         self.request_id = request_id
         self.model = model
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs
+        self.tools = tools if kind == "chat" else None
         self.created = int(time.time())
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict[str, Any]:
@@ -120,17 +125,37 @@ class ResponseBuilder:
             return completion_logprobs(self.tokenizer, out, cursor, end)
         return chat_logprobs(self.tokenizer, out, cursor.num_tokens, end, self.top_logprobs)
 
+    def _content(self, out: CompletionOutput) -> tuple[int, list[dict[str, Any]]]:
+        """(end, calls): `out.text[:end]` is the content to show so far, `calls` the tool
+        calls of a finished output."""
+        if self.tools is None:
+            return len(out.text), []
+        if not out.finished:
+            return streamable_content_end(out.text), []
+        content, calls = split_tool_calls(out.text)
+        return (len(content), calls) if calls else (len(out.text), [])
+
+    def _finish_reason(self, out: CompletionOutput, calls: list) -> str | None:
+        if calls and out.finish_reason == "stop" and self.tools is not None:
+            return self.tools.finish_reason
+        return out.finish_reason
+
     def full_response(self, final: RequestOutput) -> dict[str, Any]:
         choices = []
         for out in final.outputs:
             logprobs = self._logprobs(out, ChoiceCursor(), len(out.token_ids))
             choice: dict[str, Any] = {"index": out.index}
+            end, calls = self._content(out)
             if self.kind == "completion":
                 choice["text"] = out.text
             else:
-                choice["message"] = {"role": "assistant", "content": out.text}
+                choice["message"] = {"role": "assistant", "content": out.text[:end]}
+                if calls:
+                    choice["message"].update(content=out.text[:end] or None, tool_calls=calls)
             choice.update(
-                logprobs=logprobs, finish_reason=out.finish_reason, stop_reason=out.stop_reason
+                logprobs=logprobs,
+                finish_reason=self._finish_reason(out, calls),
+                stop_reason=out.stop_reason,
             )
             choices.append(choice)
         name = "text_completion" if self.kind == "completion" else "chat.completion"
@@ -142,7 +167,8 @@ class ResponseBuilder:
         """The chunk carrying what is new in `out` since `cursor`, or None if nothing is."""
         if cursor.finished:
             return None
-        text = out.text[cursor.num_chars :]
+        text_end, calls = self._content(out)
+        text = out.text[cursor.num_chars : text_end]
         end = len(out.token_ids)
         if not text and end == cursor.num_tokens and not out.finished:
             return None
@@ -154,11 +180,13 @@ class ResponseBuilder:
             delta: dict[str, Any] = {"role": "assistant"} if cursor.num_tokens == 0 else {}
             if text or not out.finished:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(calls)]
             choice["delta"] = delta
-        choice.update(logprobs=logprobs, finish_reason=out.finish_reason)
+        choice.update(logprobs=logprobs, finish_reason=self._finish_reason(out, calls))
         if out.finished:
             choice["stop_reason"] = out.stop_reason
-        cursor.num_chars, cursor.num_tokens = len(out.text), end
+        cursor.num_chars, cursor.num_tokens = text_end, end
         cursor.finished = out.finished
         name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
         return self._envelope(name, [choice])

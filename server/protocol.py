@@ -2,7 +2,9 @@
 
 Every check raises APIError(400) naming the field, so a client learns what to fix. Unknown
 fields are ignored (as OpenAI-compatible servers do); fields jserve cannot honour (echo, suffix,
-logit_bias, tools, best_of != n, non-text response_format) are refused rather than ignored.
+logit_bias, best_of != n, tools on completions) are refused rather than ignored. Output
+constraints (response_format, structured_outputs, guided_*) are parsed by
+server/structured_outputs.py, tools and tool_choice by server/tools.py.
 
 jserve's own fields: `lane` (one of jserve.config.LANES, default "interactive") picks the
 scheduling lane, and `timeout` (seconds) sets the request's deadline (jserve.core.deadlines).
@@ -20,6 +22,8 @@ from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jserve.validation import FLOAT32_MAX, check_float, check_int, check_token_ids
 from server.api_errors import APIError
 from server.engine_client import TokenizerLike
+from server.structured_outputs import parse_structured_outputs
+from server.tools import ToolRequest, calls_as_text, parse_tools, with_tool_prompt
 
 INT = "an integer"
 NUMBER = "a number"
@@ -51,6 +55,7 @@ class ParsedRequest:
     lane: str
     timeout: float | None
     top_logprobs: int = 0  # chat: how many alternatives to list per token
+    tools: ToolRequest | None = None  # chat: the tools it may call (server/tools.py)
 
 
 def _is_kind(value: Any, kind: str) -> bool:
@@ -96,16 +101,9 @@ def _refuse_unsupported(body: dict) -> None:
         raise APIError(400, "'suffix' is not supported", param="suffix")
     if body.get("logit_bias"):
         raise APIError(400, "'logit_bias' is not supported", param="logit_bias")
-    if body.get("tools") or body.get("functions"):
-        raise APIError(400, "tool calling is not supported", param="tools")
     best_of = body.get("best_of")
     if best_of is not None and best_of != body.get("n", 1):
         raise APIError(400, "'best_of' is not supported unless it equals n", param="best_of")
-    response_format = typed_field(body, "response_format", OBJECT)
-    if response_format is not None and response_format.get("type", "text") != "text":
-        raise APIError(
-            400, "only response_format type 'text' is supported", param="response_format"
-        )
 
 
 def _common(body: dict, max_tokens: int | None, logprobs: int | None) -> dict[str, Any]:
@@ -120,6 +118,7 @@ def _common(body: dict, max_tokens: int | None, logprobs: int | None) -> dict[st
     kwargs["skip_special_tokens"] = typed_field(body, "skip_special_tokens", BOOL)
     kwargs["stop"] = _stop(body)
     kwargs["stop_token_ids"] = _int_list(body, "stop_token_ids")
+    kwargs["structured_outputs"] = parse_structured_outputs(body)
     present = {k: v for k, v in kwargs.items() if v is not None}
     return {**present, "max_tokens": max_tokens}
 
@@ -199,6 +198,9 @@ def _prompt(body: dict) -> str | list[int]:
 
 def parse_completion(body: dict) -> ParsedRequest:
     _refuse_unsupported(body)
+    for name in ("tools", "functions"):
+        if body.get(name) is not None:
+            raise APIError(400, f"'{name}' is only supported on /v1/chat/completions", param=name)
     prompt = _prompt(body)
     max_tokens = typed_field(body, "max_tokens", INT, 16)
     logprobs = typed_field(body, "logprobs", INT)
@@ -228,17 +230,30 @@ def parse_messages(body: dict) -> list[dict[str, Any]]:
             raise APIError(
                 400, f"messages[{i}].content must be a string or a list of parts", param="messages"
             )
-        cleaned.append({"role": message["role"], "content": content or ""})
+        content = calls_as_text(content or "", message.get("tool_calls"))
+        cleaned.append({"role": message["role"], "content": content})
     return cleaned
 
 
 def render_chat(
-    tokenizer: TokenizerLike, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    tokenizer: TokenizerLike,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool = True,
+    tools: ToolRequest | None = None,
 ) -> str:
-    """The chat template applied to `messages`; a template that rejects them is a 400."""
+    """The chat template applied to `messages`; a template that rejects them is a 400.
+
+    Tools go through the template when it renders `tools`, else into the system message.
+    """
+    extra: dict[str, Any] = {}
+    if tools is not None:
+        if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
+            extra["tools"] = tools.tools
+        else:
+            messages = with_tool_prompt(messages, tools.tools)
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
         )
     except ValueError as exc:  # loaders' ChatTemplateError is a ValueError
         raise APIError(400, f"cannot format the conversation: {exc}", param="messages") from exc
@@ -260,12 +275,25 @@ def parse_chat(body: dict) -> ParsedRequest:
     if top_logprobs is not None:
         _checked(check_int, "top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
     logprobs = (top_logprobs or 0) if want_logprobs else None
-    params = _sampling_params(_common(body, max_tokens, logprobs))
+    kwargs = _common(body, max_tokens, logprobs)
+    tools = parse_tools(body)
+    forced = tools.constraint() if tools is not None else None
+    if forced is not None:
+        if kwargs.get("structured_outputs") is not None:
+            raise APIError(
+                400,
+                "tool_choice 'required' or a named function constrains the output itself; "
+                "drop response_format / structured_outputs",
+                param="tool_choice",
+            )
+        kwargs["structured_outputs"] = forced
+    params = _sampling_params(kwargs)
     stream, include_usage, lane, timeout = _request_options(body)
     model = typed_field(body, "model", STR)
     return ParsedRequest(
-        None, messages, params, model, stream, include_usage, lane, timeout, top_logprobs or 0
-    )
+        None, messages, params, model, stream, include_usage, lane, timeout, top_logprobs or 0,
+        tools,
+    )  # fmt: skip
 
 
 def encode_prompt(tokenizer: TokenizerLike, parsed: ParsedRequest, vocab_size: int) -> list[int]:
@@ -276,7 +304,7 @@ def encode_prompt(tokenizer: TokenizerLike, parsed: ParsedRequest, vocab_size: i
     tokenized without adding special tokens again (the template holds them).
     """
     if parsed.messages is not None:
-        text = render_chat(tokenizer, parsed.messages)
+        text = render_chat(tokenizer, parsed.messages, tools=parsed.tools)
         ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(parsed.prompt, str):
         ids = tokenizer.encode(parsed.prompt)

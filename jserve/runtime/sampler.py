@@ -8,15 +8,16 @@ Per row (x = the model's raw logits):
 1. logprobs of x (vLLM's default "raw" logprobs), whatever the processing below does;
 2. penalties: repetition over prompt and output ids, presence and frequency over output ids;
    each row's banned ids (the min_tokens ban, decided by jserve.stopping) are set to -inf;
+   tokens outside a constrained row's grammar bitmask (jserve.structured) are set to -inf;
 3. greedy rows take the first argmax of the penalised logits;
 4. random rows divide by the temperature, keep the tokens passing min-p, top-k and top-p (in
    vLLM's order: top-p measures the mass left after min-p and top-k), and draw by inverse CDF
    with the row's two host-made uniforms.
 
-One executable per sequence bucket: features a batch does not use (penalties, random rows,
-filters, logprobs) are skipped by `lax.cond` on a batch-wide flag, never by a static variant,
-so nothing multiplies the compile count. Rows not using a feature hold neutral values, so a
-row's token and logprobs are the same whichever branches its batch ran.
+One executable per sequence bucket: features a batch does not use (penalties, grammar masks,
+random rows, filters, logprobs) are skipped by `lax.cond` on a batch-wide flag, never by a
+static variant, so nothing multiplies the compile count. Rows not using a feature hold neutral
+values, so a row's token and logprobs are the same whichever branches its batch ran.
 
 No full-vocabulary sort (on a CPU it costs tens of times a sampler call: bench/RESULTS.md,
 "Sampler", has the figures and how to re-measure them). Top-k and top-p
@@ -67,6 +68,15 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
         logits - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * (counts > 0)
     )
     return logits.at[rows, t.banned_ids].set(-jnp.inf, mode="drop")
+
+
+def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """-inf where a row's packed bitmask [S, W] int32 has a 0 bit (bit j of word i: token
+    32 i + j, llguidance's layout), [S, V]; an all-ones row (-1 words) changes nothing."""
+    s, v = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32]
+    allowed = bits.reshape(s, -1)[:, :v] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -257,6 +267,11 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
         | jnp.any(t.banned_ids < v),
         lambda: apply_penalties(logits, t),
         lambda: logits,
+    )
+    penalised = jax.lax.cond(
+        jnp.any(t.token_bitmask != -1),
+        lambda: apply_token_bitmask(penalised, t.token_bitmask),
+        lambda: penalised,
     )
     greedy = first_argmax(penalised)
     tokens = jax.lax.cond(

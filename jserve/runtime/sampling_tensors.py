@@ -7,8 +7,9 @@ largest bucket once; `build` fills a prefix and hands out views, valid until the
 
 Neutral values, also used for pad rows: temperature 0 (greedy), top_k 0, top_p 1, min_p 0,
 repetition 1, presence and frequency 0, no logprobs, banned ids all `vocab_size` (an id the
-device's scatters drop). A row without penalties keeps whatever history its slot last held:
-neutral penalties make that history a no-op, and skipping it saves copying whole prompts.
+device's scatters drop), a token bitmask of all ones (every token allowed). A row without
+penalties keeps whatever history its slot last held: neutral penalties make that history a
+no-op, and skipping it saves copying whole prompts.
 
 Randomness is drawn here, not on the device: each row gets two uniforms hashed from its seed
 and its number of output tokens alone, so a seeded request's draws cannot depend on its batch
@@ -49,6 +50,7 @@ class SamplingTensors:
     prompt_len: np.ndarray  # [S] int32 history entries before this index are the prompt
     banned_ids: np.ndarray  # [S, B] int32 ids forced to -inf (min_tokens), pads = vocab_size
     want_logprobs: np.ndarray  # [S] bool the row asked for logprobs (rank and top 20)
+    token_bitmask: np.ndarray  # [S, W] int32 bit j of word i allows token 32 i + j; -1 = all
 
 
 class SamplingRow(NamedTuple):
@@ -59,6 +61,8 @@ class SamplingRow(NamedTuple):
     prompt_token_ids: Sequence[int]  # buffer-protocol objects (numpy, array.array) copy fastest
     output_token_ids: Sequence[int]  # its length is the step number folded into the seed
     banned_ids: Sequence[int] = ()  # forced to -inf this step (jserve.stopping: min_tokens)
+    # [W] int32 packed mask of the tokens a grammar allows next (jserve.structured); None: all
+    allowed_tokens: np.ndarray | None = None
 
 
 _MASK64 = (1 << 64) - 1
@@ -88,6 +92,11 @@ def _has_penalties(params: SamplingParams) -> bool:
         or params.presence_penalty != 0.0
         or params.frequency_penalty != 0.0
     )
+
+
+def bitmask_width(vocab_size: int) -> int:
+    """W: int32 words of a packed token bitmask over `vocab_size` ids (llguidance's layout)."""
+    return -(-vocab_size // 32)
 
 
 class SamplingTensorBuilder:
@@ -125,6 +134,7 @@ class SamplingTensorBuilder:
         self._prompt_len = np.zeros(s, np.int32)
         self._banned = np.full((s, max_banned_ids), v, np.int32)
         self._want_logprobs = np.zeros(s, np.bool_)
+        self._bitmask = np.full((s, bitmask_width(v)), -1, np.int32)
 
     def check_banned_ids(self, banned_ids: Sequence[int]) -> None:
         """Raise ValueError if a row could not hold `banned_ids` (call it at admission)."""
@@ -158,7 +168,10 @@ class SamplingTensorBuilder:
         self._fill_neutral(n, s)
         self._fill_uniforms(rows)
         self._banned[:s] = v
+        self._bitmask[:s] = -1
         for i, row in enumerate(rows):
+            if row.allowed_tokens is not None:
+                self._bitmask[i] = row.allowed_tokens
             if row.banned_ids:
                 self.check_banned_ids(row.banned_ids)
                 self._banned[i, : len(row.banned_ids)] = row.banned_ids
@@ -177,6 +190,7 @@ class SamplingTensorBuilder:
             prompt_len=self._prompt_len[:s],
             banned_ids=self._banned[:s],
             want_logprobs=self._want_logprobs[:s],
+            token_bitmask=self._bitmask[:s],
         )
 
     def _fill_neutral(self, start: int, stop: int) -> None:

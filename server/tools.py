@@ -1,0 +1,227 @@
+"""OpenAI tool calling on chat: `tools` and `tool_choice` in, `tool_calls` out.
+
+The model is asked to answer a call as Hermes-style blocks (the format most open chat models
+are tuned on, and vLLM's `hermes` parser):
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+- The tools reach the prompt through the chat template when it renders `tools`; a template
+  without tool support (SmolLM2's ChatML) gets them in a system message instead
+  (`tool_prompt`), stating the format above.
+- `tool_choice` "auto": the output is free; the blocks found in it become `tool_calls` and the
+  text before them the content. "required" or a named function: the output is constrained by
+  a grammar to one (or, with parallel_tool_calls, several) such blocks whose JSON matches a
+  tool's parameters schema, so it always parses. "none": tools are neither shown nor parsed.
+- Streaming (server/openai_format.py): content streams until a block may be starting; the
+  calls are sent as `tool_calls` deltas when the choice finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from jserve.sampling_params import StructuredOutputsParams
+from jserve.stopping import check_stop_strings
+from server.api_errors import APIError
+
+CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+_CALL_BLOCK = re.compile(
+    re.escape(CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S
+)
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    """A chat request's tools and how it may use them."""
+
+    tools: list[dict[str, Any]]  # OpenAI tool objects ({"type": "function", "function": ...})
+    choice: str  # "auto", "required" or "named"
+    named: str | None = None  # the function tool_choice names
+    parallel: bool = True
+
+    def constraint(self) -> StructuredOutputsParams | None:
+        """The grammar that makes "required" and named choices always parse; None for auto."""
+        if self.choice == "auto":
+            return None
+        functions = [t["function"] for t in self.tools]
+        if self.named is not None:
+            functions = [f for f in functions if f["name"] == self.named]
+        call = {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {
+                        "name": {"const": f["name"]},
+                        "arguments": f.get("parameters") or {"type": "object"},
+                    },
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+                for f in functions
+            ]
+        }
+        repeat = ' ("\\n" call)*' if self.parallel and self.named is None else ""
+        lark = (
+            f"start: call{repeat}\n"
+            f"call: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}\n"
+            f"body: %json {json.dumps(call)}\n"
+        )
+        return StructuredOutputsParams(grammar=lark)
+
+    @property
+    def finish_reason(self) -> str:
+        """OpenAI's finish reason when calls were made: "stop" for a named function."""
+        return "stop" if self.named is not None else "tool_calls"
+
+
+def tool_prompt(tools: list[dict[str, Any]]) -> str:
+    """The system text that describes the tools to a template without tool support."""
+    listed = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n"
+        f"<tools>\n{listed}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments "
+        f"within {CALL_OPEN}{CALL_CLOSE} XML tags:\n"
+        f'{CALL_OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CALL_CLOSE}'
+    )
+
+
+def with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict]:
+    """`messages` with the tool description added to (or as) the system message."""
+    text = tool_prompt(tools)
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
+
+
+def calls_as_text(content: str, calls: Any) -> str:
+    """An assistant turn's earlier `tool_calls` written back as blocks of the format above,
+    so the conversation reads to the model as it happened."""
+    if calls is None:
+        return content
+    if not isinstance(calls, list):
+        raise APIError(400, "'tool_calls' must be a list", param="messages")
+    blocks = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise APIError(400, "every tool_calls[].function needs a 'name'", param="messages")
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except (TypeError, json.JSONDecodeError):
+            raise APIError(
+                400, "tool_calls[].function.arguments must be a JSON string", param="messages"
+            ) from None
+        call_json = json.dumps({"name": function["name"], "arguments": arguments})
+        blocks.append(f"{CALL_OPEN}\n{call_json}\n{CALL_CLOSE}")
+    return "\n".join([content, *blocks] if content else blocks)
+
+
+def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
+    """(content, OpenAI tool_calls) of a finished output; blocks that do not parse as a call
+    stay in the content."""
+    start = text.find(CALL_OPEN)
+    if start == -1:
+        return text, []
+    calls = []
+    for match in _CALL_BLOCK.finditer(text, start):
+        try:
+            call = json.loads(match.group(1))
+        except json.JSONDecodeError:
+            return text, []
+        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+            return text, []
+        arguments = call.get("arguments", call.get("parameters", {}))
+        calls.append(
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {
+                    "name": call["name"],
+                    "arguments": json.dumps(arguments, ensure_ascii=False),
+                },
+            }
+        )
+    return text[:start], calls
+
+
+def streamable_content_end(text: str) -> int:
+    """How much of an unfinished output is safe to stream as content: up to a call block, or
+    a partial `<tool_call>` at its end."""
+    return check_stop_strings(text, [CALL_OPEN]).end
+
+
+def parse_tools(body: dict) -> ToolRequest | None:
+    """The request's tools and tool_choice; None when there are none (or tool_choice is
+    "none"). Raises APIError(400) naming what is wrong."""
+    tools = body.get("tools")
+    choice = body.get("tool_choice")
+    if body.get("functions") is not None:
+        raise APIError(
+            400, "'functions' is deprecated and not supported; send 'tools'", param="functions"
+        )
+    if tools is None:
+        if choice not in (None, "none"):
+            raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list) or not tools:
+        raise APIError(400, "'tools' must be a non-empty list", param="tools")
+    names = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(tool, dict)
+            or tool.get("type") != "function"
+            or not isinstance(function, dict)
+        ):
+            raise APIError(
+                400,
+                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
+                param="tools",
+            )
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise APIError(
+                400, f"tools[{i}].function.name must be a non-empty string", param="tools"
+            )
+        parameters = function.get("parameters")
+        if parameters is not None and not isinstance(parameters, dict):
+            raise APIError(
+                400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools"
+            )
+        names.append(function["name"])
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise APIError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    if choice is None or choice == "auto":
+        return ToolRequest(tools, "auto", parallel=parallel)
+    if choice == "none":
+        return None
+    if choice == "required":
+        return ToolRequest(tools, "required", parallel=parallel)
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if (
+        not isinstance(choice, dict)
+        or choice.get("type") != "function"
+        or not isinstance(named, str)
+    ):
+        raise APIError(
+            400,
+            "'tool_choice' must be 'none', 'auto', 'required' or "
+            "{'type': 'function', 'function': {'name': ...}}",
+            param="tool_choice",
+        )
+    if named not in names:
+        raise APIError(
+            400,
+            f"'tool_choice' names {named!r}, which is not in 'tools' ({names})",
+            param="tool_choice",
+        )
+    return ToolRequest(tools, "named", named=named, parallel=parallel)

@@ -1,0 +1,203 @@
+"""Structured outputs on the real model: every constrained output parses and validates, with
+many schemas in one continuous batch, preemption, n > 1, stop strings, aborts, and no compile.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from jserve.errors import RequestRejected
+from jserve.runtime.compilation import forbid_compilation
+from jserve.sampling_params import SamplingParams, StructuredOutputsParams
+from jserve.structured.decoding import SequenceMatcher
+from tests.engine.conftest import assert_no_blocks_held, make_engine, run_to_completion
+
+NAME = {"type": "string", "minLength": 1, "maxLength": 16}
+SCHEMAS = [
+    {
+        "type": "object",
+        "properties": {"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    },
+    {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 99}, "maxItems": 4},
+    {"type": "string", "enum": ["red", "green", "blue"]},
+    {
+        "type": "object",
+        "properties": {
+            "city": NAME,
+            "tags": {"type": "array", "items": NAME, "minItems": 1, "maxItems": 3},
+        },
+        "required": ["city", "tags"],
+        "additionalProperties": False,
+    },
+    {
+        "type": "object",
+        "properties": {
+            "kind": {"const": "point"},
+            "x": {"type": "integer"},
+            "y": {"type": "integer"},
+        },
+        "required": ["kind", "x", "y"],
+        "additionalProperties": False,
+    },
+    {"anyOf": [{"type": "integer", "minimum": 1, "maximum": 9}, {"type": "null"}]},
+    {
+        "type": "object",
+        "properties": {"user": {"$ref": "#/$defs/user"}},
+        "required": ["user"],
+        "additionalProperties": False,
+        "$defs": {
+            "user": {
+                "type": "object",
+                "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}},
+                "required": ["id"],
+                "additionalProperties": False,
+            }
+        },
+    },
+]
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    engine = make_engine(default_model)  # TIGHT: 8 sequences, 48 usable KV blocks
+    yield engine
+    assert_no_blocks_held(engine)
+
+
+def chat(engine, question: str) -> str:
+    return engine.tokenizer.apply_chat_template([{"role": "user", "content": question}])
+
+
+def constrained(max_tokens: int = 160, **kwargs) -> SamplingParams:
+    spec = StructuredOutputsParams(**kwargs)
+    return SamplingParams(temperature=0, max_tokens=max_tokens, structured_outputs=spec)
+
+
+@pytest.mark.parametrize("count", [8, pytest.param(64, marks=pytest.mark.slow)])
+def test_requests_over_8_schemas_mixed_with_unconstrained_all_validate(engine, count):
+    """One continuous batch; the unconstrained neighbours' long prompts (~300 tokens each)
+    overflow the 48-block pool, so sequences are preempted and resumed with their matchers."""
+    before = engine.stats()
+    misses = engine.structured.grammars.misses
+    expected = {}
+    for i in range(4):  # first, so that they run together
+        long_prompt = " ".join(f"item{i}-{k}" for k in range(60))
+        free = SamplingParams(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True)
+        engine.add_request(f"free{i}", long_prompt, free)
+    for i in range(count):
+        schema = SCHEMAS[i % len(SCHEMAS)]
+        temperature = 0.0 if i % 2 else 0.8
+        params = SamplingParams(
+            temperature=temperature, seed=i, max_tokens=160,
+            structured_outputs=StructuredOutputsParams(json=schema),
+        )  # fmt: skip
+        engine.add_request(f"s{i}", chat(engine, f"Answer in JSON, example {i}."), params)
+        expected[f"s{i}"] = schema
+    with forbid_compilation():
+        final = run_to_completion(engine)
+    after = engine.stats()
+    assert after.num_preemptions > before.num_preemptions  # the batch did not fit the KV pool
+    assert after.prefix_cache_hits > before.prefix_cache_hits  # the shared chat preamble
+    assert engine.structured.grammars.misses - misses <= len(SCHEMAS)  # compiled once each
+    for rid, schema in expected.items():
+        out = final[rid].outputs[0]
+        assert out.finish_reason == "stop", (rid, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+    for i in range(4):
+        assert len(final[f"free{i}"].outputs[0].token_ids) == 40
+
+
+def test_regex_choice_n_and_json_object(engine):
+    engine.add_request("re", chat(engine, "A phone number?"), constrained(regex=r"\d{3}-\d{4}"))
+    colours = ["red", "green", "blue"]
+    sampled = SamplingParams(
+        n=3, temperature=1.0, seed=3, max_tokens=8,
+        structured_outputs=StructuredOutputsParams(choice=colours),
+    )  # fmt: skip
+    engine.add_request("choice", chat(engine, "Pick a colour."), sampled)
+    few_shot = 'x=1 as JSON: {"x":1}\ny=2 as JSON: {"y":2}\nz=3 as JSON:'
+    engine.add_request("obj", few_shot, constrained(json_object=True))
+    final = run_to_completion(engine)
+    assert re.fullmatch(r"\d{3}-\d{4}", final["re"].outputs[0].text)
+    assert all(o.text in colours for o in final["choice"].outputs)
+    assert json.loads(final["obj"].outputs[0].text) == {"z": 3}
+
+
+def test_stop_strings_and_abort_keep_working_with_a_matcher(engine):
+    params = SamplingParams(
+        temperature=0, max_tokens=60, stop=[","],
+        structured_outputs=StructuredOutputsParams(json=SCHEMAS[0]),
+    )  # fmt: skip
+    engine.add_request("stop", chat(engine, "A person in JSON."), params)
+    engine.add_request("gone", chat(engine, "A person in JSON."), constrained(json=SCHEMAS[0]))
+    engine.step()
+    engine.abort_request("gone")
+    final = run_to_completion(engine)
+    out = final["stop"].outputs[0]
+    assert out.stop_reason == "," and "," not in out.text and out.text.startswith("{")
+    assert "gone" not in final
+
+
+def test_constrained_greedy_equals_unconstrained_when_the_model_already_complies(engine):
+    prompt = chat(engine, "Say hello.")
+    engine.add_request("free", prompt, SamplingParams(temperature=0, max_tokens=12))
+    free = run_to_completion(engine)["free"].outputs[0]
+    engine.add_request("same", prompt, constrained(max_tokens=12, regex=r"(.|\n)*"))
+    same = run_to_completion(engine)["same"].outputs[0]
+    assert same.token_ids == free.token_ids
+
+
+@pytest.mark.parametrize(
+    ("spec", "words"),
+    [
+        (dict(json='{"type": "object"'), "not valid JSON"),
+        (dict(json="true"), "must be an object"),
+        (dict(grammar="root ::= ("), "invalid grammar"),
+        (dict(json={"type": "strin"}), "invalid JSON schema"),
+        (dict(json={"type": "array", "uniqueItems": True}), "does not support"),
+        (dict(regex="[a-"), "invalid regex"),
+        (dict(grammar="start: missing_rule"), "invalid grammar"),
+    ],
+)
+def test_bad_constraints_are_refused_with_the_reason(engine, spec, words):
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
+    with pytest.raises(RequestRejected, match=words) as info:
+        engine.add_request("bad", "x", params)
+    assert info.value.reason == "invalid"
+    assert not engine.has_unfinished_requests()
+
+
+def test_matcher_sync_rolls_back_and_replays_exactly(engine):
+    template = engine.structured.grammars.template(StructuredOutputsParams(json=SCHEMAS[0]))
+    ids = engine.tokenizer.encode('{"name":"Ann","age":41}')
+    matcher, fresh = SequenceMatcher(template), SequenceMatcher(template)
+    matcher.sync(ids)
+    assert matcher.is_complete
+    for prefix in (ids[:3], ids[:1], [], ids[:5]):  # a rollback, further, to nothing, a replay
+        matcher.sync(prefix)
+        fresh.sync(prefix)
+        assert matcher.tokens == fresh.tokens == list(prefix)
+        assert matcher.matcher.compute_bitmask() == fresh.matcher.compute_bitmask()
+        fresh = SequenceMatcher(template)
+
+
+def test_a_row_whose_output_left_the_grammar_fails_alone(engine):
+    spec = StructuredOutputsParams(choice=("yes", "no"))
+    good, bad = engine.structured.new_matcher(spec), engine.structured.new_matcher(spec)
+    outside = engine.tokenizer.encode("maybe")
+    masks, failed = engine.structured.fill_masks([(0, bad, outside)])  # nothing left to mask
+    assert masks == {} and "outside the grammar" in failed[0]
+    masks, failed = engine.structured.fill_masks([(0, good, []), (1, bad, outside)])
+    assert list(masks) == [0] and list(failed) == [1]

@@ -1,0 +1,187 @@
+"""Structured outputs and tool calls over HTTP, on the real model in-process: response_format,
+vLLM's structured_outputs / guided_* fields, tools with tool_choice (plain and streamed), and
+the 400s for constraints that cannot be served."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator
+
+import jsonschema
+import pytest
+from server_harness import serve, stream_events
+
+from jserve.async_engine import AsyncLLMEngine
+from server.protocol import parse_messages, render_chat
+from server.tools import ToolRequest
+from tests.engine.conftest import make_engine
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "minLength": 1, "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "minLength": 1, "maxLength": 16},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 8}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALLS = {"max_tokens": 200}  # room for two calls of these tools
+
+
+@pytest.fixture(scope="module")
+def engine(default_model):
+    return make_engine(default_model)
+
+
+@contextlib.asynccontextmanager
+async def client_of(engine) -> AsyncIterator:
+    aengine = AsyncLLMEngine(engine)
+    try:
+        async with serve(aengine) as client:
+            yield client
+    finally:
+        await aengine.shutdown()
+
+
+async def post(client, path: str, body: dict) -> tuple[int, dict]:
+    response = await client.post(path, json={"temperature": 0, "max_tokens": 80, **body})
+    return response.status, await response.json()
+
+
+async def test_response_format_and_guided_fields_constrain_the_output(engine):
+    person = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    async with client_of(engine) as client:
+        status, body = await post(
+            client, CHAT, {"messages": [{"role": "user", "content": "A person?"}],
+                           "response_format": person},
+        )  # fmt: skip
+        assert status == 200, body
+        jsonschema.validate(json.loads(body["choices"][0]["message"]["content"]), PERSON)
+        status, body = await post(
+            client, COMPLETIONS, {"prompt": "My phone number is", "guided_regex": r" \d{3}-\d{4}"}
+        )
+        assert re.fullmatch(r" \d{3}-\d{4}", body["choices"][0]["text"]), body
+        status, body = await post(
+            client, COMPLETIONS,
+            {"prompt": "Is fire hot? Answer:", "structured_outputs": {"choice": [" yes", " no"]}},
+        )  # fmt: skip
+        assert body["choices"][0]["text"] in (" yes", " no"), body
+        status, body = await post(
+            client, COMPLETIONS,
+            {"prompt": "Colour:", "guided_choice": ["red", "blue"], "n": 2, "temperature": 1},
+        )  # fmt: skip
+        assert {c["text"] for c in body["choices"]} <= {"red", "blue"}, body
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 5}}}},
+         "invalid JSON schema"),
+        ({"guided_json": {"type": "array", "uniqueItems": True}}, "does not support"),
+        ({"guided_regex": "(unclosed"}, "invalid regex"),
+        ({"guided_grammar": "start: nowhere"}, "invalid grammar"),
+    ],
+)  # fmt: skip
+async def test_constraints_that_cannot_be_served_are_400s(engine, body, words):
+    async with client_of(engine) as client:
+        status, reply = await post(client, COMPLETIONS, {"prompt": "x", **body})
+    assert status == 400, reply
+    assert words in reply["error"]["message"], reply
+
+
+def _arguments(call: dict, tool: dict) -> dict:
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == tool["function"]["name"]
+    arguments = json.loads(call["function"]["arguments"])
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    return arguments
+
+
+async def test_named_and_required_tool_choice_always_give_valid_calls(engine):
+    async with client_of(engine) as client:
+        named = {"type": "function", "function": {"name": "get_weather"}}
+        status, body = await post(
+            client, CHAT, {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": named, **CALLS}
+        )
+        assert status == 200, body
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
+        [call] = choice["message"]["tool_calls"]
+        _arguments(call, WEATHER)
+        status, body = await post(
+            client,
+            CHAT,
+            {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", **CALLS},
+        )
+        choice = body["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", body
+        tools = {t["function"]["name"]: t for t in (WEATHER, TIME)}
+        for call in choice["message"]["tool_calls"]:
+            _arguments(call, tools[call["function"]["name"]])
+
+
+async def test_streamed_tool_calls_match_the_unstreamed_ones(engine):
+    request = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", **CALLS}
+    async with client_of(engine) as client:
+        _, whole = await post(client, CHAT, request)
+        events = await stream_events(client, CHAT, {"temperature": 0, **request})
+    chunks = [e for e in events if isinstance(e, dict)]
+    calls = [c for e in chunks for c in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks) == ""
+    expected = whole["choices"][0]["message"]["tool_calls"]
+    assert [c["function"] for c in calls] == [c["function"] for c in expected]
+    assert [c["index"] for c in calls] == list(range(len(expected)))
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_tools_reach_a_template_without_tool_support_through_the_system_message(engine):
+    tools = ToolRequest([WEATHER], "auto")
+    text = render_chat(engine.tokenizer, ASK, tools=tools)
+    assert "<|im_start|>system\nYou may call one or more functions" in text
+    assert json.dumps(WEATHER) in text and text.endswith("<|im_start|>assistant\n")
+    history = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    rendered = render_chat(engine.tokenizer, parse_messages({"messages": history}), tools=tools)
+    assert (
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+        in rendered
+    )
+    assert "<|im_start|>tool\nsunny<|im_end|>" in rendered
