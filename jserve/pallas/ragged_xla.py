@@ -42,8 +42,8 @@ from jserve.pallas.ragged_common import (
     qk,
 )
 
-DEFAULT_CHUNK_PAGES = 8
-DEFAULT_BLOCK_Q = 16
+DEFAULT_CHUNK_PAGES = 4
+DEFAULT_BLOCK_Q = 32
 
 
 def _cdiv(a: jax.Array, b: int) -> jax.Array:
