@@ -30,7 +30,7 @@ from jserve.pallas import choose_impl, kv_cache_shape, ragged_paged_attention
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 2
 IMPLS_BY_BACKEND = {
-    "cpu": ("reference", "interpret", "xla"),
+    "cpu": ("reference", "interpret", "xla", "native"),
     "gpu": ("reference", "triton"),
     "tpu": ("reference", "mosaic"),
 }
@@ -167,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     backend = jax.default_backend()
     impls = IMPLS_BY_BACKEND.get(backend, ("reference",))
+    if args.dtype != "float32":  # the native CPU kernel is float32 only
+        impls = tuple(i for i in impls if i != "native")
     reps = args.reps or (2 if args.smoke else 10)
     cases = SMOKE_CASES if args.smoke else FULL_CASES
     copy_gbps = None
@@ -175,7 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = run(cases, impls, jnp.dtype(args.dtype), reps)
     print(
         f"backend {backend} ({jax.devices()[0].device_kind}), {args.dtype}, "
-        f"auto impl = {choose_impl()}, median of {reps} runs\n"
+        f"auto impl = {choose_impl(dtype=jnp.dtype(args.dtype))}, median of {reps} runs\n"
     )
     print(markdown(rows, copy_gbps))
     if args.json:

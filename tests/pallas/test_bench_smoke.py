@@ -24,7 +24,7 @@ def test_kernel_bench_smoke(tmp_path):
     assert {(r["case"], r["impl"]) for r in rows} == {
         (case, impl)
         for case in ("decode 2 x 64", "mixed 2 decodes + 1 x 8-token chunks")
-        for impl in ("reference", "interpret", "xla")
+        for impl in ("reference", "interpret", "xla", "native")
     }
     # Hand-counted for SmolLM2's attention (3 KV heads, 9 query heads, head_dim 64, float32):
     # K and V of every live position, plus q read and the output written, 4 bytes each.
