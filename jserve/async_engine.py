@@ -123,6 +123,7 @@ class AsyncLLMEngine:
             self._stopping = True
             self._wake.notify()
         await asyncio.to_thread(self._thread.join)
+        self.engine.close()
         if self.state == "ready":
             self.state = "stopping"
 
