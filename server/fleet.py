@@ -175,25 +175,37 @@ def plan_fleet(args: argparse.Namespace, serve_args: list[str]) -> FleetPlan:
 
 
 def router_command(
-    args: argparse.Namespace, plan: FleetPlan, model: str, block_size: int
+    router: str,
+    policy: str,
+    replica_urls: list[str],
+    *,
+    host: str,
+    port: int,
+    metrics_port: int,
+    api_key: str | None = None,
+    kv_event_endpoints: list[tuple[str, str]] | None = None,
+    model: str = "",
+    block_size: int = 16,
 ) -> list[str]:
-    binary = shutil.which(plan.router_name)
+    """The router's command line: smg or vllm-router with `policy` over `replica_urls`, probing
+    them every HEALTH_INTERVAL_S; for vllm-router, each replica's (PUB, replay) event endpoints
+    and the model and block size the events describe."""
+    binary = shutil.which(router)
     if binary is None:
-        raise ValueError(f"{plan.router_name} is not installed: pip install 'jserve[fleet]'")
-    urls = [r.url for r in plan.replicas]
-    common = ["--host", args.host, "--port", str(args.port), "--policy", plan.policy,
-              "--prometheus-port", str(args.router_metrics_port),
+        raise ValueError(f"{router} is not installed: pip install 'jserve[fleet]'")
+    common = ["--host", host, "--port", str(port), "--policy", policy,
+              "--prometheus-port", str(metrics_port),
               "--health-check-interval-secs", str(HEALTH_INTERVAL_S),
               "--health-failure-threshold", "2", "--health-success-threshold", "1"]  # fmt: skip
-    if args.api_key:
-        common += ["--api-key", args.api_key]
-    if plan.router_name == "smg":
-        return [binary, "launch", "--worker-urls", *urls, *common]
-    command = [binary, "--worker-urls", *urls, *common]
-    for url, (pub, replay) in zip(urls, plan.kv_event_endpoints, strict=False):
+    if api_key:
+        common += ["--api-key", api_key]
+    if router == "smg":
+        return [binary, "launch", "--worker-urls", *replica_urls, *common]
+    command = [binary, "--worker-urls", *replica_urls, *common]
+    for url, (pub, replay) in zip(replica_urls, kv_event_endpoints or [], strict=False):
         command += ["--kv-event-source", f"{url}={pub}", "--kv-event-replay-source",
                     f"{url}={replay}"]  # fmt: skip
-    if plan.kv_event_endpoints:
+    if kv_event_endpoints:
         command += ["--kv-event-model", model, "--kv-event-block-size", str(block_size)]
     return command
 
@@ -301,7 +313,11 @@ def run_fleet(args: argparse.Namespace, serve_args: list[str], block_size: int) 
         log.info("starting %d replicas (logs in %s)", len(plan.replicas), args.log_dir)
         wait_ready(plan.replicas, "/health", args.start_timeout, stop)
         model = served_model(plan.replicas[0], args.api_key)
-        command = router_command(args, plan, model, block_size)
+        command = router_command(
+            plan.router_name, plan.policy, [r.url for r in plan.replicas], host=args.host,
+            port=args.port, metrics_port=args.router_metrics_port, api_key=args.api_key,
+            kv_event_endpoints=plan.kv_event_endpoints, model=model, block_size=block_size,
+        )  # fmt: skip
         router = Child(plan.router_name, command, Path(args.log_dir) / "router.log",
                        f"http://{args.host}:{args.port}")  # fmt: skip
         router.start()

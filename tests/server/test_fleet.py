@@ -47,7 +47,10 @@ def test_plan_gives_each_replica_its_port_key_and_event_endpoints():
     assert second[second.index("--kv-events-endpoint") + 1] == "tcp://127.0.0.1:6002"
     assert second[second.index("--kv-events-replay-endpoint") + 1] == "tcp://127.0.0.1:6003"
     if shutil.which("vllm-router"):
-        command = router_command(args, plan, "m", 16)
+        command = router_command(
+            plan.router_name, plan.policy, [r.url for r in plan.replicas], host="127.0.0.1",
+            port=9000, metrics_port=9001, kv_event_endpoints=plan.kv_event_endpoints, model="m",
+        )  # fmt: skip
         assert "http://127.0.0.1:9101=tcp://127.0.0.1:6002" in command
         assert "http://127.0.0.1:9101=tcp://127.0.0.1:6003" in command
         assert command[command.index("--kv-event-model") + 1] == "m"
