@@ -8,9 +8,9 @@
    replicas of the `jserve:prefix_cache_hits_total` / `..._queries_total` deltas.
    Each side gets its own system prompts (same lengths, another seed), so one side's cached
    blocks can never be another side's hits; stale blocks are evictable, so they take no room.
-3. Fault phase: the preset's fault policy once more, and one replica is killed (SIGKILL) mid-run. Every
-   request must end: served, or failed with an error; none may hang (a request still open at
-   `--request-timeout` counts as hung).
+3. Fault phase: the preset's fault policy once more, and one replica is killed (SIGKILL)
+   mid-run. Every request must end: served, or failed with an error; none may hang (a
+   request still open at `--request-timeout` counts as hung).
 Prints one table with the gain of each policy over the first (round_robin) and the fault
 counts; writes serve_router.json under --out. On one machine the replicas share its cores:
 absolute figures are per machine, the ratios are what the routing changes.
