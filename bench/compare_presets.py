@@ -157,11 +157,12 @@ async def tenants(
 
 
 async def shared_system_prompts(maker: TextMaker, rng: np.random.Generator, smoke: bool) -> list:
-    """8 tenants' system prompts of 512 tokens (a replica's KV pool holds about half of them),
-    32 requests with their own 32-token user turns and 16-token answers."""
+    """8 tenants' system prompts of 512 tokens (32 blocks; a replica's KV pool holds about 4
+    of them besides its running requests), 64 requests with their own 32-token user turns and
+    16-token answers."""
     if smoke:
         return await tenants(maker, rng, 12, 4, 64, 8, 20)
-    return await tenants(maker, rng, 32, 8, 512, 32, 16)
+    return await tenants(maker, rng, 64, 8, 512, 32, 16)
 
 
 @dataclass(frozen=True)
@@ -187,15 +188,17 @@ class RouterPreset:
 ROUTER_PRESETS = {
     "router": RouterPreset(
         "router",
-        "2 replicas, 8 tenants' 512-token system prompts (a KV pool holds about 4), 32 requests "
-        "8 in flight; round_robin vs cache_aware (smg) vs kv_aware (vllm-router, KV events)",
+        "2 replicas, 8 tenants' 512-token system prompts (a KV pool holds about 4), 64 requests "
+        "4 in flight; round_robin vs cache_aware (smg) vs kv_aware (vllm-router, KV events)",
         ("round_robin", "cache_aware", "kv_aware"),
         replicas=2,
-        server_args=("--num-kv-blocks", "160", "--max-model-len", "1024", "--max-num-seqs", "8"),
+        # 199 usable blocks: 2 running requests (at most 70 blocks) leave about 4 prompts' worth
+        # cached, and KV usage (referenced blocks) stays under smg's 0.8 overload veto.
+        server_args=("--num-kv-blocks", "200", "--max-model-len", "1024", "--max-num-seqs", "8"),
         mock_args=("--mock-token-delay", "0.02"),
         block_size=16,
         build=shared_system_prompts,
-        max_concurrency=8,
+        max_concurrency=4,
         fault_policy="cache_aware",
         kill_after_s=8.0,
         kill_after_s_smoke=0.3,
