@@ -179,6 +179,8 @@ class RouterPreset:
     build: WorkloadBuilder
     max_concurrency: int
     fault_policy: str  # the policy of the fault phase
+    fault_requests: int  # the fault phase runs the workload's first requests
+    fault_output_len: int  # with answers this long (smoke: the workload's own)
     kill_after_s: float  # the fault phase kills a replica this long after it starts
     kill_after_s_smoke: float
     # (policy, table row, reference policy, least gain of policy over reference)
@@ -200,6 +202,8 @@ ROUTER_PRESETS = {
         build=shared_system_prompts,
         max_concurrency=4,
         fault_policy="cache_aware",
+        fault_requests=32,
+        fault_output_len=48,
         kill_after_s=8.0,
         kill_after_s_smoke=0.3,
         goals=(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import os
 import shlex
 import signal
@@ -108,6 +109,9 @@ def run_policy(
     log_path = out / "logs" / f"router_{label}.log"
     with ServerProcess(command, log_path, base_url=f"http://127.0.0.1:{port}") as proxy:
         specs = asyncio.run(build_specs(preset, replicas[0].base_url, seed, args.smoke))
+        if kill_after_s is not None and not args.smoke:  # longer answers: streams to cut
+            specs = [dataclasses.replace(s, max_tokens=preset.fault_output_len)
+                     for s in specs[: preset.fault_requests]]  # fmt: skip
         config = LoadConfig(
             base_url=proxy.base_url, model=model, max_concurrency=preset.max_concurrency,
             request_timeout=args.request_timeout, max_duration=args.max_duration, seed=seed,
@@ -130,12 +134,19 @@ def run_policy(
     return report
 
 
-def fault_counts(report: dict) -> dict:
+# Seconds the routers need to take a dead replica out: two failed probes 2 s apart, and slack.
+DETECTION_S = 6.0
+
+
+def fault_counts(report: dict, kill_after_s: float) -> dict:
+    """sent / served / failed / hung, and how many failed although they were sent after the
+    router should have taken the dead replica out (must be 0)."""
     rows = report["requests"]
     hung = sum(1 for r in rows if not r["success"] and "Timeout" in r["error"])
     served = sum(1 for r in rows if r["success"])
+    late = sum(1 for r in rows if not r["success"] and r["start"] > kill_after_s + DETECTION_S)
     return {"sent": len(rows), "served": served, "failed": len(rows) - served - hung,
-            "hung": hung}  # fmt: skip
+            "hung": hung, "failed_after_detection": late}  # fmt: skip
 
 
 _ROWS = [  # (label, value of a report, higher is better)
@@ -198,7 +209,7 @@ def run_router_preset(preset: RouterPreset, args: argparse.Namespace, out: Path)
                            args.seed + len(preset.policies), out,
                            kill_after_s=kill_after)  # fmt: skip
     printed, gains = table(list(preset.policies), reports)
-    counts = fault_counts(fault)
+    counts = fault_counts(fault, kill_after)
     print(f"\n==== {preset.name}: {preset.description}")
     print(printed)
     goals = verdicts(preset, reports)

@@ -9,8 +9,9 @@ Walkthrough:
    own ZMQ ports (jserve.kv_events). Wait until every replica's /health answers 200; a replica
    that exits first fails the start (its log is named).
 2. Start the router on `--port` with the chosen policy, the replicas' URLs (and their event
-   endpoints for vllm-router), the API key passed through (the router checks clients' keys and
-   sends the key to the replicas, which check it too), and health checks every
+   endpoints for vllm-router), the API key passed through (smg checks clients' keys and sends
+   the key to the replicas; vllm-router forwards the client's header, which the replicas
+   check), and health checks every
    `HEALTH_INTERVAL_S` seconds so a dead replica leaves the rotation within seconds.
 3. Supervise: a replica that exits is reported with its exit code and log; with `--restart`
    (the default) it is started again on the same port, at most `--max-restarts` times, and the

@@ -117,5 +117,6 @@ def test_router_smoke_runs_every_policy_and_a_fault_that_nothing_hangs_on(tmp_pa
         assert report["reports"][policy]["prefix_cache_hit_rate"] is None  # the mock: no cache
     fault = report["fault"]
     assert fault["hung"] == 0 and fault["served"] + fault["failed"] == fault["sent"] == 12
+    assert fault["failed_after_detection"] == 0
     assert fault["served"] >= 4  # the surviving replica finishes the rest
     assert "fault (cache_aware, one replica SIGKILLed" in result.stdout
