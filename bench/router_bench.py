@@ -6,8 +6,9 @@
    own command builder (server.fleet.router_command), build the workload with this side's seed,
    run it through the router, stop the router. The prefix-cache hit rate is the sum over the
    replicas of the `jserve:prefix_cache_hits_total` / `..._queries_total` deltas.
-   Each side gets its own system prompts (same lengths, another seed), so one side's cached
-   blocks can never be another side's hits; stale blocks are evictable, so they take no room.
+   Each side gets its own system prompts (same lengths and tenant order, other words), so one
+   side's cached blocks can never be another side's hits; stale blocks are evictable, so
+   they take no room.
 3. Fault phase: the preset's fault policy once more, and one replica is killed (SIGKILL)
    mid-run. Every request must end: served, or failed with an error; none may hang (a
    request still open at `--request-timeout` counts as hung).
@@ -84,11 +85,15 @@ async def hit_counts(urls: list[str]) -> tuple[float, float]:
     return sum(s.get(HIT, 0.0) for s in scraped), sum(s.get(QUERY, 0.0) for s in scraped)
 
 
-async def build_specs(preset: RouterPreset, base_url: str, seed: int, smoke: bool) -> list:
+async def build_specs(
+    preset: RouterPreset, base_url: str, text_seed: int, order_seed: int, smoke: bool
+) -> list:
+    """The workload: texts from `text_seed` (each side its own), the order of tenants and the
+    lengths from `order_seed` (the same for every side, so sides differ only in routing)."""
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        maker = TextMaker(session, base_url, seed)
+        maker = TextMaker(session, base_url, text_seed)
         await maker.setup()
-        return await preset.build(maker, np.random.default_rng(seed), smoke)
+        return await preset.build(maker, np.random.default_rng(order_seed), smoke)
 
 
 def run_policy(
@@ -108,7 +113,7 @@ def run_policy(
     print(f"\n### {preset.name} / {label}: {router} policy {policy}", flush=True)
     log_path = out / "logs" / f"router_{label}.log"
     with ServerProcess(command, log_path, base_url=f"http://127.0.0.1:{port}") as proxy:
-        specs = asyncio.run(build_specs(preset, replicas[0].base_url, seed, args.smoke))
+        specs = asyncio.run(build_specs(preset, replicas[0].base_url, seed, args.seed, args.smoke))
         if kill_after_s is not None and not args.smoke:  # longer answers: streams to cut
             specs = [dataclasses.replace(s, max_tokens=preset.fault_output_len)
                      for s in specs[: preset.fault_requests]]  # fmt: skip
