@@ -4,6 +4,7 @@
     python bench/compare.py prefix-cache              # TTFT ratio on a shared prefix (goal >= 3x)
     python bench/compare.py chunked-prefill           # decode ITL p99 while long prompts arrive
     python bench/compare.py latency-vs-load --rates 0.25,0.5,1,2,inf
+    python bench/compare.py router                    # routing policies over 2 replicas
     python bench/compare.py all --smoke               # every preset on mock servers, seconds
 
 For a preset: start `jserve serve` with config A on a free loopback port, run the preset's
@@ -23,8 +24,9 @@ from pathlib import Path
 
 import aiohttp
 import numpy as np
-from compare_presets import PRESETS, Preset
+from compare_presets import PRESETS, ROUTER_PRESETS, Preset
 from load_curve import add_curve_arguments, run_latency_vs_load
+from router_bench import run_router_preset
 from serve import benchmark, first_model, to_json
 from serve_client import LoadConfig
 from serve_metrics import format_summary, plot_run
@@ -161,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("mode", choices=[*PRESETS, "latency-vs-load", "all"])
+    parser.add_argument("mode", choices=[*PRESETS, *ROUTER_PRESETS, "latency-vs-load", "all"])
     parser.add_argument("--out", default="bench/results", help="directory for JSON and PNG")
     parser.add_argument("--smoke", action="store_true", help="mock servers, tiny workloads")
     parser.add_argument("--server-args", default="", help="added to every server command line")
@@ -182,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         for mode in modes:
             if mode == "latency-vs-load":
                 run_latency_vs_load(args, out)
+            elif mode in ROUTER_PRESETS:
+                run_router_preset(ROUTER_PRESETS[mode], args, out)
             else:
                 run_preset(PRESETS[mode], args, out)
     except (RuntimeError, ValueError) as exc:

@@ -141,3 +141,76 @@ PRESETS = {
         ),
     )
 }
+
+
+async def tenants(
+    maker: TextMaker, rng: np.random.Generator, n: int, num_systems: int, system_len: int,
+    user_len: int, output_len: int,
+) -> list[RequestSpec]:  # fmt: skip
+    """`n` requests, each with one of `num_systems` system prompts and its own user turn, in a
+    seeded random order (an order that alternated tenants would let round robin partition
+    them by parity, which no real traffic does)."""
+    systems = [await maker.text(system_len) for _ in range(num_systems)]
+    owners = rng.permutation(np.arange(n) % num_systems)
+    return [RequestSpec(await maker.text(user_len), output_len, system=systems[int(o)])
+            for o in owners]  # fmt: skip
+
+
+async def shared_system_prompts(maker: TextMaker, rng: np.random.Generator, smoke: bool) -> list:
+    """8 tenants' system prompts of 512 tokens (32 blocks; a replica's KV pool holds about 4
+    of them besides its running requests), 64 requests with their own 32-token user turns and
+    16-token answers."""
+    if smoke:
+        return await tenants(maker, rng, 12, 4, 64, 8, 20)
+    return await tenants(maker, rng, 64, 8, 512, 32, 16)
+
+
+@dataclass(frozen=True)
+class RouterPreset:
+    """Policies compared in front of the same replicas (bench/router_bench.py runs it)."""
+
+    name: str
+    description: str
+    policies: tuple[str, ...]  # the first is the baseline of every gain
+    replicas: int
+    server_args: tuple[str, ...]  # every replica's `jserve serve` flags
+    mock_args: tuple[str, ...]  # the mock replicas' flags in smoke mode
+    block_size: int  # the replicas' KV block size, which the KV events describe
+    build: WorkloadBuilder
+    max_concurrency: int
+    fault_policy: str  # the policy of the fault phase
+    fault_requests: int  # the fault phase runs the workload's first requests
+    fault_output_len: int  # with answers this long (smoke: the workload's own)
+    kill_after_s: float  # the fault phase kills a replica this long after it starts
+    kill_after_s_smoke: float
+    # (policy, table row, reference policy, least gain of policy over reference)
+    goals: tuple[tuple[str, str, str, float], ...] = ()
+
+
+ROUTER_PRESETS = {
+    "router": RouterPreset(
+        "router",
+        "2 replicas, 8 tenants' 512-token system prompts (a KV pool holds about 4), 64 requests "
+        "4 in flight; round_robin vs cache_aware (smg) vs kv_aware (vllm-router, KV events)",
+        ("round_robin", "cache_aware", "kv_aware"),
+        replicas=2,
+        # 199 usable blocks: 2 running requests (at most 70 blocks) leave about 4 prompts' worth
+        # cached, and KV usage (referenced blocks) stays under smg's 0.8 overload veto.
+        server_args=("--num-kv-blocks", "200", "--max-model-len", "1024", "--max-num-seqs", "8"),
+        mock_args=("--mock-token-delay", "0.02"),
+        block_size=16,
+        build=shared_system_prompts,
+        max_concurrency=4,
+        fault_policy="cache_aware",
+        fault_requests=32,
+        fault_output_len=48,
+        kill_after_s=8.0,
+        kill_after_s_smoke=0.3,
+        goals=(
+            ("cache_aware", "prefix-cache hit rate", "round_robin", 2.0),
+            ("cache_aware", "TTFT p50 (ms)", "round_robin", 1.5),
+            ("kv_aware", "prefix-cache hit rate", "cache_aware", 1.0),
+            ("kv_aware", "TTFT p50 (ms)", "cache_aware", 1.0),
+        ),
+    )
+}

@@ -55,6 +55,10 @@ class AsyncLLMEngine:
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.tokenizer = engine.tokenizer
+        self.max_num_seqs = engine.scheduler.config.max_num_seqs
+        self.block_size = engine.args.block_size
+        self.kv_cache_tokens = engine.scheduler.block_manager.num_usable_blocks * self.block_size
+        self.tensor_parallel_size = engine.args.tensor_parallel_size
         self.state = "ready"
         self.dead_reason: str | None = None
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -123,6 +127,7 @@ class AsyncLLMEngine:
             self._stopping = True
             self._wake.notify()
         await asyncio.to_thread(self._thread.join)
+        self.engine.close()
         if self.state == "ready":
             self.state = "stopping"
 

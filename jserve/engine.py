@@ -24,12 +24,14 @@ from dataclasses import dataclass
 import jax
 
 from jserve.config import CacheConfig
+from jserve.core.kv_cache_events import AllBlocksCleared
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
 from jserve.engine_args import EngineArgs
 from jserve.engine_setup import build_engine_parts
 from jserve.errors import RequestRejected
+from jserve.kv_events import ZmqEventPublisher
 from jserve.loaders.model_source import LoadedModel
 from jserve.output_processor import RequestState
 from jserve.outputs import EngineStats, RequestOutput
@@ -95,6 +97,12 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self.num_restarts = 0  # in-process restarts after a failed step (LLMEngine.recover)
+        self._kv_events: ZmqEventPublisher | None = None
+        if args.kv_events_endpoint:
+            self._kv_events = ZmqEventPublisher(
+                args.kv_events_endpoint, args.kv_events_replay_endpoint
+            )
+            self.scheduler.block_manager.record_kv_events()
         self.precompile()
         # Everything allocated so far lives for the engine's lifetime: keep it out of the
         # collector's full passes, which otherwise stall a step every ~50 at 1,000 requests.
@@ -230,6 +238,8 @@ class LLMEngine:
         for state in changed.values():
             if state.finished:
                 self._states.pop(state.request_id, None)
+        if self._kv_events is not None:
+            self._kv_events.publish(self.scheduler.block_manager.take_kv_events())
         return outputs
 
     def _sample(
@@ -320,7 +330,12 @@ class LLMEngine:
             state.error = message
             outputs.append(self.abort_request(request_id, FinishReason.ERROR))
         cache = CacheConfig(self.args.block_size, self.scheduler.block_manager.num_blocks)
+        if self._kv_events is not None:  # what the lost cache did, then that it is gone
+            old_events = self.scheduler.block_manager.take_kv_events()
+            self._kv_events.publish([*old_events, AllBlocksCleared()])
         self.scheduler = Scheduler(self.scheduler.config, cache)
+        if self._kv_events is not None:
+            self.scheduler.block_manager.record_kv_events()
         self.runner.reset_kv_cache()
         self.num_restarts += 1
         return [out for out in outputs if out is not None]
@@ -333,6 +348,11 @@ class LLMEngine:
             return
         child.state.finish_sample(child.index, reason, stop)
         changed[child.state.request_id] = child.state
+
+    def close(self) -> None:
+        """Release what outlives a step: the KV-events sockets (queued batches are sent)."""
+        if self._kv_events is not None:
+            self._kv_events.close()
 
     # ---- operators' view -----------------------------------------------------------------
 

@@ -92,6 +92,21 @@ class EngineArgs:
     compilation_cache_dir: str | None = setting(
         None, "JAX's persistent compilation cache directory", default_text="<cache-dir>/xla"
     )
+    kv_events_endpoint: str | None = setting(
+        None,
+        "ZMQ endpoint to bind a PUB socket on and publish the prefix cache's block-stored, "
+        "block-removed and all-cleared events in vLLM's KV-events format (e.g. "
+        "tcp://127.0.0.1:5557), for KV-aware routers",
+        vllm="--kv-events-config's endpoint",
+        default_text="no events",
+    )
+    kv_events_replay_endpoint: str | None = setting(
+        None,
+        "ZMQ endpoint to bind a ROUTER socket on that replays buffered event batches from a "
+        "requested sequence number (needs kv_events_endpoint)",
+        vllm="--kv-events-config's replay_endpoint",
+        default_text="no replay",
+    )
     seed: int = setting(
         0, "seed of the random seeds drawn for requests that give none", vllm="--seed"
     )
@@ -101,6 +116,12 @@ class EngineArgs:
             raise ValueError(f"scheduling must be one of {POLICIES}, got {self.scheduling!r}")
         if self.kv_cache_memory <= 0:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint; set both")
+        if self.kv_events_endpoint and not self.enable_prefix_caching:
+            raise ValueError(
+                "kv_events_endpoint publishes the prefix cache's events: enable prefix caching"
+            )
         if not 1 <= self.max_n <= max(1, self.max_waiting_requests // 2):
             raise ValueError(
                 f"max_n must be in [1, max_waiting_requests // 2 = "

@@ -29,6 +29,7 @@ from server.engine_client import EngineClient
 from server.generation import chat_completions, completions
 from server.protocol import BOOL, parse_messages, render_chat, typed_field
 from server.state import DEFAULT_BODY_TIMEOUT, STATE, ServerState, read_json_object
+from server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
@@ -186,4 +187,5 @@ def create_app(
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
+    add_worker_routes(app)
     return app

@@ -19,6 +19,7 @@ from server.connections import (
     DEFAULT_KEEPALIVE_TIMEOUT,
     DEFAULT_MAX_HALF_OPEN,
 )
+from server.fleet import add_fleet_arguments, run_fleet
 from server.runner import EngineFactory, run_server
 from server.state import DEFAULT_BODY_TIMEOUT
 
@@ -125,6 +126,13 @@ def _serve(args: argparse.Namespace) -> int:
     return serve_main(args, lambda: AsyncLLMEngine.start(engine_args))
 
 
+def _fleet(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> int:
+    serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
+    # Check the replicas' flags now, not once per replica after the fleet has started.
+    serve_ns = serve_parser.parse_args(serve_args)
+    return run_fleet(args, serve_args, serve_ns.block_size)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="jserve", description="A JAX/XLA LLM inference engine and OpenAI-compatible server."
@@ -136,6 +144,13 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_arguments(serve)
     add_serve_arguments(serve)
     serve.set_defaults(func=_serve)
+    fleet = sub.add_parser(
+        "fleet",
+        help="serve N replicas behind a router (smg or vllm-router): jserve fleet --replicas 2 "
+        "--policy cache_aware -- SERVE_FLAGS",
+    )
+    add_fleet_arguments(fleet)
+    fleet.set_defaults(func=lambda args: _fleet(args, serve))
     return parser
 
 

@@ -48,6 +48,12 @@ class EngineClient(Protocol):
     state: str  # "starting" | "ready" | "dead" | "stopping"
     dead_reason: str | None
     num_restarts: int  # in-process restarts after failed steps (each failed its requests)
+    # Fixed sizes a router reads (server.worker_api): sequences run at once, the KV pool in
+    # tokens (usable blocks x block size), tokens per block, devices the model is sharded over.
+    max_num_seqs: int
+    kv_cache_tokens: int
+    block_size: int
+    tensor_parallel_size: int
 
     def generate(
         self,

@@ -94,6 +94,11 @@ class ServerMetrics:
             buckets=_ITERATION_TOKEN_BUCKETS, registry=reg,
         )  # fmt: skip
 
+    @property
+    def engine_snapshot(self) -> EngineStats:
+        """The engine snapshot the last refresh() took in."""
+        return self._engine.snapshot
+
     def refresh(self, stats: EngineStats) -> None:
         """Take in an engine snapshot (its iteration_tokens were drained for us)."""
         self._engine.snapshot = stats

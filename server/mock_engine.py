@@ -90,6 +90,8 @@ class MockEngine:
         self.max_waiting = max_waiting
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.kv_cache_tokens = num_kv_blocks * block_size
+        self.tensor_parallel_size = 1
         self._waiting: list[_Request] = []
         self._running: list[_Request] = []
         self._stats = EngineStats()

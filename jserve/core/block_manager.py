@@ -10,6 +10,12 @@ from __future__ import annotations
 
 from array import array
 
+from jserve.core.kv_cache_events import (
+    BlocksRemoved,
+    BlocksStored,
+    KVCacheEvent,
+    external_block_hash,
+)
 from jserve.core.prefix_cache import PrefixCache, hash_block_tokens
 from jserve.core.request import Request
 
@@ -26,6 +32,8 @@ class BlockManager:
         # A stack whose top is the lowest id, so a fresh pool hands out 1, 2, 3, ...
         self._free = array("q", range(num_blocks - 1, SINK_BLOCK_ID, -1))
         self.prefix_cache = PrefixCache() if enable_prefix_caching else None
+        # What the prefix cache did since the last take_kv_events(); None: nobody listens.
+        self._kv_events: list[KVCacheEvent] | None = None
 
     @property
     def num_usable_blocks(self) -> int:
@@ -121,6 +129,19 @@ class BlockManager:
         request.block_ids = []
         request.num_hashed_blocks = 0
 
+    def record_kv_events(self) -> None:
+        """From now on, log every change of the prefix cache (see jserve.core.kv_cache_events)."""
+        if self.prefix_cache is not None and self._kv_events is None:
+            self._kv_events = []
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """The changes logged since the last call, oldest first."""
+        events = self._kv_events
+        if not events:
+            return []
+        self._kv_events = []
+        return events
+
     def cache_full_blocks(self, request: Request) -> None:
         """Index the blocks `request` filled since the last call (after a step computed them)."""
         cache = self.prefix_cache
@@ -128,14 +149,38 @@ class BlockManager:
         if cache is None or num_full <= request.num_hashed_blocks:
             return
         size = self.block_size
+        stored: list[int] = []  # indices of the blocks this call indexed
         for index in range(request.num_hashed_blocks, num_full):
             start = index * size
-            cache.insert(
+            if cache.insert(
                 self._block_hash(request, index),
                 request.block_ids[index],
                 tuple(request.all_token_ids[start : start + size]),
-            )
+            ):
+                stored.append(index)
+        if self._kv_events is not None and stored:
+            self._log_stored(request, stored)
         request.num_hashed_blocks = num_full
+
+    def _log_stored(self, request: Request, indices: list[int]) -> None:
+        """One BlocksStored per run of consecutive indexed blocks (a duplicate breaks a run)."""
+        size, hashes = self.block_size, request.block_hashes
+        runs: list[list[int]] = []
+        for index in indices:
+            if runs and runs[-1][-1] == index - 1:
+                runs[-1].append(index)
+            else:
+                runs.append([index])
+        for run in runs:
+            first = run[0]
+            self._kv_events.append(  # type: ignore[union-attr]
+                BlocksStored(
+                    tuple(external_block_hash(hashes[i]) for i in run),
+                    external_block_hash(hashes[first - 1]) if first else None,
+                    tuple(request.all_token_ids[first * size : (run[-1] + 1) * size]),
+                    size,
+                )
+            )
 
     def _block_hash(self, request: Request, index: int) -> bytes:
         hashes = request.block_hashes
@@ -152,6 +197,8 @@ class BlockManager:
             block_id = self._free.pop()
         else:
             assert self.prefix_cache is not None, "allocate() checked num_free_blocks"
-            block_id = self.prefix_cache.evict_lru()
+            block_id, block_hash = self.prefix_cache.evict_lru()
+            if self._kv_events is not None:
+                self._kv_events.append(BlocksRemoved((external_block_hash(block_hash),)))
         self.ref_counts[block_id] = 1
         return block_id

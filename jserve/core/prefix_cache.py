@@ -54,13 +54,16 @@ class PrefixCache:
             return None
         return block_id
 
-    def insert(self, block_hash: bytes, block_id: int, token_ids: tuple[int, ...]) -> None:
-        """Index a freshly computed full block; keeps the existing entry for a duplicate key."""
+    def insert(self, block_hash: bytes, block_id: int, token_ids: tuple[int, ...]) -> bool:
+        """Index a freshly computed full block; keeps the existing entry for a duplicate key.
+
+        Returns whether the block was indexed (False for a duplicate)."""
         if block_hash in self._block_of_hash or block_id in self._hash_of_block:
-            return
+            return False
         self._block_of_hash[block_hash] = block_id
         self._hash_of_block[block_id] = block_hash
         self._tokens_of_block[block_id] = token_ids
+        return True
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of_block
@@ -79,9 +82,10 @@ class PrefixCache:
         """An evictable block got a reference again (a prefix hit)."""
         del self._evictable[block_id]
 
-    def evict_lru(self) -> int:
-        """Forget the least recently released cached block and hand its id out."""
+    def evict_lru(self) -> tuple[int, bytes]:
+        """Forget the least recently released cached block; hand out its id and former key."""
         block_id, _ = self._evictable.popitem(last=False)
-        del self._block_of_hash[self._hash_of_block.pop(block_id)]
+        block_hash = self._hash_of_block.pop(block_id)
+        del self._block_of_hash[block_hash]
         del self._tokens_of_block[block_id]
-        return block_id
+        return block_id, block_hash

@@ -7,6 +7,7 @@ output lengths the workload asked for must come back in every request's usage.
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -99,3 +100,23 @@ def test_compare_smoke_runs_every_preset_and_the_load_curve(tmp_path):
     assert [p["rate"] for p in curve["points"]] == [16, 64, "inf"]
     assert all(p["failed"] == 0 and p["ttft_p99_ms"] > 0 for p in curve["points"])
     assert (tmp_path / "serve_latency_vs_load.png").stat().st_size < 300_000
+
+
+@pytest.mark.skipif(
+    not (shutil.which("smg") and shutil.which("vllm-router")),
+    reason="the routers are not installed (jserve[fleet])",
+)
+def test_router_smoke_runs_every_policy_and_a_fault_that_nothing_hangs_on(tmp_path):
+    result = run_script("compare.py", "router", "--smoke", "--out", str(tmp_path), timeout=180)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads((tmp_path / "serve_router.json").read_text())
+    assert report["policies"] == ["round_robin", "cache_aware", "kv_aware"]
+    for policy in report["policies"]:
+        summary = report["reports"][policy]["summary"]
+        assert (summary["completed"], summary["failed"]) == (12, 0), policy
+        assert report["reports"][policy]["prefix_cache_hit_rate"] is None  # the mock: no cache
+    fault = report["fault"]
+    assert fault["hung"] == 0 and fault["served"] + fault["failed"] == fault["sent"] == 12
+    assert fault["failed_after_detection"] == 0
+    assert fault["served"] >= 4  # the surviving replica finishes the rest
+    assert "fault (cache_aware, one replica SIGKILLed" in result.stdout

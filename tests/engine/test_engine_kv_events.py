@@ -1,0 +1,72 @@
+"""The engine publishes its prefix cache's changes: the replayed stream equals the cache."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+
+import msgspec
+
+from jserve.kv_events import KVEventBatch
+from jserve.sampling_params import SamplingParams
+from tests.core.test_kv_cache_events import cache_contents
+from tests.engine.conftest import make_engine, run_to_completion
+from tests.engine.test_kv_events_wire import replay
+
+
+def replayed(endpoint: str) -> tuple[dict, Counter]:
+    """The cache every batch published so far describes, and how many events of each kind."""
+    blocks: dict = {}
+    kinds: Counter = Counter()
+    decoder = msgspec.msgpack.Decoder(KVEventBatch)
+    for _, _, payload in replay(endpoint, 0):
+        for event in decoder.decode(payload).events:
+            kind = type(event).__name__
+            kinds[kind] += 1
+            if kind == "BlockStored":
+                size = event.block_size
+                for j, h in enumerate(event.block_hashes):
+                    blocks[h] = tuple(event.token_ids[j * size : (j + 1) * size])
+            elif kind == "BlockRemoved":
+                for h in event.block_hashes:
+                    del blocks[h]
+            else:
+                blocks.clear()
+    return blocks, kinds
+
+
+def wait_replayed(endpoint: str, expected: dict) -> Counter:
+    """The publisher thread sends asynchronously: replay until the state matches (or 10 s)."""
+    deadline = time.monotonic() + 10
+    while True:
+        blocks, kinds = replayed(endpoint)
+        if blocks == expected or time.monotonic() > deadline:
+            assert blocks == expected
+            return kinds
+        time.sleep(0.05)
+
+
+def test_served_requests_publish_stores_evictions_and_a_clear_on_restart(default_model):
+    # The tight engine's 48 usable blocks of 16 tokens (its shapes, so the compilation cache
+    # serves it); each round's three 200-token prompts share 96 tokens and take 13 blocks
+    # each, so later rounds evict earlier rounds' blocks.
+    engine = make_engine(
+        default_model, kv_events_endpoint="tcp://127.0.0.1:*",
+        kv_events_replay_endpoint="tcp://127.0.0.1:*",
+    )  # fmt: skip
+    try:
+        endpoint = engine._kv_events.replay_endpoint
+        shared = list(range(1000, 1096))
+        params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+        for round_ in range(4):
+            for i in range(3):
+                own = [2000 + 300 * i + 7 * round_ + k for k in range(104)]
+                engine.add_request(f"r{round_}-{i}", shared + own, params)
+            run_to_completion(engine)
+            kinds = wait_replayed(endpoint, cache_contents(engine.scheduler.block_manager))
+        assert kinds["BlockStored"] > 0 and kinds["BlockRemoved"] > 0
+        assert engine.stats().prefix_cache_hits > 0  # the shared prefix was found
+        engine.recover(RuntimeError("injected"))
+        assert wait_replayed(endpoint, {})["AllBlocksCleared"] == 1
+    finally:
+        engine.close()
