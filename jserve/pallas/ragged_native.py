@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jserve.pallas import native_build
+from jserve.pallas.native_build import load as load_native_kernels
 from jserve.pallas.ragged_common import RaggedCall
 from jserve.pallas.ragged_xla import prefill_rows
 
@@ -23,7 +23,7 @@ TARGET = "jserve_ragged_attention_f32"
 
 def native_supports(dtype: jnp.dtype) -> bool:
     """Whether the native kernel can run this dtype on this machine (building it if need be)."""
-    return jnp.dtype(dtype) == jnp.float32 and native_build.load() is not None
+    return jnp.dtype(dtype) == jnp.float32 and load_native_kernels() is not None
 
 
 @jax.jit
