@@ -78,21 +78,23 @@ def estimate_finish(
     """How long `request` would take if admitted now; None if no step cost is known.
 
     Prefill tokens (of those ahead, then its own) go through full steps of `budget` tokens;
-    its decode takes `max_tokens` steps of the running batch's size; and when more sequences
-    are ahead than `max_num_seqs`, it waits one mean remaining decode per batch of them.
+    its decode takes `max_tokens` steps, priced as full steps too when anything waits (later
+    arrivals' prefill chunks then share its decode steps), else as steps of the running
+    batch; and when more sequences are ahead than `max_num_seqs`, it waits one mean remaining
+    decode per batch of them, rounded up.
     """
     ahead = [r for lane in LANES[: LANE_RANK[request.lane] + 1] for r in waiting.queue(lane)]
     seqs = len(running) + len(ahead)
     batch = min(config.max_num_seqs, seqs + 1)
     full_step = costs.cost(budget, batch)
-    decode_step = costs.cost(batch, batch)
+    decode_step = full_step if len(waiting) else costs.cost(batch, batch)
     if full_step is None or decode_step is None:
         return None
     prefill_ahead = sum(r.num_tokens for r in ahead) + sum(
         max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running
     )
     remaining = [r.stop.max_tokens - r.num_output_tokens for r in (*running, *ahead)]
-    rounds = max(0, seqs + 1 - config.max_num_seqs) / config.max_num_seqs
+    rounds = -(-max(0, seqs + 1 - config.max_num_seqs) // config.max_num_seqs)
     mean_decode = sum(remaining) / len(remaining) if remaining else 0.0
     wait = prefill_ahead / budget * full_step + rounds * mean_decode * decode_step
     own = request.num_prompt_tokens / budget * full_step + request.stop.max_tokens * decode_step

@@ -9,21 +9,25 @@ requests still go first: they were admitted before), and a tenant whose request 
 preempted is the most-served one of the lowest running lane (its latest request goes first).
 
 Two rules keep the counters honest:
-- A tenant that becomes active in a lane again (its first unfinished request there) is lifted
-  to the minimum counter of the lane's other active tenants, so idling never banks credit.
+- A tenant that becomes active (backlogged: it has a request waiting in the lane) is lifted to
+  the smallest counter of the lane's backlogged tenants (none: to the counter of the last one
+  that stopped being backlogged, as the paper does), so idling never banks credit.
 - Recomputing prompt tokens after a preemption is not charged (`Request.num_prompt_served`):
   that cost is the scheduler's doing, and charging it would punish the preempted tenant twice.
 
-Bound (the paper's Theorem 4.4, instantiated for jserve): a tenant is admitted only while its
-counter (including what this step already scheduled) is the smallest among the lane's
-backlogged tenants, and a tenant's admitted, unfinished requests in a lane are at most
-`max_num_seqs` (new admissions wait behind preempted ones), each with at most `max_model_len`
-tokens still to be served. So while tenants f and g are both backlogged in a lane, their
-counters differ by at most U = max_num_seqs * max_model_len * DECODE_TOKEN_COST / min weight,
-and the service they receive over any such interval differs by at most 2U (`service_gap_bound`).
-The paper's U = max(w_p * L_input, w_q * M) has the same shape: M, the tokens a batch holds,
-becomes the tokens a tenant's admitted requests can still be served, since chunked prefill
-serves a prompt over several steps. tests/core/test_scheduler_state_machine.py checks it.
+Bound (the paper's Theorem 4.4, instantiated for jserve). A tenant is admitted only while its
+counter, including what this step already scheduled, is the smallest among the lane's
+backlogged tenants; its admitted, unfinished requests in a lane number at most `max_num_seqs`
+(new admissions wait behind preempted ones), and each can still be served at most
+`max_model_len * DECODE_TOKEN_COST / weight` units: call their sum B_f. So after f's last
+admission its counter exceeds any backlogged g's by at most B_f, and if f was not admitted its
+service is at most B_f. Hence for f and g continuously backlogged in a lane over an interval,
+the service they receive differs by at most max(B_f, B_g) plus the counter difference they
+started with (zero for tenants with equal history, which the lift brings level).
+`service_gap_bound` is that B. The paper's 2 * max(w_p * L_input, w_q * M) has the same shape:
+M, the tokens a batch holds, becomes the tokens a tenant's admitted requests can still be
+served, since chunked prefill serves a prompt over several steps.
+tests/core/test_scheduler_state_machine.py checks it on random workloads.
 """
 
 from __future__ import annotations
@@ -43,9 +47,10 @@ def service_of(request: Request, start: int, end: int, sample: bool) -> tuple[in
     return max(0, new_prompt), 1 if sample else 0
 
 
-def service_gap_bound(max_num_seqs: int, max_model_len: int, min_weight: float) -> float:
-    """2U: the most two continuously backlogged tenants' weighted service may differ by."""
-    return 2.0 * max_num_seqs * max_model_len * DECODE_TOKEN_COST / min_weight
+def service_gap_bound(max_num_seqs: int, max_model_len: int, weight: float) -> float:
+    """B: the most service a tenant of `weight` can still receive from its admitted requests
+    of one lane (the gap bound between backlogged tenants, beyond their starting gap)."""
+    return max_num_seqs * max_model_len * DECODE_TOKEN_COST / weight
 
 
 class FairShare:
@@ -54,7 +59,9 @@ class FairShare:
     def __init__(self, policy: TenantPolicy) -> None:
         self.policy = policy
         self.counters: dict[str, dict[str, float]] = {lane: {} for lane in LANES}
-        self._active: dict[str, dict[str, int]] = {lane: {} for lane in LANES}
+        self._backlog: dict[str, dict[str, int]] = {lane: {} for lane in LANES}  # waiting
+        self._unfinished: dict[str, dict[str, int]] = {lane: {} for lane in LANES}
+        self._last_left: dict[str, float] = {}  # lane -> counter of the last to leave backlog
         self.num_running: dict[str, int] = {}  # tenant -> its running sequences, all lanes
 
     def level(self, lane: str, tenant: str) -> float:
@@ -78,43 +85,69 @@ class FairShare:
         cap = self.policy.max_running.get(tenant)
         return cap is not None and self.num_running.get(tenant, 0) + extra_running >= cap
 
-    # ---- activity: the scheduler reports every unfinished request's life -------------------
+    # ---- activity: the scheduler reports every unfinished request's moves ----------------
 
     def on_add(self, request: Request) -> None:
-        active = self._active[request.lane]
-        tenant = request.tenant
-        if tenant not in active:
-            counters = self.counters[request.lane]
-            others = [counters.get(t, 0.0) for t in active]
-            if others:
-                counters[tenant] = max(counters.get(tenant, 0.0), min(others))
-            active[tenant] = 0
-        active[tenant] += 1
+        unfinished = self._unfinished[request.lane]
+        unfinished[request.tenant] = unfinished.get(request.tenant, 0) + 1
+        self._enter_backlog(request)
+
+    def on_start_running(self, request: Request) -> None:
+        self.num_running[request.tenant] = self.num_running.get(request.tenant, 0) + 1
+        self._leave_backlog(request)
+
+    def on_preempted(self, request: Request) -> None:
+        self._stopped_running(request.tenant)
+        self._enter_backlog(request)
 
     def on_finish(self, request: Request, was_running: bool) -> None:
         if was_running:
             self._stopped_running(request.tenant)
+        else:
+            self._leave_backlog(request)
         lane, tenant = request.lane, request.tenant
-        active = self._active[lane]
-        active[tenant] -= 1
-        if active[tenant]:
+        unfinished = self._unfinished[lane]
+        unfinished[tenant] -= 1
+        if unfinished[tenant]:
             return
-        del active[tenant]
+        del unfinished[tenant]
         counters = self.counters[lane]
-        if not active:
-            counters.clear()  # nobody to be fair to: only counters of active tenants matter
-        elif tenant not in self.policy.weights and counters.get(tenant, 0.0) <= min(
-            counters.get(t, 0.0) for t in active
-        ):
-            # Lifting restores at least this value when it returns: forget it (the names of
-            # undeclared tenants come from clients and must not accumulate).
+        if not unfinished:  # nobody left to be fair to in this lane: forget its history
+            counters.clear()
+            self._last_left.pop(lane, None)
+        elif tenant not in self.policy.weights and counters.get(tenant, 0.0) <= self._floor(lane):
+            # The floor only rises (until the lane idles), so lifting restores at least this
+            # value when the tenant returns: forget it. Undeclared tenants' names come from
+            # clients and must not accumulate.
             counters.pop(tenant, None)
 
-    def on_start_running(self, request: Request) -> None:
-        self.num_running[request.tenant] = self.num_running.get(request.tenant, 0) + 1
+    def _floor(self, lane: str) -> float:
+        """What a tenant that becomes backlogged is lifted to: the smallest counter of the
+        lane's backlogged tenants, or (none) the counter of the last one to leave."""
+        backlog = self._backlog[lane]
+        if backlog:
+            counters = self.counters[lane]
+            return min(counters.get(t, 0.0) for t in backlog)
+        return self._last_left.get(lane, 0.0)
 
-    def on_preempted(self, request: Request) -> None:
-        self._stopped_running(request.tenant)
+    def _enter_backlog(self, request: Request) -> None:
+        backlog = self._backlog[request.lane]
+        tenant = request.tenant
+        count = backlog.get(tenant, 0)
+        if not count:
+            counters = self.counters[request.lane]
+            counters[tenant] = max(counters.get(tenant, 0.0), self._floor(request.lane))
+        backlog[tenant] = count + 1
+
+    def _leave_backlog(self, request: Request) -> None:
+        backlog = self._backlog[request.lane]
+        tenant = request.tenant
+        count = backlog[tenant] - 1
+        if count:
+            backlog[tenant] = count
+        else:
+            del backlog[tenant]
+            self._last_left[request.lane] = self.counters[request.lane].get(tenant, 0.0)
 
     def _stopped_running(self, tenant: str) -> None:
         left = self.num_running[tenant] - 1

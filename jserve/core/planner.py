@@ -425,7 +425,7 @@ class _Planner:
         seqs = self.decodes if decoding else self.prefills
         # fcfs: the victim ranks last, so if it was scheduled its seq is the last one of its
         # kind (both passes append in rank order); vtc victims may sit anywhere.
-        candidates = range(len(seqs) - 1, -1 if self.vtc else len(seqs) - 2, -1)
+        candidates = range(len(seqs) - 1, -1 if self.vtc else max(-1, len(seqs) - 2), -1)
         index = next((i for i in candidates if seqs[i].request_id == victim.request_id), None)
         if index is not None:
             seq = seqs.pop(index)
