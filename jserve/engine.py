@@ -27,8 +27,9 @@ from jserve.config import CacheConfig
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
+from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine_args import EngineArgs
-from jserve.engine_setup import build_engine_parts
+from jserve.engine_setup import build_engine_parts, measure_step_costs
 from jserve.errors import RequestRejected
 from jserve.loaders.model_source import LoadedModel
 from jserve.output_processor import RequestState
@@ -90,6 +91,7 @@ class LLMEngine:
         self._num_generation_tokens = 0
         self.num_restarts = 0  # in-process restarts after a failed step (LLMEngine.recover)
         self.precompile()
+        measure_step_costs(self.scheduler, self.runner, self.inputs_builder, self._bucket_pairs)
         # Everything allocated so far lives for the engine's lifetime: keep it out of the
         # collector's full passes, which otherwise stall a step every ~50 at 1,000 requests.
         gc.collect()
@@ -125,10 +127,13 @@ class LLMEngine:
         lane: str = "interactive",
         deadline: float | None = None,
         arrival_time: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         """Queue a request; raises RequestRejected (reason + message) if it cannot be served.
 
-        `deadline` (time.monotonic() clock) ends it with "timeout": see jserve.core.deadlines.
+        `deadline` (time.monotonic() clock) ends it with "timeout": see jserve.core.deadlines;
+        a deadline the scheduler estimates it cannot meet is refused ("deadline"). `tenant`
+        is who it is served for (jserve.core.fairness).
         """
         params = params or SamplingParams()
         try:
@@ -154,10 +159,10 @@ class LLMEngine:
         for i, child_id in enumerate(child_ids(request_id, params.n)):
             req = Request(
                 child_id, ids, stop=stop, arrival_time=arrival, lane=lane, deadline=deadline,
-                group_id=request_id if params.n > 1 else None,
+                group_id=request_id if params.n > 1 else None, tenant=tenant,
             )  # fmt: skip
             try:
-                self.scheduler.add_request(req)
+                self.scheduler.add_request(req, now=arrival)
             except RequestRejected:
                 for added in children:  # all samples or none
                     self.scheduler.abort(added)
@@ -206,8 +211,12 @@ class LLMEngine:
             self._finish_child(child_id, reason, None, changed)
         if not plan.is_empty:
             self._iteration_tokens.append(plan.num_batched_tokens)
+            started = time.perf_counter()
             logits = self.runner.run(self.inputs_builder.build(plan))
             sampled = self._sample(plan, logits, changed)
+            # The sampler brought the tokens to the host: the step's device work is done.
+            seconds = time.perf_counter() - started
+            self.scheduler.step_costs.observe(plan.num_batched_tokens, len(plan.seqs), seconds)
             self._postprocess(plan, sampled, changed)
         outputs = [state.to_output() for state in changed.values()]
         for state in changed.values():
@@ -292,7 +301,8 @@ class LLMEngine:
             state.error = message
             outputs.append(self.abort_request(request_id, FinishReason.ERROR))
         cache = CacheConfig(self.args.block_size, self.scheduler.block_manager.num_blocks)
-        self.scheduler = Scheduler(self.scheduler.config, cache)
+        old = self.scheduler
+        self.scheduler = Scheduler(old.config, cache, old.fair.policy, old.step_costs)
         self.runner.reset_kv_cache()
         self.num_restarts += 1
         return [out for out in outputs if out is not None]

@@ -51,6 +51,10 @@ class PlanOutcome:
     # Lost their blocks, in preemption order; they go back to the front of their lane, tokens
     # kept (a request admitted by the static policy may be admitted and preempted in one step).
     preempted: list[Request] = field(default_factory=list)
+    # Why the last waiting request considered was not admitted, for the decision log:
+    # "max_num_seqs", "token_budget", "kv_watermark", "long_lane_share", "tenant_cap",
+    # "preempting" (blocks ran out this step); None if nothing was deferred.
+    deferred: str | None = None
 
 
 def plan_step(
@@ -118,6 +122,8 @@ class _Planner:
         if not static and not self.preempted:
             # Blocks ran out this step: admitting now would only set up the next preemption.
             self.admit_waiting()
+        elif self.preempted and len(self.waiting):
+            self.outcome.deferred = "preempting"
         plan = self.outcome.plan
         plan.seqs = self.decodes + self.prefills
         plan.num_decodes = len(self.decodes)
@@ -189,7 +195,13 @@ class _Planner:
                 return
 
     def _room(self) -> bool:
-        return len(self.running) < self.config.max_num_seqs and self.budget > 0
+        if len(self.running) >= self.config.max_num_seqs:
+            self.outcome.deferred = "max_num_seqs"
+            return False
+        if self.budget <= 0:
+            self.outcome.deferred = "token_budget"
+            return False
+        return True
 
     def _admit_lane(self, lane: str) -> str:
         """Admit from one lane: "stop" (no more admissions this step) or "next_lane"."""
@@ -264,6 +276,7 @@ class _Planner:
         group's prefill), "capped" (its tenant runs its max_running sequences), "next_lane"
         (long lane's share used up) or "stop"."""
         if self._capped(request):
+            self.outcome.deferred = "tenant_cap"
             return "capped"
         block_manager = self.block_manager
         leader = self.group_leaders.get(request.group_id) if request.group_id else None
@@ -280,10 +293,13 @@ class _Planner:
         if num_new == 0:
             # With chunked prefill and budget left, only the long lane's share can say no.
             chunked = self.config.enable_chunked_prefill
-            return "next_lane" if chunked and self.budget > 0 else "stop"
+            lane_share = chunked and self.budget > 0
+            self.outcome.deferred = "long_lane_share" if lane_share else "token_budget"
+            return "next_lane" if lane_share else "stop"
         needed = -(-(len(hits) * self.block_size + num_new) // self.block_size) - len(hits)
         free_after = block_manager.num_free_blocks - block_manager.num_reused_free(hits) - needed
         if free_after < self.watermark_blocks:
+            self.outcome.deferred = "kv_watermark"
             return "stop"
         self._start_running(request, hits, fork)
         block_manager.allocate(request, num_new)

@@ -19,6 +19,7 @@ every method from the thread that drives the steps (e.g. the engine's event loop
 
 from __future__ import annotations
 
+import logging
 import time
 from bisect import bisect_left
 from collections.abc import Mapping
@@ -44,6 +45,9 @@ from jserve.core.tenants import TenantPolicy
 from jserve.stopping import FinishReason
 
 _rank = attrgetter("rank")
+# The decision log: why each request was admitted, deferred, preempted or rejected (DEBUG;
+# switched on at run time through jserve.core.control).
+DECISIONS = logging.getLogger("jserve.decisions")
 
 
 @dataclass
@@ -136,8 +140,13 @@ class Scheduler:
                     self.step_budget(),
                 )  # fmt: skip
                 check_deadline(request, estimate, time.monotonic() if now is None else now)
-        except Exception:
+        except Exception as exc:
             request.status = RequestStatus.FINISHED
+            if DECISIONS.isEnabledFor(logging.DEBUG):
+                DECISIONS.debug(
+                    "reject %s tenant=%s lane=%s reason=%s: %s", request.request_id,
+                    request.tenant, request.lane, getattr(exc, "reason", "error"), exc,
+                )  # fmt: skip
             raise
         self._num_added += 1
         request.rank = (LANE_RANK[request.lane], request.arrival_time, self._num_added)
@@ -194,8 +203,27 @@ class Scheduler:
             self.watermark_blocks, self.num_steps, self.fair, self.step_budget(),
         )  # fmt: skip
         self._apply(outcome)
+        if DECISIONS.isEnabledFor(logging.DEBUG):
+            self._log_decisions(outcome, finished)
         outcome.plan.finished = finished
         return outcome.plan
+
+    def _log_decisions(self, outcome: PlanOutcome, finished: Mapping[str, FinishReason]) -> None:
+        level = self.fair.level
+        for request_id in finished:
+            DECISIONS.debug("expire %s: past its deadline", request_id)
+        for r in outcome.admitted:
+            DECISIONS.debug(
+                "admit %s tenant=%s lane=%s counter=%.1f computed=%d", r.request_id, r.tenant,
+                r.lane, level(r.lane, r.tenant), r.num_computed_tokens,
+            )  # fmt: skip
+        for r in outcome.preempted:
+            DECISIONS.debug(
+                "preempt %s tenant=%s lane=%s counter=%.1f: out of KV blocks", r.request_id,
+                r.tenant, r.lane, level(r.lane, r.tenant),
+            )  # fmt: skip
+        if outcome.deferred is not None:
+            DECISIONS.debug("defer %d waiting: %s", len(self.waiting), outcome.deferred)
 
     def step_budget(self) -> int:
         """Tokens the next step may take: max_num_batched_tokens, or with target_itl_ms the

@@ -88,3 +88,18 @@ def load_bucket_report(path: str) -> dict[tuple[int, int], float]:
             f"{path} is not a bench/buckets.py report with per-bucket 'mixed' step times: "
             f"{type(exc).__name__}: {exc}"
         ) from None
+
+
+def check_target_itl(target_itl_ms: float, costs: StepCosts) -> None:
+    """ValueError unless some step can meet `target_itl_ms` (0 = no target)."""
+    if not target_itl_ms:
+        return
+    smallest = costs.cost(1, 1)
+    if smallest is None:
+        raise ValueError("target_itl_ms needs measured step costs, and none are known")
+    if target_itl_ms / 1000.0 < smallest:
+        raise ValueError(
+            f"target_itl_ms={target_itl_ms:g} is below the measured step time of the smallest "
+            f"bucket ({smallest * 1000.0:.1f} ms for one token): no step can meet it; raise "
+            f"it, or 0 for a fixed budget"
+        )

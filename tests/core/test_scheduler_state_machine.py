@@ -334,7 +334,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 continue
             out = {}
             for request in self.live.values():
-                if request.lane != lane or request.status is RequestStatus.WAITING:
+                admitted = (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+                if request.lane != lane or request.status not in admitted:
                     continue
                 prompt = request.num_prompt_tokens - request.num_prompt_served
                 outputs = request.stop.max_tokens - request.num_output_tokens
