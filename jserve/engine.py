@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import jax
 
 from jserve.config import CacheConfig
+from jserve.core.control import apply_changes, current_settings
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
@@ -317,6 +318,19 @@ class LLMEngine:
         changed[child.state.request_id] = child.state
 
     # ---- operators' view -----------------------------------------------------------------
+
+    def scheduler_settings(self) -> dict:
+        """The scheduler settings run-time control may change, and their values."""
+        return current_settings(self.scheduler)
+
+    def control(self, changes: dict) -> dict:
+        """Change scheduler settings between steps (ValueError: nothing changed); within
+        what was precompiled. Returns the settings after (see jserve.core.control)."""
+        limits = {
+            "max_num_batched_tokens": self.args.max_num_batched_tokens,
+            "max_num_seqs": self.args.max_num_seqs,
+        }
+        return apply_changes(self.scheduler, changes, limits)
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()

@@ -41,6 +41,12 @@ def current_settings(scheduler: Scheduler) -> dict[str, Any]:
     settings: dict[str, Any] = {name: getattr(scheduler.config, name) for name in ADJUSTABLE}
     settings["tenant_weights"] = dict(scheduler.fair.policy.weights)
     settings["decision_log"] = DECISIONS.isEnabledFor(logging.DEBUG)
+    # Read-only: each lane's virtual token counters of its active tenants (top 32 served).
+    settings["fair_share_counters"] = {
+        lane: dict(sorted(counters.items(), key=lambda kv: -kv[1])[:32])
+        for lane, counters in scheduler.fair.counters.items()
+        if counters
+    }
     return settings
 
 
@@ -94,6 +100,6 @@ def apply_changes(
         DECISIONS.setLevel(logging.DEBUG if decision_log else logging.NOTSET)
     after = current_settings(scheduler)
     for name, value in after.items():
-        if value != before[name]:
+        if name != "fair_share_counters" and value != before[name]:
             log.info("scheduler setting %s changed: %r -> %r", name, before[name], value)
     return after
