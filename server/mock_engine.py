@@ -101,9 +101,9 @@ class MockEngine:
         self._stats = EngineStats()
         self._loop_task: asyncio.Task | None = None
         self.tenants: dict[str, str] = {}
-        self._settings = Scheduler(
-            SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=max_model_len),
-            CacheConfig(block_size, num_kv_blocks),
+        self._settings = Scheduler(  # never steps: it only validates and keeps settings
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=256),
+            CacheConfig(16, 64),
             TenantPolicy({"gold": 2.0}),
         )
 
