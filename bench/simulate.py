@@ -386,8 +386,9 @@ def preset_deadline(args) -> str:
         rows = [["admission", "admitted misses", "rejected", "deadline reqs in time",
                  "all done in deadline", "goodput req/s"]]  # fmt: skip
         goodputs = []
-        for name, step_costs in (("let time out", None), ("early rejection", costs())):
-            result = simulate(workload, _engine_config(), 4096, model, step_costs)
+        for name, admission in (("let time out", False), ("early rejection", True)):
+            config = _engine_config(deadline_admission=admission)
+            result = simulate(workload, config, 4096, model, costs())
             rejected = sum(r.error.startswith("rejected") for r in result.records)
             in_time = sum(
                 1 for w, r in zip(workload, result.records, strict=True)

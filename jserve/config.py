@@ -83,6 +83,11 @@ class SchedulerConfig:
         "within a tenant) or fcfs (arrival order)",
         choices=FAIRNESS_POLICIES,
     )
+    deadline_admission: bool = setting(
+        True,
+        "refuse at arrival a request whose timeout its estimated finish time (priced from "
+        "measured step costs) misses (HTTP 429, reason deadline); off, deadlines only expire",
+    )
     target_itl_ms: float = setting(
         0.0,
         "inter-token latency target of running decodes, in ms: each step takes as many prefill "

@@ -75,6 +75,7 @@ class EngineArgs:
     kv_reject_watermark: float = _scheduler_setting("kv_reject_watermark")
     aging_iterations: int = _scheduler_setting("aging_iterations")
     fairness: str = _scheduler_setting("fairness")
+    deadline_admission: bool = _scheduler_setting("deadline_admission")
     target_itl_ms: float = _scheduler_setting("target_itl_ms")
     tenants_file: str | None = setting(
         None,

@@ -31,6 +31,7 @@ ADJUSTABLE: dict[str, type] = {
     "kv_reject_watermark": float,
     "aging_iterations": int,
     "fairness": str,
+    "deadline_admission": bool,
     "target_itl_ms": float,
 }
 _EXTRA = ("tenant_weights", "decision_log")
@@ -51,7 +52,7 @@ def current_settings(scheduler: Scheduler) -> dict[str, Any]:
 
 
 def _checked_type(name: str, value: Any, kind: type) -> Any:
-    ok = isinstance(value, kind) and not isinstance(value, bool)
+    ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
     if kind is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok:

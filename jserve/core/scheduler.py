@@ -134,7 +134,12 @@ class Scheduler:
                 request.num_prompt_tokens > self.config.long_prompt_threshold
             ):
                 request.lane = "long"
-            if request.deadline is not None and self.step_costs is not None and not is_sibling:
+            if (
+                request.deadline is not None
+                and self.config.deadline_admission
+                and self.step_costs is not None
+                and not is_sibling
+            ):
                 estimate = estimate_finish(
                     request, self.config, self.step_costs, self.running, self.waiting,
                     self.step_budget(),
