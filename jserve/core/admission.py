@@ -77,27 +77,42 @@ def estimate_finish(
 ) -> FinishEstimate | None:
     """How long `request` would take if admitted now; None if no step cost is known.
 
-    Prefill tokens (of those ahead, then its own) go through full steps of `budget` tokens;
-    its decode takes `max_tokens` steps, priced as full steps too when anything waits (later
-    arrivals' prefill chunks then share its decode steps), else as steps of the running
-    batch; and when more sequences are ahead than `max_num_seqs`, it waits one mean remaining
-    decode per batch of them, rounded up.
+    Prefill tokens (of those ahead, then its own) go through full steps of `budget` tokens.
+    Its decode takes `max_tokens` steps, priced as full steps when anything waits (later
+    arrivals' prefill chunks then share its decode steps), else as steps of the running batch
+    or the recent average step, whichever is longer. When more sequences are ahead than
+    `max_num_seqs`, it waits one mean remaining decode per batch of them, rounded up. Aging
+    lets each lower lane with work waiting put one request ahead every `aging_iterations`
+    steps: those count as ahead too.
     """
-    ahead = [r for lane in LANES[: LANE_RANK[request.lane] + 1] for r in waiting.queue(lane)]
-    seqs = len(running) + len(ahead)
-    batch = min(config.max_num_seqs, seqs + 1)
+    rank = LANE_RANK[request.lane]
+    ahead = [r for lane in LANES[: rank + 1] for r in waiting.queue(lane)]
+    lower = [waiting.queue(lane) for lane in LANES[rank + 1 :] if waiting.queue(lane)]
+    batch = min(config.max_num_seqs, len(running) + len(ahead) + 1)
     full_step = costs.cost(budget, batch)
     decode_step = full_step if len(waiting) else costs.cost(batch, batch)
     if full_step is None or decode_step is None:
         return None
+    decode_step = max(decode_step, costs.recent or 0.0)  # later arrivals' chunks share steps
     prefill_ahead = sum(r.num_tokens for r in ahead) + sum(
         max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running
     )
     remaining = [r.stop.max_tokens - r.num_output_tokens for r in (*running, *ahead)]
-    rounds = -(-max(0, seqs + 1 - config.max_num_seqs) // config.max_num_seqs)
     mean_decode = sum(remaining) / len(remaining) if remaining else 0.0
-    wait = prefill_ahead / budget * full_step + rounds * mean_decode * decode_step
     own = request.num_prompt_tokens / budget * full_step + request.stop.max_tokens * decode_step
+
+    def wait_for(extra_seqs: int, extra_prefill: float) -> float:
+        seqs = len(running) + len(ahead) + extra_seqs
+        rounds = -(-max(0, seqs + 1 - config.max_num_seqs) // config.max_num_seqs)
+        prefill = (prefill_ahead + extra_prefill) / budget * full_step
+        return prefill + rounds * mean_decode * decode_step
+
+    wait = wait_for(0, 0.0)
+    if lower:
+        steps = (wait + own) / min(full_step, decode_step)
+        promoted = len(lower) * -(-int(steps) // config.aging_iterations)
+        mean_prompt = sum(q[0].num_tokens for q in lower) / len(lower)
+        wait = wait_for(promoted, promoted * mean_prompt)
     return FinishEstimate(wait, wait + own)
 
 

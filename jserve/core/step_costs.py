@@ -17,6 +17,7 @@ from pathlib import Path
 from jserve.core.buckets import pick_step_bucket
 
 EWMA_WEIGHT = 0.2  # weight of the newest measurement of a bucket
+RECENT_WEIGHT = 0.05  # of the newest step in the load-mix average (about the last 20 steps)
 
 
 class StepCosts:
@@ -30,6 +31,9 @@ class StepCosts:
     ) -> None:
         self.token_buckets = tuple(token_buckets)
         self.seq_buckets = tuple(seq_buckets)
+        # Moving average of every served step's time, whatever its bucket: what a step costs
+        # under the current mix of decodes and prefill chunks (None before the first step).
+        self.recent: float | None = None
         self.seconds: dict[tuple[int, int], float] = {}
         for (tokens, seqs), secs in (seed or {}).items():
             if secs > 0:
@@ -45,6 +49,8 @@ class StepCosts:
         key = self.bucket(num_tokens, num_seqs)
         old = self.seconds.get(key)
         self.seconds[key] = seconds if old is None else old + EWMA_WEIGHT * (seconds - old)
+        recent = self.recent
+        self.recent = seconds if recent is None else recent + RECENT_WEIGHT * (seconds - recent)
 
     def cost(self, num_tokens: int, num_seqs: int) -> float | None:
         """Estimated seconds of a step of this many tokens and sequences; None if nothing

@@ -31,6 +31,7 @@ def test_step_costs_learn_online_and_price_unmeasured_buckets():
     assert costs.cost(8, 8) == pytest.approx(1.2)  # moving average, weight 0.2
     assert costs.cost(32, 8) == pytest.approx(1.2 * 4)  # nearest, scaled by tokens
     assert costs.largest_within(1.3, 1) == 8
+    assert costs.recent == pytest.approx(1.0 + 0.05 * (2.0 - 1.0))  # every bucket's steps
 
 
 def test_a_deadline_that_cannot_be_met_is_refused_with_the_numbers():
