@@ -452,6 +452,62 @@ def preset_policies(args) -> str:
     return "\n".join(out)
 
 
+# SmolLM2-135M's KV cache in float32 (the CPU default): 30 layers, 3 KV heads of 64, K and V.
+SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
+
+
+def _served_config(command: str) -> tuple[SchedulerConfig, int, int]:
+    """(scheduler config, KV blocks, block size) of a `jserve serve` command line, through
+    jserve's own parser so defaults cannot drift."""
+    from jserve.engine_args import engine_args_from_namespace
+    from server.cli import build_parser as serve_parser
+
+    words = command.split()
+    ns = serve_parser().parse_args(words[words.index("serve") :])
+    engine = engine_args_from_namespace(ns)
+    blocks = engine.num_kv_blocks or engine.kv_cache_memory // (
+        SMOLLM2_KV_BYTES_PER_TOKEN * engine.block_size
+    )
+    return engine.scheduler_config(engine.max_model_len or 2048), blocks, engine.block_size
+
+
+def compare_serve(path: str, report_path: str) -> str:
+    """Predicted (measured-table cost model) vs measured, for each real-engine run in a
+    bench/serve.py or bench/compare.py JSON: the same arrivals, prompt and output lengths."""
+    data = json.loads(Path(path).read_text())
+    runs = data.get("reports", {"run": data})
+    rows = [["run", "", "req/s", "out tok/s", "TTFT p50 ms", "TPOT p50 ms"]]
+    for name, run in runs.items():
+        if "--mock" in run["command"]:
+            continue  # a mock server's cost is not the table's
+        config, blocks, block_size = _served_config(run["command"])
+        workload = [
+            SimRequest(r["start"], r["prompt_tokens"], r["expected_output_tokens"])
+            for r in run["requests"]
+        ]
+        table = load_bucket_report(report_path)
+        token_buckets = make_token_buckets(config.max_num_batched_tokens, smallest=1)
+        seq_buckets = make_seq_buckets(config.max_num_seqs)
+        model = MeasuredCost(StepCosts(token_buckets, seq_buckets, table))
+        costs = StepCosts(token_buckets, seq_buckets, table)
+        result = simulate(workload, config, blocks, model, costs, None, block_size)
+        measured, predicted = run["summary"], summarize(result.records, result.duration)
+        for label, s in (("measured", measured), ("simulated", predicted)):
+            rows.append([name, label, f"{s['request_throughput']:.3f}",
+                         f"{s['output_throughput']:.1f}", _fmt(s["ttft_ms"]["p50"]),
+                         _fmt(s["tpot_ms"]["p50"])])  # fmt: skip
+        ratio = [
+            predicted["request_throughput"] / measured["request_throughput"],
+            predicted["output_throughput"] / measured["output_throughput"],
+            (predicted["ttft_ms"]["p50"] or 0) / (measured["ttft_ms"]["p50"] or 1),
+            (predicted["tpot_ms"]["p50"] or 0) / (measured["tpot_ms"]["p50"] or 1),
+        ]
+        rows.append([name, "sim/measured", *(f"{x:.2f}" for x in ratio)])
+    load = {n: r.get("loadavg_1min") for n, r in runs.items()}
+    return "\n".join([f"== simulator vs measured: {path} ==", _table(rows),
+                      f"measured runs' 1-minute load (before/after): {load}"])  # fmt: skip
+
+
 PRESETS = {
     "fairness": preset_fairness,
     "deadline": preset_deadline,
@@ -465,6 +521,11 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--preset", choices=[*PRESETS, "all"], default=None)
+    parser.add_argument(
+        "--compare-serve", nargs="+", default=None, metavar="JSON",
+        help="bench/serve.py or bench/compare.py results: simulate the same workloads and "
+        "print predicted vs measured",
+    )  # fmt: skip
     parser.add_argument("--bucket-report", default=str(DEFAULT_REPORT))
     parser.add_argument("--cost-model", choices=["measured", "roofline"], default="measured")
     parser.add_argument("--dataset", default=None, help="JSONL workload (see the docstring)")
@@ -487,6 +548,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.compare_serve:
+        print("\n\n".join(compare_serve(p, args.bucket_report) for p in args.compare_serve))
+        return 0
     if args.preset:
         names = list(PRESETS) if args.preset == "all" else [args.preset]
         print("\n\n".join(PRESETS[name](args) for name in names))
