@@ -81,6 +81,12 @@ class FairShare:
         tenant = request.tenant
         counters[tenant] = counters.get(tenant, 0.0) + self.cost(tenant, prompt, output)
 
+    def charge_decodes(self, decodes: dict[tuple[str, str], int]) -> None:
+        """Count one output token (no prompt token) for each decode, by (lane, tenant)."""
+        for (lane, tenant), count in decodes.items():
+            counters = self.counters[lane]
+            counters[tenant] = counters.get(tenant, 0.0) + self.cost(tenant, 0, count)
+
     def at_cap(self, tenant: str, extra_running: int = 0) -> bool:
         cap = self.policy.max_running.get(tenant)
         return cap is not None and self.num_running.get(tenant, 0) + extra_running >= cap

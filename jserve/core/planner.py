@@ -194,6 +194,18 @@ class _Planner:
             if verdict == "stop":
                 return
 
+    def _admit_fifo(self, queue: Sequence[Request], skip_preempted: bool) -> str:
+        """Admit from `queue` in order (preempted requests already tried, if skipped)."""
+        for request in queue:
+            if skip_preempted and request.status is RequestStatus.PREEMPTED:
+                continue
+            if not self._room():
+                return "stop"
+            verdict = self._try_admit(request)
+            if verdict not in _KEEP_GOING:
+                return verdict
+        return "next_lane"
+
     def _room(self) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
             self.outcome.deferred = "max_num_seqs"
@@ -207,13 +219,7 @@ class _Planner:
         """Admit from one lane: "stop" (no more admissions this step) or "next_lane"."""
         queue = self.waiting.queue(lane)
         if not self.vtc:
-            for request in queue:
-                if not self._room():
-                    return "stop"
-                verdict = self._try_admit(request)
-                if verdict not in _KEEP_GOING:
-                    return verdict
-            return "next_lane"
+            return self._admit_fifo(queue, skip_preempted=False)
         for request in queue:  # preempted requests lead their lane: they were admitted first
             if request.status is not RequestStatus.PREEMPTED:
                 break
@@ -222,7 +228,10 @@ class _Planner:
             verdict = self._try_admit(request)
             if verdict not in _KEEP_GOING:
                 return verdict
-        heads = {t: iter(q) for t, q in self.waiting.tenant_queues(lane).items()}
+        tenant_queues = self.waiting.tenant_queues(lane)
+        if len(tenant_queues) == 1:  # one tenant: its FIFO is the lane's (counters moot)
+            return self._admit_fifo(queue, skip_preempted=True)
+        heads = {t: iter(q) for t, q in tenant_queues.items()}
         pending = self._pending_service()
         nxt: dict[str, Request] = {}
         while heads or nxt:

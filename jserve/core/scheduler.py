@@ -270,14 +270,20 @@ class Scheduler:
         block_size = self.block_size
         running = RequestStatus.RUNNING
         charge = self.fair.charge
+        decodes: dict[tuple[str, str], int] = {}  # (lane, tenant) -> one-token decodes
         finished = []
         # The hot loop of every step: attribute access and calls are kept to a minimum.
         for seq in plan.seqs:
             request = requests.get(seq.request_id)
             if request is None or request.status is not running:
                 continue  # aborted or finished by the engine while the step ran
-            num_computed = request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
-            charge(request, seq.start_pos, num_computed, seq.sample)
+            start = seq.start_pos
+            num_computed = request.num_computed_tokens = start + len(seq.token_ids)
+            if start < request.num_prompt_tokens or not seq.sample:
+                charge(request, start, num_computed, seq.sample)
+            else:  # a decode (or a recompute of outputs): one output token served
+                key = (request.lane, request.tenant)
+                decodes[key] = decodes.get(key, 0) + 1
             if caching and num_computed // block_size > request.num_hashed_blocks:
                 block_manager.cache_full_blocks(request)
             if not seq.sample:
@@ -296,6 +302,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)
+        self.fair.charge_decodes(decodes)
         if finished:
             self.running = [r for r in self.running if r.status is running]
         return finished
