@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_TENANT = "default"
-MAX_TENANT_NAME = 64
+MAX_TENANT_NAME = 256  # OpenAI clients send user ids of up to this length
 _TENANT_KEYS = frozenset({"weight", "max_running"})
 
 

@@ -35,7 +35,7 @@ async def test_the_tenant_is_the_header_else_the_user_field_else_default():
             assert engine.tenants[request_id] == expected
         for headers, extra, param in [
             ({"X-Tenant": ""}, {}, "X-Tenant"),
-            ({}, {"user": "x" * 65}, "user"),
+            ({}, {"user": "x" * 257}, "user"),
             ({}, {"user": 5}, "user"),
         ]:
             response = await client.post(COMPLETIONS, json={**body, **extra}, headers=headers)
