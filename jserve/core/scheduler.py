@@ -232,14 +232,14 @@ class Scheduler:
 
     def step_budget(self) -> int:
         """Tokens the next step may take: max_num_batched_tokens, or with target_itl_ms the
-        largest token bucket whose measured step time fits the target (at least one token
-        per running decode)."""
+        largest token bucket whose measured step time fits the target; at least one token
+        per running decode (the admin endpoint may lower the budget below the running count)."""
         config = self.config
-        if not config.target_itl_ms or self.step_costs is None:
-            return config.max_num_batched_tokens
-        num_seqs = min(config.max_num_seqs, len(self.running) + len(self.waiting))
-        fits = self.step_costs.largest_within(config.target_itl_ms / 1000.0, max(1, num_seqs))
-        budget = min(fits or 0, config.max_num_batched_tokens)
+        budget = config.max_num_batched_tokens
+        if config.target_itl_ms and self.step_costs is not None:
+            num_seqs = min(config.max_num_seqs, len(self.running) + len(self.waiting))
+            target = config.target_itl_ms / 1000.0
+            budget = min(self.step_costs.largest_within(target, max(1, num_seqs)) or 0, budget)
         return max(budget, len(self.running), 1)
 
     def _apply(self, outcome: PlanOutcome) -> None:

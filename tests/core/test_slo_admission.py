@@ -118,3 +118,18 @@ def test_bucket_reports_load_and_bad_ones_say_why(tmp_path):
     path.write_text(json.dumps({"buckets": [{"T": 8}]}))
     with pytest.raises(ValueError, match=r"not a bench/buckets\.py report"):
         load_bucket_report(str(path))
+
+
+def test_a_budget_lowered_below_the_running_decodes_still_decodes_them_all():
+    scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=32)
+    for i in range(6):
+        scheduler.add_request(make_request(f"r{i}", 4, 100 * i, max_tokens=6))
+    scheduler.add_request(make_request("long", 40, 5000, max_tokens=2))
+    step(scheduler)  # six prompts and the first 8 tokens of the long one
+    config = scheduler.config
+    scheduler.reconfigure(type(config)(**{**config.__dict__, "max_num_seqs": 2,
+                                          "max_num_batched_tokens": 2}))  # fmt: skip
+    plan, _ = step(scheduler)
+    # One token per running request: six decodes and one more prefill token.
+    assert plan.num_decodes == 6 and plan.num_batched_tokens == 7
+    run_until_idle(scheduler)
