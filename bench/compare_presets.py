@@ -99,6 +99,16 @@ async def decodes_then_long_prompts(
     return decodes + prefills
 
 
+async def flood_then_light_tenant(maker: TextMaker, rng: np.random.Generator, smoke: bool) -> list:
+    """Tenant A floods the queue with four times tenant B's requests, then B's arrive: both
+    stay backlogged behind the sequence cap (groups and tenants are "A" and "B")."""
+    heavy, light = (8, 2) if smoke else (40, 10)
+    a = await _specs(maker, rng, heavy, "uniform:48:96", "32", group="A", arrival_s=0.0)
+    b = await _specs(maker, rng, light, "uniform:48:96", "32", group="B", arrival_s=0.5)
+    return [RequestSpec(s.prompt, s.max_tokens, group=s.group, arrival_s=s.arrival_s,
+                        tenant=s.group) for s in a + b]  # fmt: skip
+
+
 FAST_MOCK, SLOW_MOCK = ("--mock-token-delay", "0.005"), ("--mock-token-delay", "0.01")
 
 PRESETS = {
@@ -138,6 +148,25 @@ PRESETS = {
             decodes_then_long_prompts,
             Headline("itl_ms", "p99", higher_is_better=False, goal=2.0, group="decode"),
             extra_server_args=("--max-model-len", "2048"),
+        ),
+        Preset(
+            "fairness",
+            "tenant A sends 4x tenant B's requests ahead of B's, 4 sequences at a time; FCFS vs "
+            "fair share (virtual token counters)",
+            Side("fcfs", ("--fairness", "fcfs"), SLOW_MOCK),
+            Side("fair-share", ("--fairness", "vtc"), FAST_MOCK),
+            flood_then_light_tenant,
+            Headline("ttft_ms", "p99", higher_is_better=False, goal=3.0, group="B"),
+            extra_server_args=("--max-num-seqs", "4"),
+        ),
+        Preset(
+            "adaptive-budget",
+            "the chunked-prefill workload with a 512-token budget, fixed vs --target-itl-ms 450",
+            Side("fixed-512", (), SLOW_MOCK),
+            Side("target-itl", ("--target-itl-ms", "450"), FAST_MOCK),
+            decodes_then_long_prompts,
+            Headline("itl_ms", "p99", higher_is_better=False, goal=2.0, group="decode"),
+            extra_server_args=("--max-model-len", "2048", "--max-num-batched-tokens", "512"),
         ),
     )
 }

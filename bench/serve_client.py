@@ -79,6 +79,8 @@ def request_body(config: LoadConfig, spec: RequestSpec) -> dict:
     }
     if config.ignore_eos:  # vLLM extras; jserve accepts them too
         body.update(ignore_eos=True, min_tokens=spec.max_tokens)
+    if spec.tenant is not None:
+        body["user"] = spec.tenant
     if config.endpoint == "chat":
         messages = [{"role": "system", "content": spec.system}] if spec.system else []
         body["messages"] = [*messages, {"role": "user", "content": spec.prompt}]

@@ -57,6 +57,7 @@ class RequestSpec:
         system: a system prompt sent before `prompt` (shared-prefix workload), or None.
         group: a label; metrics are also reported per group.
         arrival_s: send time in seconds after the start, or None to follow the arrival process.
+        tenant: sent as the OpenAI `user` field (jserve's tenant), or None for none.
     """
 
     prompt: str
@@ -64,6 +65,7 @@ class RequestSpec:
     system: str | None = None
     group: str = "all"
     arrival_s: float | None = None
+    tenant: str | None = None
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine import LLMEngine
 from jserve.engine_args import EngineArgs
 from jserve.errors import EngineDeadError, RequestRejected
@@ -84,6 +85,7 @@ class AsyncLLMEngine:
         *,
         lane: str = "interactive",
         timeout: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> AsyncIterator[RequestOutput]:
         if self.state != "ready":
             raise EngineDeadError(self.dead_reason or f"engine is {self.state}")
@@ -96,7 +98,7 @@ class AsyncLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._send("add", (request_id, prompt, params, lane, deadline))
+        self._send("add", (request_id, prompt, params, lane, deadline, tenant))
         finished = False
         try:
             while not finished:
@@ -114,6 +116,14 @@ class AsyncLLMEngine:
 
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
+
+    async def control(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Read (no changes) or change scheduler settings, between steps on the step thread;
+        raises ValueError saying what is wrong (then nothing changed)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._send("control", (changes, loop, future))
+        return await future
 
     @property
     def num_restarts(self) -> int:
@@ -153,9 +163,14 @@ class AsyncLLMEngine:
                 if out is not None:
                     self._deliver(payload, out)
                 continue
-            request_id, prompt, params, lane, deadline = payload
+            if kind == "control":
+                self._control(*payload)
+                continue
+            request_id, prompt, params, lane, deadline, tenant = payload
             try:
-                engine.add_request(request_id, prompt, params, lane=lane, deadline=deadline)
+                engine.add_request(
+                    request_id, prompt, params, lane=lane, deadline=deadline, tenant=tenant
+                )
             except Exception as e:  # a bad request fails alone, never the step loop
                 if isinstance(e, ValueError) and not isinstance(e, RequestRejected):
                     e = RequestRejected("invalid", str(e))
@@ -163,6 +178,24 @@ class AsyncLLMEngine:
                     log.exception("adding request %s failed", request_id)
                     engine.abort_request(request_id)
                 self._deliver(request_id, e)
+
+    def _control(
+        self, changes: dict[str, Any], loop: asyncio.AbstractEventLoop, future: asyncio.Future
+    ) -> None:
+        def settle(result: Any, error: BaseException | None) -> None:
+            if future.done():
+                return  # the caller went away
+            if error is None:
+                future.set_result(result)
+            else:
+                future.set_exception(error)
+
+        try:
+            result = self.engine.control(changes) if changes else self.engine.scheduler_settings()
+        except ValueError as exc:
+            loop.call_soon_threadsafe(settle, None, exc)
+        else:
+            loop.call_soon_threadsafe(settle, result, None)
 
     def _run(self) -> None:
         engine = self.engine

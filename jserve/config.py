@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from jserve.settings import documented, setting
 
 POLICIES = ("continuous", "static")
+# Order inside a lane: virtual-token-counter fair share between tenants, or arrival order.
+FAIRNESS_POLICIES = ("vtc", "fcfs")
 # Scheduling lanes in strict priority order, highest first (the HTTP field `lane` names one).
 LANES = ("interactive", "long", "batch")
 
@@ -55,7 +57,14 @@ class SchedulerConfig:
         "refused (HTTP 429, reason queue_full)",
     )
     free_block_watermark: float = setting(
-        0.01, "fraction, in [0, 1), of KV blocks kept free: no new prefill starts below it"
+        0.01,
+        "fraction, in [0, 1), of KV blocks kept free: no new prefill starts below it (the high "
+        "watermark is 1 minus this)",
+    )
+    kv_reject_watermark: float = setting(
+        1.0,
+        "KV usage, in (0, 1], above which new requests are refused (HTTP 503, reason kv_full); "
+        "1 = never",
     )
     aging_iterations: int = setting(
         64,
@@ -67,6 +76,23 @@ class SchedulerConfig:
         "continuous (iteration-level) or static (admit a batch only when nothing runs, then run "
         "it until every member finishes: a baseline for benchmarks)",
         choices=POLICIES,
+    )
+    fairness: str = setting(
+        "vtc",
+        "order inside a lane: vtc (fair share between tenants by virtual token counters, FIFO "
+        "within a tenant) or fcfs (arrival order)",
+        choices=FAIRNESS_POLICIES,
+    )
+    deadline_admission: bool = setting(
+        True,
+        "refuse at arrival a request whose timeout its estimated finish time (priced from "
+        "measured step costs) misses (HTTP 429, reason deadline); off, deadlines only expire",
+    )
+    target_itl_ms: float = setting(
+        0.0,
+        "inter-token latency target of running decodes, in ms: each step takes as many prefill "
+        "tokens as the precompiled bucket whose measured step time fits it allows; 0 = a "
+        "fixed budget of max_num_batched_tokens",
     )
     enable_chunked_prefill: bool = setting(
         True,
@@ -111,6 +137,18 @@ class SchedulerConfig:
             f"free_block_watermark must be in [0, 1), got {self.free_block_watermark}",
         )
         _require(
+            0.0 < self.kv_reject_watermark <= 1.0,
+            f"kv_reject_watermark must be in (0, 1], got {self.kv_reject_watermark}",
+        )
+        _require(
+            self.fairness in FAIRNESS_POLICIES,
+            f"fairness must be one of {FAIRNESS_POLICIES}, got {self.fairness!r}",
+        )
+        _require(
+            self.target_itl_ms >= 0.0,
+            f"target_itl_ms must be >= 0 (0 = off), got {self.target_itl_ms}",
+        )
+        _require(
             self.aging_iterations >= 1,
             f"aging_iterations must be >= 1, got {self.aging_iterations}",
         )
@@ -124,6 +162,10 @@ class SchedulerConfig:
                 f"without chunked prefill a whole prompt must fit in one step: "
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_model_len ({self.max_model_len}); raise it or enable chunked prefill",
+            )
+            _require(
+                self.target_itl_ms == 0.0,
+                "target_itl_ms adapts the prefill chunk and needs enable_chunked_prefill=True",
             )
             _require(
                 self.long_prefill_token_threshold == 0,

@@ -24,12 +24,14 @@ from dataclasses import dataclass
 import jax
 
 from jserve.config import CacheConfig
+from jserve.core.control import apply_changes, current_settings
 from jserve.core.kv_cache_events import AllBlocksCleared
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
+from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine_args import EngineArgs
-from jserve.engine_setup import build_engine_parts
+from jserve.engine_setup import build_engine_parts, measure_step_costs
 from jserve.errors import RequestRejected
 from jserve.kv_events import ZmqEventPublisher
 from jserve.loaders.model_source import LoadedModel
@@ -104,6 +106,7 @@ class LLMEngine:
             )
             self.scheduler.block_manager.record_kv_events()
         self.precompile()
+        measure_step_costs(self.scheduler, self.runner, self.inputs_builder, self._bucket_pairs)
         # Everything allocated so far lives for the engine's lifetime: keep it out of the
         # collector's full passes, which otherwise stall a step every ~50 at 1,000 requests.
         gc.collect()
@@ -139,10 +142,13 @@ class LLMEngine:
         lane: str = "interactive",
         deadline: float | None = None,
         arrival_time: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         """Queue a request; raises RequestRejected (reason + message) if it cannot be served.
 
-        `deadline` (time.monotonic() clock) ends it with "timeout": see jserve.core.deadlines.
+        `deadline` (time.monotonic() clock) ends it with "timeout": see jserve.core.deadlines;
+        a deadline the scheduler estimates it cannot meet is refused ("deadline"). `tenant`
+        is who it is served for (jserve.core.fairness).
         """
         params = params or SamplingParams()
         try:
@@ -169,10 +175,10 @@ class LLMEngine:
         for i, child_id in enumerate(child_ids(request_id, params.n)):
             req = Request(
                 child_id, ids, stop=stop, arrival_time=arrival, lane=lane, deadline=deadline,
-                group_id=request_id if params.n > 1 else None,
+                group_id=request_id if params.n > 1 else None, tenant=tenant,
             )  # fmt: skip
             try:
-                self.scheduler.add_request(req)
+                self.scheduler.add_request(req, now=arrival)
             except RequestRejected:
                 for added in children:  # all samples or none
                     self.scheduler.abort(added)
@@ -231,8 +237,12 @@ class LLMEngine:
             self._finish_child(child_id, reason, None, changed)
         if not plan.is_empty:
             self._iteration_tokens.append(plan.num_batched_tokens)
+            started = time.perf_counter()
             logits = self.runner.run(self.inputs_builder.build(plan))
             sampled = self._sample(plan, logits, changed)
+            # The sampler brought the tokens to the host: the step's device work is done.
+            seconds = time.perf_counter() - started
+            self.scheduler.step_costs.observe(plan.num_batched_tokens, len(plan.seqs), seconds)
             self._postprocess(plan, sampled, changed)
         outputs = [state.to_output() for state in changed.values()]
         for state in changed.values():
@@ -330,10 +340,11 @@ class LLMEngine:
             state.error = message
             outputs.append(self.abort_request(request_id, FinishReason.ERROR))
         cache = CacheConfig(self.args.block_size, self.scheduler.block_manager.num_blocks)
+        old = self.scheduler
         if self._kv_events is not None:  # what the lost cache did, then that it is gone
-            old_events = self.scheduler.block_manager.take_kv_events()
+            old_events = old.block_manager.take_kv_events()
             self._kv_events.publish([*old_events, AllBlocksCleared()])
-        self.scheduler = Scheduler(self.scheduler.config, cache)
+        self.scheduler = Scheduler(old.config, cache, old.fair.policy, old.step_costs)
         if self._kv_events is not None:
             self.scheduler.block_manager.record_kv_events()
         self.runner.reset_kv_cache()
@@ -355,6 +366,19 @@ class LLMEngine:
             self._kv_events.close()
 
     # ---- operators' view -----------------------------------------------------------------
+
+    def scheduler_settings(self) -> dict:
+        """The scheduler settings run-time control may change, and their values."""
+        return current_settings(self.scheduler)
+
+    def control(self, changes: dict) -> dict:
+        """Change scheduler settings between steps (ValueError: nothing changed); within
+        what was precompiled. Returns the settings after (see jserve.core.control)."""
+        limits = {
+            "max_num_batched_tokens": self.args.max_num_batched_tokens,
+            "max_num_seqs": self.args.max_num_seqs,
+        }
+        return apply_changes(self.scheduler, changes, limits)
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()

@@ -72,7 +72,24 @@ class EngineArgs:
     )
     long_lane_max_share: float = _scheduler_setting("long_lane_max_share")
     free_block_watermark: float = _scheduler_setting("free_block_watermark")
+    kv_reject_watermark: float = _scheduler_setting("kv_reject_watermark")
     aging_iterations: int = _scheduler_setting("aging_iterations")
+    fairness: str = _scheduler_setting("fairness")
+    deadline_admission: bool = _scheduler_setting("deadline_admission")
+    target_itl_ms: float = _scheduler_setting("target_itl_ms")
+    tenants_file: str | None = setting(
+        None,
+        'JSON file of tenant weights and caps: {"tenants": {NAME: {"weight": W, '
+        '"max_running": N}}}; undeclared tenants get weight 1 and no cap',
+        default_text="none",
+    )
+    step_costs_file: str | None = setting(
+        None,
+        "a bench/buckets.py JSON report whose per-bucket step times seed the step-cost table "
+        "that deadline admission and target_itl_ms price steps with (learned online either "
+        "way)",
+        default_text="measured at start-up when target_itl_ms is set, else learned online",
+    )
     attention_impl: str = setting(
         "auto",
         "attention implementation: auto picks by backend and dtype (native for float32 on CPU, "

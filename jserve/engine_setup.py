@@ -10,12 +10,17 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 from dataclasses import dataclass
+
+import jax
 
 from jserve.cache_dir import default_cache_dir
 from jserve.config import CacheConfig
 from jserve.core.buckets import make_seq_buckets, make_token_buckets, step_buckets
 from jserve.core.scheduler import Scheduler
+from jserve.core.step_costs import StepCosts, check_target_itl, load_bucket_report
+from jserve.core.tenants import load_tenant_policy
 from jserve.engine_args import EngineArgs
 from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.loaders.tokenizer import Tokenizer
@@ -57,14 +62,17 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
     max_model_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     block_bytes = kv_block_bytes(cfg, args.block_size, dtype)
     num_blocks = args.num_kv_blocks or args.kv_cache_memory // block_bytes
-    scheduler = Scheduler(
-        args.scheduler_config(max_model_len),
-        CacheConfig(block_size=args.block_size, num_blocks=num_blocks),
-    )
     # Token buckets start at 1 so small decode steps do not pay for 16 tokens.
     token_buckets = make_token_buckets(args.max_num_batched_tokens, smallest=1)
     seq_buckets = make_seq_buckets(args.max_num_seqs)
     pairs = step_buckets(token_buckets, seq_buckets)
+    seed = load_bucket_report(args.step_costs_file) if args.step_costs_file else None
+    scheduler = Scheduler(
+        args.scheduler_config(max_model_len),
+        CacheConfig(block_size=args.block_size, num_blocks=num_blocks),
+        load_tenant_policy(args.tenants_file),
+        StepCosts(token_buckets, seq_buckets, seed),
+    )
     inputs_builder = StepInputBuilder(
         token_buckets, seq_buckets, args.block_size, math.ceil(max_model_len / args.block_size)
     )
@@ -82,3 +90,24 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
         loaded.name, loaded.tokenizer, cfg, max_model_len, scheduler, pairs, inputs_builder,
         runner, sampler,
     )  # fmt: skip
+
+
+def measure_step_costs(
+    scheduler: Scheduler,
+    runner: ModelRunner,
+    inputs_builder: StepInputBuilder,
+    pairs: list[tuple[int, int]],
+) -> None:
+    """With `target_itl_ms` set, make sure every bucket's step time is known before serving
+    (time one warm step of each unless a report seeded them), then check the target is
+    reachable: a target no step can meet is a start-up error, not a silent no-op."""
+    config, costs = scheduler.config, scheduler.step_costs
+    if not config.target_itl_ms or costs is None:
+        return
+    if not costs.seconds:
+        for tokens, seqs in pairs:
+            start = time.perf_counter()
+            jax.block_until_ready(runner.run(inputs_builder.example(tokens, seqs)))
+            costs.seconds[(tokens, seqs)] = time.perf_counter() - start
+        log.info("measured %d bucket step times for target_itl_ms", len(pairs))
+    check_target_itl(config.target_itl_ms, costs)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from aiohttp import web
 
 from jserve.errors import RequestRejected
@@ -61,12 +63,22 @@ class APIError(Exception):
         return response
 
 
+def _retry_after(exc: RequestRejected) -> dict[str, str]:
+    seconds = RETRY_AFTER_SECONDS if exc.retry_after is None else math.ceil(exc.retry_after)
+    return {"Retry-After": str(seconds)}
+
+
 def rejection_to_api_error(exc: RequestRejected) -> APIError:
-    """Map the engine's admission refusal to the status the client should act on."""
+    """Map the engine's admission refusal to the status the client should act on: overload
+    a retry can fix is 429 (queue full, a deadline the queue ahead makes unmeetable) or 503
+    (KV cache above its reject watermark), each with Retry-After; the message says which
+    limit refused it and the numbers."""
     if exc.reason == "queue_full":
-        return APIError(
-            429, str(exc), code="queue_full", headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
-        )
+        return APIError(429, str(exc), code="queue_full", headers=_retry_after(exc))
+    if exc.reason == "deadline":
+        return APIError(429, str(exc), code="deadline_unmeetable", headers=_retry_after(exc))
+    if exc.reason == "kv_full":
+        return APIError(503, str(exc), code="kv_cache_full", headers=_retry_after(exc))
     if exc.reason == "shutting_down":
         return APIError(503, str(exc), code="shutting_down")
     if exc.reason == "too_long":

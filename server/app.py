@@ -22,13 +22,22 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from jserve.core.tenants import TenantLabels
 from jserve.errors import EngineDeadError
 from jserve.validation import check_token_ids
+from server.admin import add_admin_routes
 from server.api_errors import APIError
 from server.engine_client import EngineClient
 from server.generation import chat_completions, completions
+from server.metrics import ServerMetrics
 from server.protocol import BOOL, parse_messages, render_chat, typed_field
-from server.state import DEFAULT_BODY_TIMEOUT, STATE, ServerState, read_json_object
+from server.state import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    STATE,
+    ServerState,
+    read_json_object,
+)
 from server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
@@ -170,6 +179,8 @@ def create_app(
     served_model_name: str | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
+    stream_idle_timeout: float | None = DEFAULT_STREAM_IDLE_TIMEOUT,
+    tenant_labels: TenantLabels | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine=None` serves /health "starting" until set_engine().
 
@@ -179,7 +190,10 @@ def create_app(
     app = web.Application(
         middlewares=[_error_middleware, _admission_middleware], client_max_size=max_body_bytes
     )
-    app[STATE] = ServerState(engine, served_model_name, api_key, max_body_bytes, body_timeout)
+    app[STATE] = ServerState(
+        engine, served_model_name, api_key, max_body_bytes, body_timeout, stream_idle_timeout,
+        ServerMetrics(tenant_labels),
+    )  # fmt: skip
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/models", _models)
@@ -188,4 +202,5 @@ def create_app(
     app.router.add_post("/tokenize", _tokenize)
     app.router.add_post("/detokenize", _detokenize)
     add_worker_routes(app)
+    add_admin_routes(app)
     return app

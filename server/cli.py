@@ -12,6 +12,7 @@ import logging
 import sys
 
 from jserve.cli import add_library_commands, run_command
+from jserve.core.tenants import TenantLabels, load_tenant_policy
 from jserve.engine_args import add_engine_arguments
 from server.app import DEFAULT_MAX_BODY_BYTES
 from server.connections import (
@@ -21,7 +22,9 @@ from server.connections import (
 )
 from server.fleet import add_fleet_arguments, run_fleet
 from server.runner import EngineFactory, run_server
-from server.state import DEFAULT_BODY_TIMEOUT
+from server.state import DEFAULT_BODY_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
+
+DEFAULT_MAX_TENANT_LABELS = 32
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +80,20 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: %(default)s)",
     )
     group.add_argument(
+        "--stream-idle-timeout",
+        type=float,
+        default=DEFAULT_STREAM_IDLE_TIMEOUT,
+        help="seconds a streaming client may stop reading before its request is aborted and "
+        "its KV freed; 0 = wait forever (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-tenant-labels",
+        type=int,
+        default=DEFAULT_MAX_TENANT_LABELS,
+        help="tenants (besides those of --tenants-file) with their own metric label; later "
+        "ones are reported as 'other' (default: %(default)s)",
+    )
+    group.add_argument(
         "--max-half-open-connections",
         type=int,
         default=DEFAULT_MAX_HALF_OPEN,
@@ -94,6 +111,12 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
     for flag in ("header_timeout", "keepalive_timeout", "body_timeout"):
         if not getattr(args, flag) > 0:
             raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.stream_idle_timeout < 0:
+        raise ValueError(f"--stream-idle-timeout must be >= 0, got {args.stream_idle_timeout}")
+    if args.max_tenant_labels < 0:
+        raise ValueError(f"--max-tenant-labels must be >= 0, got {args.max_tenant_labels}")
+    # Read now, so a bad tenants file fails before the model loads (the engine reads it too).
+    tenants = load_tenant_policy(getattr(args, "tenants_file", None)).tenants
     if args.max_half_open_connections < 1:
         raise ValueError(
             f"--max-half-open-connections must be >= 1, got {args.max_half_open_connections}"
@@ -114,6 +137,8 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
             keepalive_timeout=args.keepalive_timeout,
             body_timeout=args.body_timeout,
             max_half_open=args.max_half_open_connections,
+            stream_idle_timeout=args.stream_idle_timeout or None,
+            tenant_labels=TenantLabels(tenants, args.max_tenant_labels),
         )
     )
 

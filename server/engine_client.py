@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from jserve.core.tenants import DEFAULT_TENANT
 from jserve.outputs import EngineStats, RequestOutput
 from jserve.sampling_params import SamplingParams
 
@@ -32,7 +33,7 @@ class EngineClient(Protocol):
     `generate` yields cumulative RequestOutputs (per CompletionOutput: `text` extends the
     previous text, `token_ids` and `logprobs` grow); the last one has `finished=True`. It raises
     `jserve.errors.RequestRejected` at the first iteration when the request is not admitted,
-    `lane` is one of jserve.config.LANES,
+    `lane` is one of jserve.config.LANES, `tenant` names who it is served for,
     and `jserve.errors.EngineDeadError` when the engine dies. A request not finished `timeout`
     seconds after `generate` was called, waiting or running, finishes with finish_reason
     "timeout" and keeps the tokens it generated (jserve.core.deadlines states the rule).
@@ -63,9 +64,15 @@ class EngineClient(Protocol):
         *,
         lane: str = "interactive",
         timeout: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...
+
+    async def control(self, changes: dict[str, Any]) -> dict[str, Any]:
+        """Scheduler settings after applying `changes` (empty: just read them); ValueError
+        says what is wrong with a change (then nothing changed): jserve.core.control."""
+        ...
 
     def stats(self) -> EngineStats: ...
 

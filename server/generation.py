@@ -11,8 +11,9 @@ Walkthrough of one request:
 4. A request that ended badly (cut by shutdown, or failed in the engine) ends a stream with an
    error event, then [DONE]; without streaming it is a 503 or 500 JSON error.
 5. However the handler ends before the final output (client disconnect cancels the handler;
-   a failed write raises; shutdown cancels it after the drain timeout), `finally` aborts the
-   engine request, which frees its KV blocks at once.
+   a failed write raises; a write the client does not read for `--stream-idle-timeout`
+   seconds raises StreamIdle; shutdown cancels it after the drain timeout), `finally` aborts
+   the engine request, which frees its KV blocks at once.
 """
 
 from __future__ import annotations
@@ -31,10 +32,31 @@ from server.api_errors import APIError, rejection_to_api_error
 from server.engine_client import EngineClient
 from server.metrics import RequestTracker, ServerMetrics
 from server.openai_format import ChoiceCursor, ResponseBuilder
-from server.protocol import ParsedRequest, encode_prompt, parse_chat, parse_completion
+from server.protocol import (
+    ParsedRequest,
+    encode_prompt,
+    parse_chat,
+    parse_completion,
+    request_tenant,
+)
 from server.state import STATE, ServerState, read_json_object
 
 logger = logging.getLogger(__name__)
+
+
+class StreamIdle(ConnectionError):
+    """The client stopped reading its stream for longer than the stream idle timeout."""
+
+
+async def _write(response: web.StreamResponse, data: bytes, idle_timeout: float | None) -> None:
+    """Write, waiting at most `idle_timeout` seconds for a client that stopped reading (the
+    write blocks once the socket's buffers are full)."""
+    try:
+        async with asyncio.timeout(idle_timeout):
+            await response.write(data)
+    except TimeoutError:
+        logger.warning("client stopped reading for %g s: aborting its request", idle_timeout)
+        raise StreamIdle(f"no read for {idle_timeout:g} s") from None
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -52,12 +74,14 @@ class _Generation:
         prompt_ids: list[int],
         request_id: str,
         metrics: ServerMetrics,
+        tenant: str,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
         self.num_choices = parsed.params.n
         self.metrics = metrics
-        self.tracker = RequestTracker(metrics)
+        self.lane, self.tenant = parsed.lane, tenant
+        self.tracker = RequestTracker(metrics, parsed.lane, tenant)
         self.final: RequestOutput | None = None
         self.rejected = False
         self.outputs = engine.generate(
@@ -66,6 +90,7 @@ class _Generation:
             request_id,
             lane=parsed.lane,
             timeout=parsed.timeout,
+            tenant=tenant,
         )
 
     def _seen(self, output: RequestOutput) -> RequestOutput:
@@ -80,7 +105,7 @@ class _Generation:
             return self._seen(await anext(self.outputs))
         except RequestRejected as exc:
             self.rejected = True
-            self.metrics.request_rejected.labels(exc.reason).inc()
+            self.metrics.rejected(exc.reason, self.lane, self.tenant)
             raise rejection_to_api_error(exc) from exc
 
     async def rest(self) -> AsyncIterator[RequestOutput]:
@@ -122,6 +147,7 @@ async def _stream(
     )
     await response.prepare(request)
     cursors = [ChoiceCursor() for _ in range(gen.num_choices)]
+    idle_timeout = request.app[STATE].stream_idle_timeout
 
     async def send(output: RequestOutput) -> None:
         for choice in output.outputs:
@@ -129,7 +155,7 @@ async def _stream(
             if chunk is not None:
                 if include_usage:
                     chunk["usage"] = None
-                await response.write(_sse(chunk))
+                await _write(response, _sse(chunk), idle_timeout)
 
     try:
         await send(first)
@@ -139,17 +165,17 @@ async def _stream(
         raise  # the client is gone; nobody to tell
     except EngineDeadError as exc:
         # Headers are gone already: report in-band the way OpenAI-compatible servers do.
-        await response.write(_sse(APIError(503, f"the engine died: {exc}").body()))
+        await _write(response, _sse(APIError(503, f"the engine died: {exc}").body()), idle_timeout)
     except Exception:
         logger.exception("request %s failed mid-stream", gen.request_id)
-        await response.write(_sse(APIError(500, "internal server error").body()))
+        await _write(response, _sse(APIError(500, "internal server error").body()), idle_timeout)
     else:
         failure = _failure(gen, request.app[STATE])
         if failure is not None:  # an error event the OpenAI client raises, then [DONE]
-            await response.write(_sse(failure.body()))
+            await _write(response, _sse(failure.body()), idle_timeout)
         elif include_usage and gen.final is not None:
-            await response.write(_sse(builder.usage_chunk(gen.final)))
-    await response.write(_sse("[DONE]"))
+            await _write(response, _sse(builder.usage_chunk(gen.final)), idle_timeout)
+    await _write(response, _sse("[DONE]"), idle_timeout)
     await response.write_eof()
     return response
 
@@ -171,6 +197,7 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     engine = state.ready_engine()
     body = await read_json_object(request)
     try:
+        tenant = request_tenant(request.headers.get("X-Tenant"), body)
         parsed = parse_completion(body) if kind == "completion" else parse_chat(body)
     except APIError:
         state.metrics.request_rejected.labels("invalid").inc()
@@ -181,13 +208,13 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
             encode_prompt, engine.tokenizer, parsed, engine.vocab_size
         )
     except APIError:
-        state.metrics.request_rejected.labels("invalid").inc()
+        state.metrics.rejected("invalid", parsed.lane, tenant)
         raise
     request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
     builder = ResponseBuilder(
         kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools
     )
-    gen = _Generation(engine, parsed, prompt_ids, request_id, state.metrics)
+    gen = _Generation(engine, parsed, prompt_ids, request_id, state.metrics, tenant)
     state.in_flight.add(request_id)
     try:
         if parsed.stream:

@@ -5,7 +5,11 @@ Two sources:
    counters, compilations, per-iteration token counts) come from one `engine.stats()` snapshot
    taken when /metrics is scraped; cumulative engine counters are exported as counters.
 2. Per-request latencies and outcomes are observed by the server while it streams, from the
-   engine's RequestMetrics timestamps when given (else the server's own clock).
+   engine's RequestMetrics timestamps when given (else the server's own clock). Each is also
+   split by lane and tenant in `jserve:tenant_*` series (TTFT, ITL, queue time, finished
+   requests by reason - "abort" counts cancellations, "timeout" deadline misses -,
+   rejections by reason, served prompt and generated tokens). The tenant label's cardinality
+   is bounded (jserve.core.tenants.TenantLabels): tenants past the limit report as "other".
 Each app has its own CollectorRegistry, so several apps (tests) never share series.
 """
 
@@ -17,6 +21,7 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from jserve.core.tenants import DEFAULT_TENANT, TenantLabels
 from jserve.outputs import EngineStats, RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -59,8 +64,12 @@ class _EngineSnapshotCollector:
             yield CounterMetricFamily(f"jserve:{name}", doc, value=getattr(self.snapshot, attr))
 
 
+_BY_TENANT = ["lane", "tenant"]
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, tenant_labels: TenantLabels | None = None) -> None:
+        self.tenant_label = tenant_labels or TenantLabels()
         self.registry = CollectorRegistry()
         self._engine = _EngineSnapshotCollector()
         self.registry.register(self._engine)
@@ -93,6 +102,38 @@ class ServerMetrics:
             "jserve:iteration_tokens", "Tokens scheduled per engine iteration.",
             buckets=_ITERATION_TOKEN_BUCKETS, registry=reg,
         )  # fmt: skip
+        self.tenant_ttft = Histogram(
+            "jserve:tenant_time_to_first_token_seconds",
+            "Arrival to first token, by lane and tenant.",
+            _BY_TENANT, buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.tenant_itl = Histogram(
+            "jserve:tenant_inter_token_latency_seconds", "Time between tokens, by lane and tenant.",
+            _BY_TENANT, buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.tenant_queue_time = Histogram(
+            "jserve:tenant_request_queue_time_seconds",
+            "Arrival to first scheduling, by lane and tenant.",
+            _BY_TENANT, buckets=_LATENCY_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.tenant_finished = Counter(
+            "jserve:tenant_request_finished", "Finished sequences by lane, tenant and reason "
+            "(abort: cancelled; timeout: missed its deadline).",
+            [*_BY_TENANT, "finished_reason"], registry=reg,
+        )  # fmt: skip
+        self.tenant_rejected = Counter(
+            "jserve:tenant_request_rejected", "Requests refused, by lane, tenant and reason.",
+            [*_BY_TENANT, "reason"], registry=reg,
+        )  # fmt: skip
+        self.tenant_tokens = Counter(
+            "jserve:tenant_served_tokens", "Prompt and generated tokens of requests, by lane "
+            "and tenant (kind: prompt or generation).",
+            [*_BY_TENANT, "kind"], registry=reg,
+        )  # fmt: skip
+
+    def rejected(self, reason: str, lane: str, tenant: str) -> None:
+        self.request_rejected.labels(reason).inc()
+        self.tenant_rejected.labels(lane, self.tenant_label(tenant), reason).inc()
 
     @property
     def engine_snapshot(self) -> EngineStats:
@@ -112,8 +153,11 @@ class ServerMetrics:
 class RequestTracker:
     """Observes one request's latencies as its cumulative outputs stream by."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(
+        self, metrics: ServerMetrics, lane: str = "interactive", tenant: str = DEFAULT_TENANT
+    ) -> None:
         self.metrics = metrics
+        self.labels = (lane, metrics.tenant_label(tenant))
         self.start = time.monotonic()
         self.steps = 0  # tokens per choice seen so far
         self.last_token_time: float | None = None
@@ -127,26 +171,38 @@ class RequestTracker:
             return
         timing = output.metrics
         now = timing.last_token_time if timing and timing.last_token_time else time.monotonic()
+        metrics, labels = self.metrics, self.labels
         if self.last_token_time is None:
             first = timing.first_token_time if timing and timing.first_token_time else now
-            self.metrics.ttft.observe(first - self._arrival(output))
+            metrics.ttft.observe(first - self._arrival(output))
+            metrics.tenant_ttft.labels(*labels).observe(first - self._arrival(output))
             if timing and timing.first_scheduled_time:
-                self.metrics.queue_time.observe(timing.first_scheduled_time - timing.arrival_time)
+                queued = timing.first_scheduled_time - timing.arrival_time
+                metrics.queue_time.observe(queued)
+                metrics.tenant_queue_time.labels(*labels).observe(queued)
+            metrics.tenant_tokens.labels(*labels, "prompt").inc(len(output.prompt_token_ids))
             new_intervals, since = steps - 1, first
         else:
             new_intervals, since = steps - self.steps, self.last_token_time
         # Several steps can arrive in one output when the consumer lags: spread them evenly.
+        tenant_itl = metrics.tenant_itl.labels(*labels)
         for _ in range(new_intervals):
-            self.metrics.itl.observe((now - since) / new_intervals)
+            metrics.itl.observe((now - since) / new_intervals)
+            tenant_itl.observe((now - since) / new_intervals)
         self.steps, self.last_token_time = steps, now
 
     def on_finish(self, output: RequestOutput) -> None:
+        generated = sum(len(choice.token_ids) for choice in output.outputs)
+        self.metrics.tenant_tokens.labels(*self.labels, "generation").inc(generated)
         for choice in output.outputs:
-            self.metrics.request_success.labels(choice.finish_reason or "abort").inc()
+            reason = choice.finish_reason or "abort"
+            self.metrics.request_success.labels(reason).inc()
+            self.metrics.tenant_finished.labels(*self.labels, reason).inc()
         timing = output.metrics
         end = timing.finished_time if timing and timing.finished_time else time.monotonic()
         self.metrics.e2e.observe(end - self._arrival(output))
 
     def on_client_gone(self, num_choices: int) -> None:
         self.metrics.request_success.labels("abort").inc(num_choices)
+        self.metrics.tenant_finished.labels(*self.labels, "abort").inc(num_choices)
         self.metrics.e2e.observe(time.monotonic() - self.start)

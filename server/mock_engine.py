@@ -12,6 +12,9 @@
 - A step loop emits one token per running choice every `token_delay` seconds; at most
   `max_num_seqs` requests run, at most `max_waiting` wait (more -> RequestRejected
   "queue_full"). Fake KV usage counts blocks of `block_size` tokens of running requests.
+- Tenants are recorded (`tenants`: request id -> tenant) but do not change scheduling;
+  `control` reads and changes the settings of a real (idle) jserve.core scheduler, so the
+  admin endpoint is tested against the real validation.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from jserve.config import LANES
+from jserve.config import LANES, CacheConfig, SchedulerConfig
+from jserve.core.control import apply_changes, current_settings
+from jserve.core.scheduler import Scheduler
+from jserve.core.tenants import DEFAULT_TENANT, TenantPolicy
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
@@ -96,6 +102,12 @@ class MockEngine:
         self._running: list[_Request] = []
         self._stats = EngineStats()
         self._loop_task: asyncio.Task | None = None
+        self.tenants: dict[str, str] = {}
+        self._settings = Scheduler(  # never steps: it only validates and keeps settings
+            SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=256),
+            CacheConfig(16, 64),
+            TenantPolicy({"gold": 2.0}),
+        )
 
     async def generate(
         self,
@@ -105,7 +117,9 @@ class MockEngine:
         *,
         lane: str = "interactive",
         timeout: float | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> AsyncIterator[RequestOutput]:
+        self.tenants[request_id] = tenant
         if self.state == "dead":
             raise EngineDeadError(self.dead_reason)
         if self.state != "ready":
@@ -142,6 +156,12 @@ class MockEngine:
             yield item
             if item.finished:
                 return
+
+    async def control(self, changes: dict[str, Any]) -> dict[str, Any]:
+        if not changes:
+            return current_settings(self._settings)
+        limits = {"max_num_seqs": self.max_num_seqs, "max_num_batched_tokens": 512}
+        return apply_changes(self._settings, changes, limits)
 
     async def abort(self, request_id: str) -> None:
         for request in self._waiting + self._running:

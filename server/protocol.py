@@ -7,7 +7,10 @@ constraints (response_format, structured_outputs, guided_*) are parsed by
 server/structured_outputs.py, tools and tool_choice by server/tools.py.
 
 jserve's own fields: `lane` (one of jserve.config.LANES, default "interactive") picks the
-scheduling lane, and `timeout` (seconds) sets the request's deadline (jserve.core.deadlines).
+scheduling lane, and `timeout` (seconds) sets the request's deadline (jserve.core.deadlines;
+a deadline the engine estimates it cannot meet is refused at once with 429). The tenant a
+request is served for (fair share, caps, metrics: jserve.core.tenants) is the `X-Tenant`
+header, else the OpenAI `user` field, else "default" (`request_tenant`).
 vLLM's integer `priority` is accepted only as its default 0 (see `_refuse_priority`).
 """
 
@@ -18,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jserve.config import LANES
+from jserve.core.tenants import DEFAULT_TENANT, check_tenant_name
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from jserve.validation import FLOAT32_MAX, check_float, check_int, check_token_ids
 from server.api_errors import APIError
@@ -312,3 +316,19 @@ def encode_prompt(tokenizer: TokenizerLike, parsed: ParsedRequest, vocab_size: i
         ids = _checked(check_token_ids, "prompt", parsed.prompt or [], vocab_size)
     _checked(check_token_ids, "stop_token_ids", parsed.params.stop_token_ids, vocab_size)
     return ids
+
+
+def request_tenant(header: str | None, body: dict) -> str:
+    """The tenant of a request: the `X-Tenant` header (a gateway's word), else the OpenAI
+    `user` field, else the default tenant; a 400 names a malformed one."""
+    if header is not None:
+        name, param = header, "X-Tenant"
+    else:
+        user = typed_field(body, "user", STR)
+        if user is None:
+            return DEFAULT_TENANT
+        name, param = user, "user"
+    try:
+        return check_tenant_name(name)
+    except ValueError as exc:
+        raise APIError(400, f"'{param}': {exc}", param=param) from exc

@@ -26,6 +26,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from jserve.core.tenants import TenantLabels
 from server.app import DEFAULT_MAX_BODY_BYTES, create_app
 from server.connections import (
     DEFAULT_HEADER_TIMEOUT,
@@ -34,7 +35,13 @@ from server.connections import (
     handler_factory,
 )
 from server.engine_client import EngineClient
-from server.state import DEFAULT_BODY_TIMEOUT, STATE, ServerState, set_engine
+from server.state import (
+    DEFAULT_BODY_TIMEOUT,
+    DEFAULT_STREAM_IDLE_TIMEOUT,
+    STATE,
+    ServerState,
+    set_engine,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +63,15 @@ async def run_server(
     keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
     body_timeout: float = DEFAULT_BODY_TIMEOUT,
     max_half_open: int = DEFAULT_MAX_HALF_OPEN,
+    stream_idle_timeout: float | None = DEFAULT_STREAM_IDLE_TIMEOUT,
+    tenant_labels: TenantLabels | None = None,
     stop: asyncio.Event | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (or `stop` is set); return the process exit code."""
     app = create_app(
         None, api_key=api_key, served_model_name=served_model_name,
         max_body_bytes=max_body_bytes, body_timeout=body_timeout,
+        stream_idle_timeout=stream_idle_timeout, tenant_labels=tenant_labels,
     )  # fmt: skip
     state = app[STATE]
     runner, listener = await start_listening(

@@ -16,6 +16,7 @@ from server.engine_client import EngineClient
 from server.metrics import ServerMetrics
 
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may take to send a request body
+DEFAULT_STREAM_IDLE_TIMEOUT = 120.0  # seconds a stream's client may stop reading
 
 
 @dataclass
@@ -25,6 +26,7 @@ class ServerState:
     api_key: str | None
     max_body_bytes: int
     body_timeout: float = DEFAULT_BODY_TIMEOUT
+    stream_idle_timeout: float | None = DEFAULT_STREAM_IDLE_TIMEOUT  # None: wait forever
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     draining: bool = False
     in_flight: set[str] = field(default_factory=set)  # engine request ids being served

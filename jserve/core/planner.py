@@ -3,13 +3,17 @@
 Over one step's token budget:
 a. running decodes, one token each, in rank order (lane, then arrival);
 b. running prefills (chunked prompts, recomputes after preemption), in rank order;
-c. unless (a) or (b) preempted, waiting requests, lane by lane (aged lanes first), FIFO inside
-   a lane, each admitted with its cached prefix and a first chunk while sequences, budget and
-   free blocks above the watermark allow. With scheduling="static", (c) is replaced by
-   admitting a whole batch only when nothing runs.
-When a running request cannot get a block, the lowest-ranked running request (latest arrival
-of the lowest lane) is preempted: its blocks are freed and it goes back to the front of its
-lane with every token kept, to recompute them (cheaply, with prefix caching).
+c. unless (a) or (b) preempted, waiting requests, lane by lane (aged lanes first), each
+   admitted with its cached prefix and a first chunk while sequences, budget and free blocks
+   above the watermark allow. Inside a lane: preempted requests first, then by fair share
+   between tenants (the least-served backlogged tenant's oldest request: jserve.core.fairness)
+   or, with fairness="fcfs", FIFO. Tenants at their `max_running` cap wait. With
+   scheduling="static", (c) is replaced by admitting a whole batch only when nothing runs.
+When a running request cannot get a block, a request of the lowest running lane is preempted:
+the most-served tenant's latest one (fcfs: the latest arrival). Its blocks are freed and it
+goes back to the front of its lane with every token kept, to recompute them (cheaply, with
+prefix caching). The step's token budget is `budget` (the scheduler's adaptive choice, or
+max_num_batched_tokens).
 
 `plan_step` reads the scheduler's running list and waiting queues and returns what it decided
 (`PlanOutcome`): the plan, the new running list, and which requests it admitted and preempted.
@@ -21,18 +25,20 @@ allocation takes, so they are freed as the pass goes).
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 from jserve.config import SchedulerConfig
 from jserve.core.block_manager import BlockManager
+from jserve.core.fairness import FairShare, service_of
 from jserve.core.plan import ScheduledSeq, StepPlan
 from jserve.core.queues import WaitingQueues
-from jserve.core.request import Request
+from jserve.core.request import LANE_RANK, Request, RequestStatus
 
 _rank = attrgetter("rank")
+_KEEP_GOING = ("admitted", "skip", "capped")  # verdicts after which a lane's next may go
 
 
 @dataclass
@@ -45,6 +51,10 @@ class PlanOutcome:
     # Lost their blocks, in preemption order; they go back to the front of their lane, tokens
     # kept (a request admitted by the static policy may be admitted and preempted in one step).
     preempted: list[Request] = field(default_factory=list)
+    # Why the last waiting request considered was not admitted, for the decision log:
+    # "max_num_seqs", "token_budget", "kv_watermark", "long_lane_share", "tenant_cap",
+    # "preempting" (blocks ran out this step); None if nothing was deferred.
+    deferred: str | None = None
 
 
 def plan_step(
@@ -55,11 +65,14 @@ def plan_step(
     group_leaders: Mapping[str, Request],
     watermark_blocks: int,
     step: int,
+    fair: FairShare,
+    budget: int,
 ) -> PlanOutcome:
     """Plan iteration `step` with the passes above; `running` is sorted by rank."""
     return _Planner(
-        config, block_manager, running, waiting, group_leaders, watermark_blocks, step
-    ).build()
+        config, block_manager, running, waiting, group_leaders, watermark_blocks, step, fair,
+        budget,
+    ).build()  # fmt: skip
 
 
 class _Planner:
@@ -74,8 +87,12 @@ class _Planner:
         group_leaders: Mapping[str, Request],
         watermark_blocks: int,
         step: int,
+        fair: FairShare,
+        budget: int,
     ) -> None:
         self.config = config
+        self.fair = fair
+        self.vtc = config.fairness == "vtc"
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.waiting = waiting
@@ -84,13 +101,17 @@ class _Planner:
         self.step = step
         self.outcome = PlanOutcome(StepPlan(), list(running))
         self.running = self.outcome.running
-        self.budget = config.max_num_batched_tokens
+        self.step_budget = self.budget = budget
         self.long_used = 0
         self._long_cap: int | None = None
         self.decodes: list[ScheduledSeq] = []
         self.prefills: list[ScheduledSeq] = []
         self.unfinished_prefills: list[Request] = []  # running, short of their known tokens
         self.preempted: set[str] = set()
+        # (lane, tenant) -> counter units this step has scheduled so far, so admissions and
+        # victims see them; built on first use (most steps admit no one and preempt no one).
+        self._pending: dict[tuple[str, str], float] | None = None
+        self._extra_running: dict[str, int] | None = None  # tenant -> net admissions, for caps
 
     def build(self) -> PlanOutcome:
         static = self.config.scheduling == "static"
@@ -101,10 +122,12 @@ class _Planner:
         if not static and not self.preempted:
             # Blocks ran out this step: admitting now would only set up the next preemption.
             self.admit_waiting()
+        elif self.preempted and len(self.waiting):
+            self.outcome.deferred = "preempting"
         plan = self.outcome.plan
         plan.seqs = self.decodes + self.prefills
         plan.num_decodes = len(self.decodes)
-        plan.num_batched_tokens = self.config.max_num_batched_tokens - self.budget
+        plan.num_batched_tokens = self.step_budget - self.budget
         plan.preempted_ids = [request.request_id for request in self.outcome.preempted]
         return self.outcome
 
@@ -113,22 +136,22 @@ class _Planner:
     def schedule_running_decodes(self) -> None:
         """(a) One token for every running request that has exactly one uncomputed token;
         notes the others (prefilling) for pass (b)."""
-        running = self.running
         block_size = self.block_size
         decodes = self.decodes
         unfinished_prefills = self.unfinished_prefills
-        index = 0
-        while index < len(running):
-            request = running[index]
+        preempted = self.preempted
+        for request in list(self.running):
+            if preempted and request.request_id in preempted:
+                continue  # a victim of an earlier request of this pass
             start = request.num_computed_tokens
             if len(request.all_token_ids) - start != 1:
                 unfinished_prefills.append(request)
-                index += 1
                 continue
             if start >= len(request.block_ids) * block_size and not self._grow_or_preempt(
                 request, 1
             ):
-                continue  # `request` preempted itself; it was the last one
+                continue  # `request` itself was the victim
+            self.budget -= 1
             decodes.append(
                 ScheduledSeq(
                     request.request_id,
@@ -140,8 +163,6 @@ class _Planner:
                     request.output_token_ids,
                 )
             )
-            index += 1
-        self.budget -= len(decodes)
 
     def schedule_running_prefills(self) -> None:
         """(b) The next chunk of every running request still short of its known tokens, in
@@ -164,17 +185,78 @@ class _Planner:
                 self._add_chunk(request, num_new)
 
     def admit_waiting(self) -> None:
-        """(c) Waiting requests by lane order, FIFO inside a lane, while room is left."""
-        max_num_seqs = self.config.max_num_seqs
+        """(c) Waiting requests by lane order while room is left; inside a lane, preempted
+        requests first, then fair share between tenants (or FIFO)."""
         for lane in self.waiting.lanes_in_order(self.step):
-            for request in self.waiting.queue(lane):
-                if len(self.running) >= max_num_seqs or self.budget == 0:
-                    return
-                verdict = self._try_admit(request)
-                if verdict == "next_lane":
-                    break
-                if verdict == "stop":
-                    return
+            if not self.waiting.queue(lane):
+                continue
+            verdict = self._admit_lane(lane)
+            if verdict == "stop":
+                return
+
+    def _admit_fifo(self, queue: Sequence[Request], skip_preempted: bool) -> str:
+        """Admit from `queue` in order (preempted requests already tried, if skipped)."""
+        for request in queue:
+            if skip_preempted and request.status is RequestStatus.PREEMPTED:
+                continue
+            if not self._room():
+                return "stop"
+            verdict = self._try_admit(request)
+            if verdict not in _KEEP_GOING:
+                return verdict
+        return "next_lane"
+
+    def _room(self) -> bool:
+        if len(self.running) >= self.config.max_num_seqs:
+            self.outcome.deferred = "max_num_seqs"
+            return False
+        if self.budget <= 0:
+            self.outcome.deferred = "token_budget"
+            return False
+        return True
+
+    def _admit_lane(self, lane: str) -> str:
+        """Admit from one lane: "stop" (no more admissions this step) or "next_lane"."""
+        queue = self.waiting.queue(lane)
+        if not self.vtc:
+            return self._admit_fifo(queue, skip_preempted=False)
+        for request in queue:  # preempted requests lead their lane: they were admitted first
+            if request.status is not RequestStatus.PREEMPTED:
+                break
+            if not self._room():
+                return "stop"
+            verdict = self._try_admit(request)
+            if verdict not in _KEEP_GOING:
+                return verdict
+        tenant_queues = self.waiting.tenant_queues(lane)
+        if len(tenant_queues) == 1:  # one tenant: its FIFO is the lane's (counters moot)
+            return self._admit_fifo(queue, skip_preempted=True)
+        heads = {t: iter(q) for t, q in tenant_queues.items()}
+        pending = self._pending_service()
+        nxt: dict[str, Request] = {}
+        while heads or nxt:
+            for tenant in [t for t in heads if t not in nxt]:
+                request = next(
+                    (r for r in heads[tenant] if r.status is not RequestStatus.PREEMPTED), None
+                )
+                if request is None:
+                    del heads[tenant]
+                else:
+                    nxt[tenant] = request
+            if not nxt:
+                break
+            if not self._room():
+                return "stop"
+            level = self.fair.level
+            tenant = min(
+                nxt, key=lambda t: (level(lane, t) + pending.get((lane, t), 0.0), nxt[t].rank)
+            )
+            verdict = self._try_admit(nxt.pop(tenant))
+            if verdict == "capped":
+                heads.pop(tenant, None)  # none of its requests may start this step
+            elif verdict != "admitted" and verdict != "skip":
+                return verdict
+        return "next_lane"
 
     def admit_static_batch(self) -> None:
         """Static batching: take up to max_num_seqs waiting requests whose whole known tokens
@@ -185,6 +267,8 @@ class _Planner:
             for request in self.waiting.queue(lane):
                 if len(self.running) >= self.config.max_num_seqs:
                     break
+                if self._capped(request):
+                    continue
                 hits = block_manager.lookup_prefix(request)
                 needed = -(-request.num_tokens // self.block_size) - len(hits)
                 free_after = (
@@ -198,7 +282,11 @@ class _Planner:
 
     def _try_admit(self, request: Request) -> str:
         """Admit `request` with its first chunk: "admitted", "skip" (a sibling waiting for its
-        group's prefill), "next_lane" (long lane's share used up) or "stop"."""
+        group's prefill), "capped" (its tenant runs its max_running sequences), "next_lane"
+        (long lane's share used up) or "stop"."""
+        if self._capped(request):
+            self.outcome.deferred = "tenant_cap"
+            return "capped"
         block_manager = self.block_manager
         leader = self.group_leaders.get(request.group_id) if request.group_id else None
         fork = leader is not None and leader is not request and not request.output_token_ids
@@ -214,10 +302,13 @@ class _Planner:
         if num_new == 0:
             # With chunked prefill and budget left, only the long lane's share can say no.
             chunked = self.config.enable_chunked_prefill
-            return "next_lane" if chunked and self.budget > 0 else "stop"
+            lane_share = chunked and self.budget > 0
+            self.outcome.deferred = "long_lane_share" if lane_share else "token_budget"
+            return "next_lane" if lane_share else "stop"
         needed = -(-(len(hits) * self.block_size + num_new) // self.block_size) - len(hits)
         free_after = block_manager.num_free_blocks - block_manager.num_reused_free(hits) - needed
         if free_after < self.watermark_blocks:
+            self.outcome.deferred = "kv_watermark"
             return "stop"
         self._start_running(request, hits, fork)
         block_manager.allocate(request, num_new)
@@ -231,6 +322,21 @@ class _Planner:
             self.block_manager.use_prefix(request, hits)
         self.outcome.admitted.append(request)
         insort(self.running, request, key=_rank)
+        if self._extra_running is not None:
+            self._extra_running[request.tenant] = self._extra_running.get(request.tenant, 0) + 1
+
+    def _capped(self, request: Request) -> bool:
+        """Whether `request`'s tenant already runs its max_running sequences."""
+        if not self.fair.policy.max_running:
+            return False
+        if self._extra_running is None:
+            extra: dict[str, int] = {}
+            for admitted in self.outcome.admitted:
+                extra[admitted.tenant] = extra.get(admitted.tenant, 0) + 1
+            for victim in self.outcome.preempted:
+                extra[victim.tenant] = extra.get(victim.tenant, 0) - 1
+            self._extra_running = extra
+        return self.fair.at_cap(request.tenant, self._extra_running.get(request.tenant, 0))
 
     def _chunk_size(self, request: Request, remaining: int) -> int:
         """Tokens of `remaining` that `request` may compute this step (0: none)."""
@@ -254,7 +360,7 @@ class _Planner:
                 and not self.waiting.queue("interactive")
                 and not self.waiting.queue("batch")
             )
-            budget = self.config.max_num_batched_tokens
+            budget = self.step_budget
             share = int(self.config.long_lane_max_share * budget)
             self._long_cap = budget if alone else max(1, share)
         return self._long_cap
@@ -276,27 +382,86 @@ class _Planner:
         self.budget -= num_new
         if request.lane == "long":
             self.long_used += num_new
+        if self._pending is not None:
+            self._note_service(self._pending, request, start, end, end == request.num_tokens, 1)
+
+    def _note_service(
+        self,
+        pending: dict[tuple[str, str], float],
+        request: Request,
+        start: int,
+        end: int,
+        sample: bool,
+        sign: int,
+    ) -> None:
+        prompt, output = service_of(request, start, end, sample)
+        key = (request.lane, request.tenant)
+        cost = self.fair.cost(request.tenant, prompt, output)
+        pending[key] = pending.get(key, 0.0) + sign * cost
+
+    def _pending_service(self) -> dict[tuple[str, str], float]:
+        """Counter units scheduled so far this step, per (lane, tenant); kept up to date by
+        `_add_chunk` and `_preempt` from the first call on."""
+        if self._pending is None:
+            self._pending = {}
+            by_id = {request.request_id: request for request in self.running}
+            for seq in self.decodes + self.prefills:
+                request = by_id[seq.request_id]
+                end = seq.start_pos + len(seq.token_ids)
+                self._note_service(self._pending, request, seq.start_pos, end, seq.sample, 1)
+        return self._pending
 
     def _grow_or_preempt(self, request: Request, num_new: int) -> bool:
-        """Get blocks for `num_new` more tokens of running `request`, preempting the
-        lowest-priority running requests as needed; False if `request` itself was preempted."""
+        """Get blocks for `num_new` more tokens of running `request`, preempting victims
+        (`_victim`) as needed; False if `request` itself was preempted."""
         while not self.block_manager.allocate(request, num_new):
-            victim = self.running[-1]
+            victim = self._victim()
             self._preempt(victim)
             if victim is request:
                 return False
         return True
 
+    def _victim(self) -> Request:
+        """The running request to preempt: of the lowest running lane, the latest one (fcfs)
+        or the latest of the tenant with the most service in that lane (vtc)."""
+        running = self.running
+        last = running[-1]
+        if not self.vtc:
+            return last
+        lane = last.lane
+        first = bisect_left(running, (LANE_RANK[lane],), key=_rank)
+        candidates = running[first:]
+        if len({r.tenant for r in candidates}) == 1:
+            return last
+        pending = self._pending_service()
+        level = self.fair.level
+
+        def served(r: Request) -> float:
+            return level(lane, r.tenant) + pending.get((lane, r.tenant), 0.0)
+
+        most = max(served(r) for r in candidates)
+        return next(r for r in reversed(candidates) if served(r) == most)
+
     def _preempt(self, victim: Request) -> None:
-        """Free the victim's blocks now (the allocation that needs them follows)."""
-        self.running.pop()  # the victim is always the last, lowest-priority one
-        decodes = self.decodes
-        if decodes and decodes[-1].request_id == victim.request_id:
-            # Only a decode can be scheduled yet rank below the request that needs its blocks
-            # (prefills are visited in priority order), and decodes were appended in priority
-            # order: a scheduled victim holds the last one.
-            decodes.pop()
-            self.budget += 1
+        """Take the victim out of running and of this step's plan, and free its blocks now
+        (the allocation that needs them follows)."""
+        del self.running[bisect_left(self.running, victim.rank, key=_rank)]
+        decoding = len(victim.all_token_ids) - victim.num_computed_tokens == 1
+        seqs = self.decodes if decoding else self.prefills
+        # fcfs: the victim ranks last, so if it was scheduled its seq is the last one of its
+        # kind (both passes append in rank order); vtc victims may sit anywhere.
+        candidates = range(len(seqs) - 1, -1 if self.vtc else max(-1, len(seqs) - 2), -1)
+        index = next((i for i in candidates if seqs[i].request_id == victim.request_id), None)
+        if index is not None:
+            seq = seqs.pop(index)
+            self.budget += len(seq.token_ids)
+            if victim.lane == "long" and not decoding:
+                self.long_used -= len(seq.token_ids)
+            if self._pending is not None:
+                end = seq.start_pos + len(seq.token_ids)
+                self._note_service(self._pending, victim, seq.start_pos, end, seq.sample, -1)
         self.block_manager.free(victim)
         self.preempted.add(victim.request_id)
         self.outcome.preempted.append(victim)
+        if self._extra_running is not None:
+            self._extra_running[victim.tenant] = self._extra_running.get(victim.tenant, 0) - 1

@@ -8,6 +8,7 @@ from array import array
 from collections.abc import Sequence
 
 from jserve.config import LANES
+from jserve.core.tenants import DEFAULT_TENANT
 from jserve.stopping import FinishReason, StopConditions
 
 LANE_RANK = {lane: rank for rank, lane in enumerate(LANES)}
@@ -32,7 +33,8 @@ class Request:
 
     `stop` holds its stop rules (`max_tokens` among them; see jserve.stopping). A request the
     scheduler rejected is FINISHED with no finish reason. `deadline` is absolute, on the
-    `time.monotonic()` clock (what it means: `jserve.core.deadlines`). Siblings of an `n > 1`
+    `time.monotonic()` clock (what it means: `jserve.core.deadlines`). `tenant` names who
+    it is served for (fair share and caps: `jserve.core.fairness`). Siblings of an `n > 1`
     request share a `group_id` and the same prompt. Request ids must be unique among
     unfinished requests: the engine checks that once, for its users' ids, and derives these
     ids from them (jserve.engine.child_ids).
@@ -52,6 +54,7 @@ class Request:
         "num_computed_tokens",
         "num_hashed_blocks",
         "num_preemptions",
+        "num_prompt_served",
         "num_prompt_tokens",
         "output_token_ids",
         "prompt_token_ids",
@@ -59,6 +62,7 @@ class Request:
         "request_id",
         "status",
         "stop",
+        "tenant",
     )
 
     def __init__(
@@ -71,6 +75,7 @@ class Request:
         lane: str = "interactive",
         deadline: float | None = None,
         group_id: str | None = None,
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         self.request_id = request_id
         self.prompt_token_ids = tuple(prompt_token_ids)
@@ -82,12 +87,16 @@ class Request:
         self.lane = lane
         self.deadline = deadline
         self.group_id = group_id
+        self.tenant = tenant
 
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prefix-cache (or fork) hit at first admission
         self.num_preemptions = 0
+        # Prompt positions already charged to the tenant's fair-share counter: recomputing
+        # them after a preemption is the scheduler's cost, not the tenant's (core.fairness).
+        self.num_prompt_served = 0
         self.block_ids: list[int] = []
         # Chained hashes of full blocks of known tokens; block i is in the prefix cache once
         # i < num_hashed_blocks (set by the block manager, which owns the cache).

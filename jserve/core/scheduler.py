@@ -19,6 +19,7 @@ every method from the thread that drives the steps (e.g. the engine's event loop
 
 from __future__ import annotations
 
+import logging
 import time
 from bisect import bisect_left
 from collections.abc import Mapping
@@ -26,16 +27,27 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from jserve.config import CacheConfig, SchedulerConfig
-from jserve.core.admission import check_new_request
+from jserve.core.admission import (
+    check_deadline,
+    check_kv_usage,
+    check_new_request,
+    estimate_finish,
+)
 from jserve.core.block_manager import BlockManager
 from jserve.core.deadlines import DeadlineHeap
+from jserve.core.fairness import FairShare
 from jserve.core.plan import StepPlan
 from jserve.core.planner import PlanOutcome, plan_step
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
+from jserve.core.step_costs import StepCosts
+from jserve.core.tenants import TenantPolicy
 from jserve.stopping import FinishReason
 
 _rank = attrgetter("rank")
+# The decision log: why each request was admitted, deferred, preempted or rejected (DEBUG;
+# switched on at run time through jserve.core.control).
+DECISIONS = logging.getLogger("jserve.decisions")
 
 
 @dataclass
@@ -50,23 +62,25 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> None:
-        self.config = scheduler_config
+    """See the module docstring. `tenants` gives tenants' weights and caps (fair share:
+    jserve.core.fairness); `step_costs`, the measured per-bucket step times that deadline
+    admission and `target_itl_ms` price steps with (without it, neither is active)."""
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        tenants: TenantPolicy | None = None,
+        step_costs: StepCosts | None = None,
+    ) -> None:
         self.block_size = cache_config.block_size
+        self.num_blocks = cache_config.num_blocks
         self.block_manager = BlockManager(
             cache_config.num_blocks, cache_config.block_size, scheduler_config.enable_prefix_caching
         )
-        usable = self.block_manager.num_usable_blocks
-        self.watermark_blocks = int(scheduler_config.free_block_watermark * usable)
-        blocks_per_seq = -(-scheduler_config.max_model_len // cache_config.block_size)
-        if blocks_per_seq + self.watermark_blocks > usable:
-            raise ValueError(
-                f"num_blocks={cache_config.num_blocks} leaves {usable} usable blocks, but one "
-                f"request of max_model_len={scheduler_config.max_model_len} needs "
-                f"{blocks_per_seq} blocks of {cache_config.block_size} tokens plus "
-                f"{self.watermark_blocks} watermark blocks; raise num_blocks or lower "
-                f"max_model_len"
-            )
+        self.reconfigure(scheduler_config)
+        self.fair = FairShare(tenants or TenantPolicy())
+        self.step_costs = step_costs
         self.running: list[Request] = []  # sorted by Request.rank, highest first
         self.waiting = WaitingQueues(scheduler_config.aging_iterations)
         self._deadlines = DeadlineHeap()
@@ -76,10 +90,35 @@ class Scheduler:
         self._num_added = 0
         self.num_steps = 0  # schedule() calls so far; waiting ages are counted in steps
 
+    def reconfigure(self, config: SchedulerConfig) -> None:
+        """Adopt `config` (at start-up, or between steps from the admin endpoint); a
+        ValueError leaves the old one. Prefix caching and max_model_len cannot change here."""
+        old = getattr(self, "config", None)
+        if old is not None:
+            for name in ("enable_prefix_caching", "max_model_len", "enable_chunked_prefill"):
+                if getattr(config, name) != getattr(old, name):
+                    raise ValueError(f"{name} cannot change at run time")
+        usable = self.block_manager.num_usable_blocks
+        watermark_blocks = int(config.free_block_watermark * usable)
+        blocks_per_seq = -(-config.max_model_len // self.block_size)
+        if blocks_per_seq + watermark_blocks > usable:
+            raise ValueError(
+                f"num_blocks={self.num_blocks} leaves {usable} usable blocks, but one "
+                f"request of max_model_len={config.max_model_len} needs "
+                f"{blocks_per_seq} blocks of {self.block_size} tokens plus "
+                f"{watermark_blocks} watermark blocks; raise num_blocks or lower "
+                f"max_model_len"
+            )
+        self.config = config
+        self.watermark_blocks = watermark_blocks
+        if old is not None:
+            self.waiting.aging_iterations = config.aging_iterations
+
     # ---- admission and removal -------------------------------------------------------------
 
-    def add_request(self, request: Request) -> None:
-        """Queue `request`, or raise RequestRejected ("invalid", "too_long", "queue_full").
+    def add_request(self, request: Request, now: float | None = None) -> None:
+        """Queue `request`, or raise RequestRejected ("invalid", "too_long", "queue_full",
+        "kv_full", "deadline": jserve.core.admission; `now` on the deadline's clock).
 
         An "interactive" prompt longer than `long_prompt_threshold` moves to the "long" lane.
         Siblings of an `n > 1` group (same `group_id` and prompt, added right after the first
@@ -90,13 +129,30 @@ class Scheduler:
         is_sibling = request.group_id is not None and request.group_id in self.group_leaders
         try:
             check_new_request(request, self.config, len(self.waiting))
-        except Exception:
+            check_kv_usage(self.block_manager.usage(), self.config)
+            if request.lane == "interactive" and (
+                request.num_prompt_tokens > self.config.long_prompt_threshold
+            ):
+                request.lane = "long"
+            if (
+                request.deadline is not None
+                and self.config.deadline_admission
+                and self.step_costs is not None
+                and not is_sibling
+            ):
+                estimate = estimate_finish(
+                    request, self.config, self.step_costs, self.running, self.waiting,
+                    self.step_budget(),
+                )  # fmt: skip
+                check_deadline(request, estimate, time.monotonic() if now is None else now)
+        except Exception as exc:
             request.status = RequestStatus.FINISHED
+            if DECISIONS.isEnabledFor(logging.DEBUG):
+                DECISIONS.debug(
+                    "reject %s tenant=%s lane=%s reason=%s: %s", request.request_id,
+                    request.tenant, request.lane, getattr(exc, "reason", "error"), exc,
+                )  # fmt: skip
             raise
-        if request.lane == "interactive" and (
-            request.num_prompt_tokens > self.config.long_prompt_threshold
-        ):
-            request.lane = "long"
         self._num_added += 1
         request.rank = (LANE_RANK[request.lane], request.arrival_time, self._num_added)
         request.status = RequestStatus.WAITING
@@ -105,6 +161,7 @@ class Scheduler:
             self.group_leaders[request.group_id] = request
         self.waiting.push_back(request, self.num_steps)
         self._deadlines.push(request, len(self._requests))
+        self.fair.on_add(request)
 
     def abort(self, request_id: str) -> bool:
         """End a request in any state and free its blocks now; False if it is unknown."""
@@ -148,20 +205,54 @@ class Scheduler:
             finished[request.request_id] = FinishReason.TIMEOUT
         outcome = plan_step(
             self.config, self.block_manager, self.running, self.waiting, self.group_leaders,
-            self.watermark_blocks, self.num_steps,
+            self.watermark_blocks, self.num_steps, self.fair, self.step_budget(),
         )  # fmt: skip
         self._apply(outcome)
+        if DECISIONS.isEnabledFor(logging.DEBUG):
+            self._log_decisions(outcome, finished)
         outcome.plan.finished = finished
         return outcome.plan
 
+    def _log_decisions(self, outcome: PlanOutcome, finished: Mapping[str, FinishReason]) -> None:
+        level = self.fair.level
+        for request_id in finished:
+            DECISIONS.debug("expire %s: past its deadline", request_id)
+        for r in outcome.admitted:
+            DECISIONS.debug(
+                "admit %s tenant=%s lane=%s counter=%.1f computed=%d", r.request_id, r.tenant,
+                r.lane, level(r.lane, r.tenant), r.num_computed_tokens,
+            )  # fmt: skip
+        for r in outcome.preempted:
+            DECISIONS.debug(
+                "preempt %s tenant=%s lane=%s counter=%.1f: out of KV blocks", r.request_id,
+                r.tenant, r.lane, level(r.lane, r.tenant),
+            )  # fmt: skip
+        if outcome.deferred is not None:
+            DECISIONS.debug("defer %d waiting: %s", len(self.waiting), outcome.deferred)
+
+    def step_budget(self) -> int:
+        """Tokens the next step may take: max_num_batched_tokens, or with target_itl_ms the
+        largest token bucket whose measured step time fits the target; at least one token
+        per running decode (the admin endpoint may lower the budget below the running count)."""
+        config = self.config
+        budget = config.max_num_batched_tokens
+        if config.target_itl_ms and self.step_costs is not None:
+            num_seqs = min(config.max_num_seqs, len(self.running) + len(self.waiting))
+            target = config.target_itl_ms / 1000.0
+            budget = min(self.step_costs.largest_within(target, max(1, num_seqs)) or 0, budget)
+        return max(budget, len(self.running), 1)
+
     def _apply(self, outcome: PlanOutcome) -> None:
         """Move what the planner admitted and preempted between waiting and running."""
+        fair = self.fair
         for request in outcome.admitted:
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
+            fair.on_start_running(request)
             if request.num_preemptions == 0:
                 request.num_cached_tokens = request.num_computed_tokens
         for victim in outcome.preempted:  # its blocks are already free
+            fair.on_preempted(victim)
             victim.status = RequestStatus.PREEMPTED
             victim.num_computed_tokens = 0
             victim.num_preemptions += 1
@@ -178,13 +269,21 @@ class Scheduler:
         caching = block_manager.prefix_cache is not None
         block_size = self.block_size
         running = RequestStatus.RUNNING
+        charge = self.fair.charge
+        decodes: dict[tuple[str, str], int] = {}  # (lane, tenant) -> one-token decodes
         finished = []
         # The hot loop of every step: attribute access and calls are kept to a minimum.
         for seq in plan.seqs:
             request = requests.get(seq.request_id)
             if request is None or request.status is not running:
                 continue  # aborted or finished by the engine while the step ran
-            num_computed = request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            start = seq.start_pos
+            num_computed = request.num_computed_tokens = start + len(seq.token_ids)
+            if start < request.num_prompt_tokens or not seq.sample:
+                charge(request, start, num_computed, seq.sample)
+            else:  # a decode (or a recompute of outputs): one output token served
+                key = (request.lane, request.tenant)
+                decodes[key] = decodes.get(key, 0) + 1
             if caching and num_computed // block_size > request.num_hashed_blocks:
                 block_manager.cache_full_blocks(request)
             if not seq.sample:
@@ -203,6 +302,7 @@ class Scheduler:
             if reason is not None:
                 self._finish(request, reason)
                 finished.append(request)
+        self.fair.charge_decodes(decodes)
         if finished:
             self.running = [r for r in self.running if r.status is running]
         return finished
@@ -220,6 +320,7 @@ class Scheduler:
     def _finish(self, request: Request, reason: FinishReason) -> None:
         """Free and forget `request` (the caller already took it out of running/waiting)."""
         self.block_manager.free(request)
+        self.fair.on_finish(request, request.status is RequestStatus.RUNNING)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._requests[request.request_id]

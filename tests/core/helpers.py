@@ -8,18 +8,27 @@ from jserve.config import CacheConfig, SchedulerConfig
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
+from jserve.core.step_costs import StepCosts
+from jserve.core.tenants import TenantPolicy
 from jserve.stopping import StopConditions
 
 EOS = 2
 FILLER = 7  # a sampled token that never stops anything
 
 
-def make_scheduler(block_size: int = 4, num_blocks: int = 64, **config) -> Scheduler:
+def make_scheduler(
+    block_size: int = 4,
+    num_blocks: int = 64,
+    tenants: TenantPolicy | None = None,
+    step_costs: StepCosts | None = None,
+    **config,
+) -> Scheduler:
     config.setdefault("max_num_seqs", 8)
     config.setdefault("max_num_batched_tokens", 32)
     config.setdefault("max_model_len", 128)
     config.setdefault("free_block_watermark", 0.0)
-    return Scheduler(SchedulerConfig(**config), CacheConfig(block_size, num_blocks))
+    cache = CacheConfig(block_size, num_blocks)
+    return Scheduler(SchedulerConfig(**config), cache, tenants, step_costs)
 
 
 def make_request(

@@ -38,6 +38,14 @@ def test_scheduler_config_defaults_are_valid_and_frozen():
         ({"max_waiting_requests": 0}, "max_waiting_requests must be >= 1, got 0"),
         ({"free_block_watermark": 1.0}, "free_block_watermark must be in [0, 1), got 1.0"),
         ({"aging_iterations": 0}, "aging_iterations must be >= 1, got 0"),
+        ({"kv_reject_watermark": 0.0}, "kv_reject_watermark must be in (0, 1], got 0.0"),
+        ({"kv_reject_watermark": 1.2}, "kv_reject_watermark must be in (0, 1], got 1.2"),
+        ({"fairness": "random"}, "fairness must be one of ('vtc', 'fcfs'), got 'random'"),
+        ({"target_itl_ms": -1.0}, "target_itl_ms must be >= 0 (0 = off), got -1.0"),
+        (
+            {"enable_chunked_prefill": False, "max_model_len": 512, "target_itl_ms": 100.0},
+            "target_itl_ms adapts the prefill chunk and needs enable_chunked_prefill=True",
+        ),
         ({"scheduling": "fifo"}, "scheduling must be one of ('continuous', 'static'), got 'fifo'"),
         (
             {"enable_chunked_prefill": False},
@@ -192,14 +200,17 @@ def test_scheduler_config_takes_every_shared_setting_from_engine_args_by_name():
         "long_prompt_threshold": 9, "max_waiting_requests": 5, "scheduling": "static",
         "enable_chunked_prefill": False, "enable_prefix_caching": False,
         "long_lane_max_share": 0.25, "free_block_watermark": 0.1, "aging_iterations": 3,
+        "kv_reject_watermark": 0.9, "fairness": "fcfs", "deadline_admission": False,
     }  # fmt: skip
     changed = {name: value for name, value in changed.items() if name in engine_fields}
     changed["long_prefill_token_threshold"] = 0  # chunked prefill is off
-    assert set(changed) == {f.name for f in shared} - {"max_model_len"}
+    # target_itl_ms needs chunked prefill: checked separately below.
+    assert set(changed) == {f.name for f in shared} - {"max_model_len", "target_itl_ms"}
     config = EngineArgs(**changed, max_n=2).scheduler_config(max_model_len=200)
     assert config.max_model_len == 200
     for name, value in changed.items():
         assert getattr(config, name) == value, name
+    assert EngineArgs(target_itl_ms=150.0).scheduler_config(200).target_itl_ms == 150.0
 
 
 @pytest.mark.parametrize(

@@ -4,6 +4,10 @@ A shadow KV pool records, for every slot a plan writes, which prefix of tokens p
 seq may only be scheduled when the slots its table maps for earlier positions hold exactly
 its own prefix. So a wrong prefix hit, a fork of a block someone still writes,
 or a block reused while referenced all show up as a mismatch.
+
+Requests come from three tenants of different weights; with fairness="vtc" the service gap
+between two tenants continuously backlogged in a lane must stay within the bound
+jserve.core.fairness derives (`fair_share_gap_is_bounded`).
 """
 
 from __future__ import annotations
@@ -20,15 +24,18 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from jserve.config import CacheConfig, SchedulerConfig
+from jserve.config import LANES, CacheConfig, SchedulerConfig
 from jserve.core.block_manager import SINK_BLOCK_ID
+from jserve.core.fairness import service_gap_bound
 from jserve.core.request import Request, RequestStatus
 from jserve.core.scheduler import Scheduler
+from jserve.core.tenants import TenantPolicy
 from jserve.errors import RequestRejected
 from jserve.stopping import FinishReason, StopConditions
 
 EOS = 2
 SHARED_PREFIXES = [tuple(range(3, 3 + 40)), tuple(range(50, 50 + 40))]
+TENANTS = ("a", "b", "c")
 
 
 @st.composite
@@ -52,6 +59,7 @@ def configs(draw) -> tuple[SchedulerConfig, CacheConfig]:
         free_block_watermark=watermark,
         aging_iterations=draw(st.integers(1, 12)),
         scheduling=draw(st.sampled_from(["continuous", "continuous", "static"])),
+        fairness=draw(st.sampled_from(["vtc", "vtc", "fcfs"])),
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
     )
@@ -59,15 +67,31 @@ def configs(draw) -> tuple[SchedulerConfig, CacheConfig]:
     # From "one request fills the pool" (preemption every few steps) to plenty.
     extra = draw(st.sampled_from([0, 1, blocks_per_seq // 2, 3 * blocks_per_seq]))
     usable = int((blocks_per_seq + extra) / (1.0 - watermark)) + 1
-    return scheduler_config, CacheConfig(block_size=block_size, num_blocks=usable + 1)
+    weights = {
+        "a": 1.0,
+        "b": draw(st.sampled_from([1.0, 2.0])),
+        "c": draw(st.sampled_from([0.5, 1.0])),
+    }
+    cache_config = CacheConfig(block_size=block_size, num_blocks=usable + 1)
+    return scheduler_config, cache_config, TenantPolicy(weights)
 
 
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(config=configs())
     def setup(self, config):
-        self.config, cache_config = config
+        self.config, cache_config, tenants = config
         self.block_size = cache_config.block_size
-        self.scheduler = Scheduler(self.config, cache_config)
+        self.scheduler = Scheduler(self.config, cache_config, tenants)
+        self.check_fairness = (
+            self.config.fairness == "vtc" and self.config.scheduling == "continuous"
+        )
+        self.gap_bound = {
+            t: service_gap_bound(self.config.max_num_seqs, self.config.max_model_len, w)
+            for t, w in tenants.weights.items()
+        }
+        # lane -> (f, g) -> their counters when both became backlogged
+        self.gap_starts = {lane: {} for lane in LANES}
+        self.gaps_checked = 0
         self.manager = self.scheduler.block_manager
         self.live: dict[str, Request] = {}  # added and not yet reported finished
         self.reported: set[str] = set()
@@ -82,8 +106,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         lane=st.sampled_from(["interactive", "interactive", "long", "batch"]),
         n=st.sampled_from([1, 1, 1, 2, 3]),
         deadline=st.none() | st.floats(0.0, 6.0),
+        tenant=st.sampled_from(TENANTS),
     )
-    def add(self, data, lane, n, deadline):
+    def add(self, data, lane, n, deadline, tenant):
         max_model_len = self.config.max_model_len
         prompt_len = data.draw(st.integers(1, max_model_len + 2), label="prompt_len")
         max_tokens = data.draw(st.integers(1, 24), label="max_tokens")
@@ -107,6 +132,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 lane=lane,
                 deadline=None if deadline is None else self.now + deadline,
                 group_id=group_id,
+                tenant=tenant,
             )
             too_long = prompt_len + max_tokens > self.config.max_model_len
             queue_full = len(self.scheduler.waiting) >= self.config.max_waiting_requests
@@ -122,6 +148,35 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert not too_long and not queue_full
             self.live[request.request_id] = request
             members.append(request.request_id)
+
+    @rule(
+        heavy=st.sampled_from(TENANTS),
+        light=st.sampled_from(TENANTS),
+        count=st.integers(2, 6),
+        prompt_len=st.integers(1, 12),
+        max_tokens=st.integers(1, 8),
+    )
+    def contend(self, heavy, light, count, prompt_len, max_tokens):
+        """A burst in one lane from two tenants, one sending `count` times the other's
+        requests: what fair share is for."""
+        for i in range(count + 1):
+            tenant = light if i == count // 2 else heavy
+            self.num_added += 1
+            request = Request(
+                f"r{self.num_added}",
+                [3 + (self.num_added + j) % 9 for j in range(prompt_len)],
+                stop=StopConditions(max_tokens, 0, frozenset({EOS})),
+                arrival_time=self.now,
+                lane="batch",
+                tenant=tenant,
+            )
+            fits = prompt_len + max_tokens <= self.config.max_model_len
+            if not fits or len(self.scheduler.waiting) >= self.config.max_waiting_requests:
+                with pytest.raises(RequestRejected):
+                    self.scheduler.add_request(request)
+                continue
+            self.scheduler.add_request(request)
+            self.live[request.request_id] = request
 
     @precondition(lambda self: self.live)
     @rule(data=st.data())
@@ -165,6 +220,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _step(self, next_token):
         now = self.now
         plan = self.scheduler.schedule(now)
+        self._note_outstanding()  # before the step's service is charged
         self.now += 1.0
         for request_id, reason in plan.finished.items():
             assert reason == "timeout"  # aborts and engine stops are not reported back
@@ -183,6 +239,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             else:
                 assert request.num_output_tokens == request.stop.max_tokens
             self._report(request.request_id)
+        self._check_fair_share()
 
     def _report(self, request_id):
         assert request_id not in self.reported, f"{request_id} reported finished twice"
@@ -238,7 +295,62 @@ class SchedulerMachine(RuleBasedStateMachine):
             keys.append(key)
         return keys
 
+    def _check_fair_share(self):
+        """Called after every step and rule. While tenants f and g are both backlogged in a
+        lane, f is admitted only when its counter (with what the step scheduled so far) is
+        the lowest, so its service beyond g's since both became backlogged is at most what its
+        admitted requests could still be served (the most seen after a schedule(), before the
+        step's service is charged) plus the counter gap they started with
+        (jserve.core.fairness derives the bound)."""
+        if not self.check_fairness:
+            return
+        fair = self.scheduler.fair
+        self._note_outstanding()
+        for lane in LANES:
+            backlogged = set(self.scheduler.waiting.tenant_queues(lane))
+            starts = self.gap_starts[lane]
+            for pair in [p for p in starts if not set(p) <= backlogged]:
+                del starts[pair]
+            for f in sorted(backlogged):
+                for g in sorted(backlogged):
+                    if f < g and (f, g) not in starts:
+                        starts[(f, g)] = [fair.level(lane, f), fair.level(lane, g), 0.0, 0.0]
+            for (f, g), start in starts.items():
+                f0, g0, most_f, most_g = start
+                gap = (fair.level(lane, f) - f0) - (fair.level(lane, g) - g0)
+                slack = abs(f0 - g0) + 1e-6
+                assert -most_g - slack <= gap <= most_f + slack, (lane, f, g, gap, start)
+                assert max(most_f, most_g) <= max(self.gap_bound.values())  # the docs' B
+                self.gaps_checked += gap != 0
+
+    def _note_outstanding(self):
+        """Raise each backlogged pair's record of the most service each tenant's admitted,
+        unfinished requests in the lane can still get."""
+        if not self.check_fairness:
+            return
+        fair = self.scheduler.fair
+        for lane, starts in self.gap_starts.items():
+            if not starts:
+                continue
+            out = {}
+            for request in self.live.values():
+                admitted = (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+                if request.lane != lane or request.status not in admitted:
+                    continue
+                prompt = request.num_prompt_tokens - request.num_prompt_served
+                outputs = request.stop.max_tokens - request.num_output_tokens
+                cost = fair.cost(request.tenant, prompt, outputs)
+                out[request.tenant] = out.get(request.tenant, 0.0) + cost
+            for (f, g), start in starts.items():
+                start[2] = max(start[2], out.get(f, 0.0))
+                start[3] = max(start[3], out.get(g, 0.0))
+
     # ---- invariants ------------------------------------------------------------------------
+
+    @invariant()
+    def fair_share_gap_is_bounded(self):
+        if hasattr(self, "scheduler"):
+            self._check_fair_share()
 
     @invariant()
     def blocks_are_accounted_for(self):

@@ -133,7 +133,25 @@ def test_abort_frees_blocks_and_is_not_reported_again(engine):
     assert engine.step() == []  # the abort does not come back through the scheduler
 
 
+def test_a_deadline_the_engine_cannot_meet_is_refused_at_arrival(engine):
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request("warm", "Once upon a time", params)
+    run_to_completion(engine)  # two measured steps: the step-cost table is no longer empty
+    with pytest.raises(RequestRejected, match="the deadline cannot be met") as info:
+        engine.add_request("late", "Once upon a time", params, deadline=time.monotonic())
+    assert info.value.reason == "deadline" and info.value.retry_after >= 1
+    assert not engine.has_unfinished_requests()
+
+
 def test_deadline_ends_a_waiting_and_a_running_request_with_timeout(engine):
+    engine.control({"deadline_admission": False})  # deadlines only expire
+    try:
+        expire_waiting_and_running(engine)
+    finally:
+        engine.control({"deadline_admission": True})
+
+
+def expire_waiting_and_running(engine):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     engine.add_request("late", "Once upon a time", params, deadline=0.0)  # already past
     (out,) = engine.step()

@@ -263,7 +263,7 @@ class _BrokenEngine(MockEngine):
         super().__init__()
         self.error = error
 
-    async def generate(self, prompt, params, request_id, *, lane="interactive", timeout=None):
+    async def generate(self, prompt, params, request_id, *, lane="interactive", timeout=None, **_):
         raise self.error
         yield  # an async generator, like the real one
 
@@ -285,7 +285,7 @@ async def test_engine_exceptions_map_to_statuses(error, status, code):
 
 
 class _FailsAfterOneToken(MockEngine):
-    async def generate(self, prompt, params, request_id, *, lane="interactive", timeout=None):
+    async def generate(self, prompt, params, request_id, *, lane="interactive", timeout=None, **_):
         async for output in super().generate(prompt, params, request_id):
             yield output
             raise RuntimeError("bug after the first token")
@@ -323,7 +323,7 @@ class _FailsItsRequest(MockEngine):
     """The engine fails the request after one token (as LLMEngine does when the request's own
     host-side work raises, or when a failed step restarts the engine)."""
 
-    async def generate(self, prompt, params, request_id, *, lane="interactive", timeout=None):
+    async def generate(self, prompt, params, request_id, *, lane="interactive", timeout=None, **_):
         async for output in super().generate(prompt, params, request_id):
             if output.finished:
                 return

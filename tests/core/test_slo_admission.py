@@ -1,0 +1,135 @@
+"""Deadline-aware admission, the KV reject watermark, step costs and the adaptive budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from jserve.core.buckets import make_seq_buckets, make_token_buckets
+from jserve.core.step_costs import StepCosts, load_bucket_report
+from jserve.errors import RequestRejected
+
+from .helpers import make_request, make_scheduler, run_until_idle, step
+
+TOKEN_BUCKETS = make_token_buckets(32, smallest=1)  # 1, 2, 4, 8, 16, 32
+SEQ_BUCKETS = make_seq_buckets(8)  # 8
+
+
+def linear_costs(per_token: float = 0.01, fixed: float = 0.05) -> StepCosts:
+    """A step of T tokens takes fixed + T * per_token seconds (every bucket measured)."""
+    seed = {(t, s): fixed + t * per_token for t in TOKEN_BUCKETS for s in (t if t < 8 else 8,)}
+    return StepCosts(TOKEN_BUCKETS, SEQ_BUCKETS, seed)
+
+
+def test_step_costs_learn_online_and_price_unmeasured_buckets():
+    costs = StepCosts(TOKEN_BUCKETS, SEQ_BUCKETS)
+    assert costs.cost(5, 1) is None
+    costs.observe(5, 1, 1.0)  # bucket (8, 8)
+    assert costs.cost(7, 3) == 1.0
+    costs.observe(6, 2, 2.0)
+    assert costs.cost(8, 8) == pytest.approx(1.2)  # moving average, weight 0.2
+    assert costs.cost(32, 8) == pytest.approx(1.2 * 4)  # nearest, scaled by tokens
+    assert costs.largest_within(1.3, 1) == 8
+    assert costs.recent == pytest.approx(1.0 + 0.05 * (2.0 - 1.0))  # every bucket's steps
+
+
+def test_a_deadline_that_cannot_be_met_is_refused_with_the_numbers():
+    scheduler = make_scheduler(step_costs=linear_costs(), max_num_seqs=8)
+    # Alone: 8 prompt tokens in one 32-token step (0.37 s) + 4 decode steps of 1 seq (0.06 s).
+    scheduler.add_request(make_request("ok", 8, max_tokens=4, deadline=1.0), now=0.0)
+    with pytest.raises(RequestRejected) as info:
+        scheduler.add_request(make_request("late", 8, max_tokens=40, deadline=0.5), now=0.0)
+    assert info.value.reason == "deadline"
+    assert "estimated to take" in str(info.value) and "leaves 0.50 s" in str(info.value)
+    assert info.value.retry_after >= 1.0
+    assert scheduler.get_request("late") is None
+    # No deadline, no check; work ahead makes a later request's estimate longer.
+    for i in range(6):
+        scheduler.add_request(make_request(f"bulk{i}", 30, max_tokens=4))
+    with pytest.raises(RequestRejected, match="deadline cannot be met"):
+        scheduler.add_request(make_request("behind", 8, max_tokens=4, deadline=1.0), now=0.0)
+    # A lower lane's queue is not ahead of an interactive request.
+    scheduler.add_request(make_request("batch", 8, max_tokens=4, lane="batch"))
+    run_until_idle(scheduler)
+
+
+def test_admitted_deadline_requests_finish_in_time_under_the_cost_model():
+    """Replayed in virtual time priced by the same costs, no admitted request times out."""
+    costs = linear_costs()
+    scheduler = make_scheduler(step_costs=costs, max_num_seqs=4)
+    now, admitted, refused = 0.0, 0, 0
+    for i in range(40):
+        try:
+            scheduler.add_request(
+                make_request(f"r{i}", 12, 100 * i, max_tokens=6, deadline=now + 1.5,
+                             arrival_time=now),
+                now=now,
+            )  # fmt: skip
+            admitted += 1
+        except RequestRejected as exc:
+            assert exc.reason == "deadline"
+            refused += 1
+        if i % 3 == 2:  # three arrivals per step: an overload
+            plan = scheduler.schedule(now)
+            assert not plan.finished, f"admitted requests timed out: {plan.finished}"
+            now += costs.cost(plan.num_batched_tokens, len(plan.seqs)) or 0.0
+            sampled = {s.request_id: 7 for s in plan.seqs if s.sample}
+            scheduler.update_from_output(plan, sampled)
+    assert admitted and refused
+
+
+def test_kv_usage_above_the_reject_watermark_refuses_new_requests():
+    scheduler = make_scheduler(
+        block_size=4, num_blocks=11, max_model_len=40, kv_reject_watermark=0.5
+    )
+    scheduler.add_request(make_request("big", 24, max_tokens=8))
+    step(scheduler)  # 6 of 10 blocks
+    with pytest.raises(RequestRejected) as info:
+        scheduler.add_request(make_request("next", 4))
+    assert info.value.reason == "kv_full"
+    assert "60.0%, above the reject watermark 50.0%" in str(info.value)
+    run_until_idle(scheduler)
+    scheduler.add_request(make_request("later", 4))
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.5, -0.1])
+def test_the_reject_watermark_must_be_in_zero_one(bad):
+    with pytest.raises(ValueError, match=r"kv_reject_watermark must be in \(0, 1\]"):
+        make_scheduler(kv_reject_watermark=bad)
+
+
+def test_target_itl_picks_the_largest_bucket_within_it():
+    costs = linear_costs(per_token=0.01, fixed=0.05)  # 16 tokens: 0.21 s, 32: 0.37 s
+    scheduler = make_scheduler(step_costs=costs, target_itl_ms=250.0)
+    assert scheduler.step_budget() == 16
+    scheduler.add_request(make_request("long", 100, max_tokens=2))
+    plan, _ = step(scheduler)
+    assert plan.num_batched_tokens == 16  # the prompt is chunked at the adaptive budget
+    fixed = make_scheduler(step_costs=costs)
+    assert fixed.step_budget() == 32
+    run_until_idle(scheduler)
+
+
+def test_bucket_reports_load_and_bad_ones_say_why(tmp_path):
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps({"buckets": [{"T": 8, "S": 8, "mixed": {"step_ms": 120.0}}]}))
+    assert load_bucket_report(str(path)) == {(8, 8): 0.12}
+    path.write_text(json.dumps({"buckets": [{"T": 8}]}))
+    with pytest.raises(ValueError, match=r"not a bench/buckets\.py report"):
+        load_bucket_report(str(path))
+
+
+def test_a_budget_lowered_below_the_running_decodes_still_decodes_them_all():
+    scheduler = make_scheduler(max_num_seqs=8, max_num_batched_tokens=32)
+    for i in range(6):
+        scheduler.add_request(make_request(f"r{i}", 4, 100 * i, max_tokens=6))
+    scheduler.add_request(make_request("long", 40, 5000, max_tokens=2))
+    step(scheduler)  # six prompts and the first 8 tokens of the long one
+    config = scheduler.config
+    scheduler.reconfigure(type(config)(**{**config.__dict__, "max_num_seqs": 2,
+                                          "max_num_batched_tokens": 2}))  # fmt: skip
+    plan, _ = step(scheduler)
+    # One token per running request: six decodes and one more prefill token.
+    assert plan.num_decodes == 6 and plan.num_batched_tokens == 7
+    run_until_idle(scheduler)
