@@ -21,7 +21,7 @@ from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
 from jserve.runtime.compilation import enable_persistent_cache
 from jserve.runtime.model_runner import ModelRunner, kv_block_bytes
-from jserve.runtime.params import make_mesh, place_model, resolve_dtype
+from jserve.runtime.params import check_tensor_parallel, make_mesh, place_model, resolve_dtype
 from jserve.runtime.sampler import Sampler
 from jserve.runtime.step_inputs import StepInputBuilder
 
@@ -50,6 +50,7 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
     loaded = loaded or load_model(args.model, cache_dir=cache_dir)
     cfg = loaded.config
     dtype = resolve_dtype(args.dtype)
+    check_tensor_parallel(cfg, args.tensor_parallel_size)
     mesh = make_mesh(args.tensor_parallel_size)
     graphdef, state = place_model(cfg, loaded.params, dtype, mesh)
 
