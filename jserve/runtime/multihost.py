@@ -82,6 +82,8 @@ def initialize(coordinator_address: str | None, num_processes: int, process_id: 
             "free port, the same on every process)"
         )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    # JAX's preemption notifier would take SIGTERM, which the server needs to drain.
+    jax.config.update("jax_enable_preemption_service", False)
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
         num_processes=num_processes,
