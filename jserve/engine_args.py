@@ -80,7 +80,11 @@ class EngineArgs:
         vllm="VLLM_ATTENTION_BACKEND (an environment variable)",
     )
     tensor_parallel_size: int = setting(
-        1, "devices the model is sharded over (tensor parallelism)", vllm="--tensor-parallel-size"
+        1,
+        "devices the model, its KV pool and attention are sharded over (tensor parallelism); "
+        "must divide the query and KV head counts, and be the total device count of a "
+        "multi-process run",
+        vllm="--tensor-parallel-size",
     )
     coordinator_address: str | None = setting(
         None,

@@ -60,10 +60,20 @@ def _model_step(
     logits, kv_cache = model(
         inputs.token_ids, inputs.positions, kv_cache, meta, inputs.logits_indices
     )
-    if heads is not None:  # gathered (a vocab-split lm_head) so every device holds them all
-        replicated = jax.sharding.NamedSharding(heads.mesh, jax.sharding.PartitionSpec())
-        logits = jax.lax.with_sharding_constraint(logits, replicated)
+    if heads is not None:
+        logits = _gathered_logits(logits, heads)
     return logits, kv_cache
+
+
+def _gathered_logits(logits: jax.Array, heads: HeadSharding) -> jax.Array:
+    """Each device computes its slice of the vocabulary, then the slices are gathered, so every
+    device holds all logits [S, V]. Asked for replicated logits directly, XLA gathers an untied
+    lm_head's weight [D, V] instead, every step."""
+    spec = jax.sharding.PartitionSpec
+    if logits.shape[1] % heads.mesh.shape[heads.axis] == 0:
+        split = jax.sharding.NamedSharding(heads.mesh, spec(None, heads.axis))
+        logits = jax.lax.with_sharding_constraint(logits, split)
+    return jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(heads.mesh, spec()))
 
 
 _model_step_jit = jax.jit(_model_step, static_argnums=(0, 4, 5), donate_argnums=(2,))

@@ -16,6 +16,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -42,33 +43,22 @@ def tiny_dir(default_model, tmp_path_factory) -> Path:
     return save_checkpoint(path, tiny.config, tiny.params, tiny.tokenizer)
 
 
-def _start(mode: str, model: Path) -> list[subprocess.Popen]:
-    port = _free_port()
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
-    env.pop("XLA_FLAGS", None)  # one CPU device per process
+def _spawn(argv_of: Callable[[int], list[str]]) -> list[subprocess.Popen]:
+    """Three processes, `python argv_of(i)` for process i, one CPU device each."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": path}
+    env.pop("XLA_FLAGS", None)
+    pipes = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     return [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.parallel.multiprocess_child",
-                str(i),
-                str(port),
-                mode,
-                str(model),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-            cwd=ROOT,
-        )
+        subprocess.Popen([sys.executable, *argv_of(i)], **pipes, text=True, env=env, cwd=ROOT)
         for i in range(3)
     ]
+
+
+def _start(mode: str, model: Path) -> list[subprocess.Popen]:
+    port = _free_port()
+    child = ["-m", "tests.parallel.multiprocess_child"]
+    return _spawn(lambda i: [*child, str(i), str(port), mode, str(model)])
 
 
 def _finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
@@ -140,3 +130,48 @@ def test_a_killed_process_stops_the_others_with_a_clear_error(tiny_dir):
     assert error.startswith("ProcessGroupError") and "3 processes" in error, error
     assert code1 == 1, out1[-3000:]
     assert "process 1 stops after 0 steps: a broadcast to the run's 3 processes failed" in out1
+
+
+@pytest.mark.slow  # three `jserve serve` processes: over a minute on two loaded cores
+def test_jserve_serve_over_three_processes_answers_and_drains_on_sigterm(tiny_dir):
+    import urllib.request
+
+    from jserve.engine import LLMEngine
+    from jserve.engine_args import EngineArgs
+    from jserve.sampling_params import SamplingParams
+
+    coordinator, http = _free_port(), _free_port()
+    sizes = ["--max-num-seqs", "4", "--max-num-batched-tokens", "32", "--max-model-len", "128"]
+    sizes += ["--num-kv-blocks", "40", "--model", str(tiny_dir), "--port", str(http)]
+    run = ["--tensor-parallel-size", "3", "--coordinator-address", f"127.0.0.1:{coordinator}"]
+    run += ["--num-processes", "3"]
+    procs = _spawn(lambda i: ["-m", "server.cli", "serve", *sizes, *run, "--process-id", str(i)])
+    url = f"http://127.0.0.1:{http}"
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    break
+        except OSError:
+            pass
+        assert time.monotonic() < deadline and procs[0].poll() is None, _finish(procs, 10)
+        time.sleep(1)
+    prompt = [5, 6, 7, 8, 9, 10, 11]
+    body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0}).encode()
+    request = urllib.request.Request(
+        url + "/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=120) as r:
+        text = json.loads(r.read())["choices"][0]["text"]
+    procs[0].send_signal(signal.SIGTERM)
+    results = _finish(procs, 60)
+    assert [code for code, _ in results] == [0, 0, 0], [out[-2000:] for _, out in results]
+    assert all("process 0 stopped the run" in out for _, out in results[1:])
+
+    one = LLMEngine(EngineArgs(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128,
+                               num_kv_blocks=40, model=str(tiny_dir)))  # fmt: skip
+    one.add_request("x", {"prompt_token_ids": prompt}, SamplingParams(temperature=0, max_tokens=8))
+    while one.has_unfinished_requests():
+        final = one.step()
+    assert text == final[0].outputs[0].text
