@@ -2,8 +2,8 @@
 
 Greedy tokens must equal one device's, token for token, on a tiny random model (biases, a
 vocab-split lm_head) and on SmolLM2 (9 query / 3 KV heads), through chunked prefill, a
-preemption and a prefix-cache hit; nothing compiles while serving; each device holds a third
-of the KV pool. Runs in a subprocess because the device count is fixed when JAX starts.
+preemption and a prefix-cache hit, and with the Pallas interpret kernel inside the shard_map
+too; nothing compiles while serving; each device holds a third of the KV pool. Runs in a subprocess because the device count is fixed when JAX starts.
 """
 
 from __future__ import annotations
@@ -29,17 +29,20 @@ from tests.parallel.workload import ENGINE, run_workload, tiny_model
 assert len(jax.devices()) == 3
 smollm2 = load_model(None)
 report = {}
-for name, loaded in (("tiny", tiny_model(smollm2)), ("smollm2", smollm2)):
-    for tp in (1, 3):
-        engine = LLMEngine(EngineArgs(**ENGINE, tensor_parallel_size=tp), loaded=loaded)
-        with forbid_compilation():
-            result = run_workload(engine)
-        k_pool = engine.runner.kv_cache[0]
-        result["pool_bytes"] = k_pool.nbytes
-        result["pool_devices"] = len(k_pool.sharding.device_set)
-        result["shard_bytes"] = sorted({s.data.nbytes for s in k_pool.addressable_shards})
-        report[f"{name}/{tp}"] = result
-        del engine
+tiny = tiny_model(smollm2)
+runs = [("tiny", tiny, 1, "auto"), ("tiny", tiny, 3, "auto"), ("smollm2", smollm2, 1, "auto"),
+        ("smollm2", smollm2, 3, "auto"), ("tiny-interpret", tiny, 3, "interpret")]
+for name, loaded, tp, impl in runs:
+    args = EngineArgs(**ENGINE, tensor_parallel_size=tp, attention_impl=impl)
+    engine = LLMEngine(args, loaded=loaded)
+    with forbid_compilation():
+        result = run_workload(engine)
+    k_pool = engine.runner.kv_cache[0]
+    result["pool_bytes"] = k_pool.nbytes
+    result["pool_devices"] = len(k_pool.sharding.device_set)
+    result["shard_bytes"] = sorted({s.data.nbytes for s in k_pool.addressable_shards})
+    report[f"{name}/{tp}"] = result
+    del engine
 print("REPORT" + json.dumps(report))
 """
 
@@ -66,6 +69,15 @@ def test_greedy_tokens_equal_one_device(report, model):
         assert run["preemptions"] > 0 and run["prefix_cache_hits"] > 0, run
     assert three["preemptions"] == one["preemptions"]
     assert three["prefix_cache_hits"] == one["prefix_cache_hits"]
+
+
+def test_a_pallas_kernel_runs_per_shard(report):
+    """The interpret-mode Pallas kernel (a pallas_call XLA cannot partition) inside the
+    shard_map, over 3 devices, gives the tokens of the XLA attention on one device."""
+    three = report["tiny-interpret/3"]
+    assert three["tokens"] == report["tiny/1"]["tokens"]
+    assert three["serving_compilations"] == 0
+    assert three["shard_bytes"] == [three["pool_bytes"] // 3]
 
 
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
