@@ -3,7 +3,8 @@
 Greedy tokens must equal one device's, token for token, on a tiny random model (biases, a
 vocab-split lm_head) and on SmolLM2 (9 query / 3 KV heads), through chunked prefill, a
 preemption and a prefix-cache hit, and with the Pallas interpret kernel inside the shard_map
-too; nothing compiles while serving; each device holds a third of the KV pool. Runs in a subprocess because the device count is fixed when JAX starts.
+too; nothing compiles while serving; each device holds a third of the KV pool. Runs in a
+subprocess because the device count is fixed when JAX starts.
 """
 
 from __future__ import annotations
