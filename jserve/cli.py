@@ -19,7 +19,12 @@ def _generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.request_seed
     )
-    engine = LLMEngine(engine_args_from_namespace(args))
+    engine_args = engine_args_from_namespace(args)
+    if engine_args.process_id > 0:  # a multi-process run's other processes only follow
+        from jserve.follower import run_follower
+
+        return run_follower(engine_args)
+    engine = LLMEngine(engine_args)
     tok = engine.tokenizer
     if args.chat:
         text = tok.apply_chat_template([{"role": "user", "content": args.prompt}])

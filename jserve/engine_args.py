@@ -98,7 +98,27 @@ class EngineArgs:
         vllm="VLLM_ATTENTION_BACKEND (an environment variable)",
     )
     tensor_parallel_size: int = setting(
-        1, "devices the model is sharded over (tensor parallelism)", vllm="--tensor-parallel-size"
+        1,
+        "devices the model, its KV pool and attention are sharded over (tensor parallelism); "
+        "must divide the query and KV head counts, and be the total device count of a "
+        "multi-process run",
+        vllm="--tensor-parallel-size",
+    )
+    coordinator_address: str | None = setting(
+        None,
+        "HOST:PORT of process 0 of a multi-process run (jax.distributed.initialize's "
+        "coordinator_address), the same on every process",
+        default_text="none: one process",
+    )
+    num_processes: int = setting(
+        1,
+        "processes of a multi-process run, each holding its own devices of one mesh "
+        "(jax.distributed.initialize's num_processes)",
+    )
+    process_id: int = setting(
+        0,
+        "this process's index in a multi-process run: 0 schedules and serves HTTP, the others "
+        "run process 0's steps on their devices (jax.distributed.initialize's process_id)",
     )
     cache_dir: str | None = setting(
         None,

@@ -25,9 +25,10 @@ from jserve.engine_args import EngineArgs
 from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
+from jserve.runtime import multihost
 from jserve.runtime.compilation import enable_persistent_cache
 from jserve.runtime.model_runner import ModelRunner, kv_block_bytes
-from jserve.runtime.params import make_mesh, place_model, resolve_dtype
+from jserve.runtime.params import check_tensor_parallel, make_mesh, place_model, resolve_dtype
 from jserve.runtime.sampler import Sampler
 from jserve.runtime.step_inputs import StepInputBuilder
 
@@ -51,11 +52,18 @@ class EngineParts:
 
 def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> EngineParts:
     """Load (or take `loaded`), place and size everything; compiles nothing yet."""
+    multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     cache_dir = args.cache_dir or default_cache_dir()
     enable_persistent_cache(args.compilation_cache_dir or f"{cache_dir}/xla")
     loaded = loaded or load_model(args.model, cache_dir=cache_dir)
     cfg = loaded.config
     dtype = resolve_dtype(args.dtype)
+    check_tensor_parallel(cfg, args.tensor_parallel_size)
+    if args.num_processes > 1 and args.tensor_parallel_size != jax.device_count():
+        raise ValueError(
+            f"a run of {args.num_processes} processes has {jax.device_count()} devices in all; "
+            f"set --tensor-parallel-size {jax.device_count()} (got {args.tensor_parallel_size})"
+        )
     mesh = make_mesh(args.tensor_parallel_size)
     graphdef, state = place_model(cfg, loaded.params, dtype, mesh)
 
@@ -76,7 +84,9 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
     inputs_builder = StepInputBuilder(
         token_buckets, seq_buckets, args.block_size, math.ceil(max_model_len / args.block_size)
     )
-    runner = ModelRunner(
+    # Process 0 of a multi-process run announces each step to the others (runtime.multihost).
+    leads = args.num_processes > 1 and args.process_id == 0
+    runner = (multihost.LeaderRunner if leads else ModelRunner)(
         cfg, graphdef, state, mesh, num_blocks=num_blocks, block_size=args.block_size,
         dtype=dtype, attn_impl=args.attention_impl,
     )  # fmt: skip

@@ -121,9 +121,7 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
         raise ValueError(
             f"--max-half-open-connections must be >= 1, got {args.max_half_open_connections}"
         )
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    _configure_logging()
     return asyncio.run(
         run_server(
             engine_factory,
@@ -148,6 +146,11 @@ def _serve(args: argparse.Namespace) -> int:
     from jserve.engine_args import engine_args_from_namespace
 
     engine_args = engine_args_from_namespace(args)
+    if engine_args.process_id > 0:  # a multi-process run's other processes serve no HTTP
+        from jserve.follower import run_follower
+
+        _configure_logging()
+        return run_follower(engine_args)
     return serve_main(args, lambda: AsyncLLMEngine.start(engine_args))
 
 
@@ -156,6 +159,12 @@ def _fleet(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> i
     # Check the replicas' flags now, not once per replica after the fleet has started.
     serve_ns = serve_parser.parse_args(serve_args)
     return run_fleet(args, serve_args, serve_ns.block_size)
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,16 +5,23 @@ attention-metadata object; which implementation runs is decided by the metadata'
 time. `DenseCausal` (one sequence, no KV cache) is the plain path used for single-sequence
 reference runs; `PagedAttentionMetadata` writes this step's K/V into the block pool and runs
 ragged paged attention over it (the serving path).
+
+Under tensor parallelism (`PagedAttentionMetadata.heads`) the KV write and the attention run
+per shard inside a `shard_map` over the mesh's head axis: each device sees only its own KV heads
+(and their query heads) of this step and of the pool, and no implementation has to be
+partitionable by XLA (a Pallas kernel is not): attention needs no communication at all.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jserve.pallas import ragged_paged_attention, write_kv
 
@@ -28,6 +35,14 @@ class DenseCausal:
     """
 
 
+@dataclass(frozen=True)
+class HeadSharding:
+    """Heads (query and KV) and the KV pool's head axis are split over `axis` of `mesh`."""
+
+    mesh: jax.sharding.Mesh
+    axis: str
+
+
 @jax.tree_util.register_dataclass
 @dataclass(frozen=True)
 class PagedAttentionMetadata:
@@ -39,6 +54,7 @@ class PagedAttentionMetadata:
     kv_lens: jax.Array  # [S] int32 context length including this step's tokens
     num_seqs: jax.Array  # [1] int32 real sequences
     impl: str = dataclasses.field(default="auto", metadata={"static": True})
+    heads: HeadSharding | None = dataclasses.field(default=None, metadata={"static": True})
 
 
 def attention(
@@ -56,13 +72,54 @@ def attention(
     if isinstance(meta, DenseCausal):
         return dense_causal_attention(q, k, v, sm_scale, sliding_window), kv_cache
     if isinstance(meta, PagedAttentionMetadata):
-        k_pool, v_pool = write_kv(*kv_cache, k, v, meta.slot_mapping, layer)
-        out = ragged_paged_attention(
-            q, k_pool, v_pool, meta.block_tables, meta.cu_q_lens, meta.kv_lens, meta.num_seqs,
-            layer, sm_scale=sm_scale, sliding_window=sliding_window, impl=meta.impl,
-        )  # fmt: skip
-        return out, (k_pool, v_pool)
+        paged = functools.partial(
+            _paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, impl=meta.impl
+        )
+        if meta.heads is not None:
+            paged = _per_head_shard(paged, meta.heads)
+        tables = (meta.slot_mapping, meta.block_tables, meta.cu_q_lens, meta.kv_lens)
+        return paged(q, k, v, kv_cache, *tables, meta.num_seqs, layer)
     raise TypeError(f"no attention implementation for metadata of type {type(meta).__name__}")
+
+
+def _paged_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    kv_cache: tuple[jax.Array, jax.Array],
+    slot_mapping: jax.Array,
+    block_tables: jax.Array,
+    cu_q_lens: jax.Array,
+    kv_lens: jax.Array,
+    num_seqs: jax.Array,
+    layer: jax.Array,
+    *,
+    sm_scale: float,
+    sliding_window: int | None,
+    impl: str,
+) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    k_pool, v_pool = write_kv(*kv_cache, k, v, slot_mapping, layer)
+    out = ragged_paged_attention(
+        q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
+        sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
+    )  # fmt: skip
+    return out, (k_pool, v_pool)
+
+
+def _per_head_shard(paged: Any, heads: HeadSharding) -> Any:
+    """`paged` run on each device's heads: q/k/v and the pools split on their head axis, the
+    step's tables replicated. check_vma is off: kernels (pallas_call) carry no varying-axis
+    types, and every output is split, so there is no replication claim to check."""
+    tokens_heads = P(None, heads.axis, None)  # q [T, Hq, D], k and v [T, Hkv, D]
+    pool = P(None, None, heads.axis, None, None)  # kv_cache_shape's head axis
+    replicated = P()
+    return jax.shard_map(
+        paged,
+        mesh=heads.mesh,
+        in_specs=(tokens_heads, tokens_heads, tokens_heads, (pool, pool), *[replicated] * 6),
+        out_specs=(tokens_heads, (pool, pool)),
+        check_vma=False,
+    )
 
 
 def dense_causal_attention(

@@ -3,6 +3,11 @@
 The runner owns the (donated) KV pool and the parameters; it never decides what runs. The model
 step is compiled ahead of time for every (token bucket, sequence bucket) pair at start-up and
 kept keyed by that pair, so serving only ever calls finished executables.
+
+Over a mesh (tensor parallelism) the pool is split on its KV-head axis, attention runs per
+shard (jserve.layers.attention), and the step's logits are replicated so the sampler reads one
+local copy on one device: sampling is never partitioned, and in a multi-process run process 0
+samples alone.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jserve.layers.attention import PagedAttentionMetadata
+from jserve.layers.attention import HeadSharding, PagedAttentionMetadata
 from jserve.models.config import ModelConfig
 from jserve.models.llama import MODEL_AXIS
 from jserve.pallas import kv_cache_shape
@@ -39,6 +44,7 @@ def _model_step(
     kv_cache: tuple[jax.Array, jax.Array],  # (k_pool, v_pool), donated
     inputs: StepInputs,
     attn_impl: str,  # static: attention implementation name
+    heads: HeadSharding | None,  # static: how heads split over the mesh (None: one device)
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Returns (logits [S, V] float32 of each sequence's last token, the new kv_cache)."""
     model = nnx.merge(graphdef, state)
@@ -49,11 +55,28 @@ def _model_step(
         kv_lens=inputs.kv_lens,
         num_seqs=inputs.num_seqs,
         impl=attn_impl,
+        heads=heads,
     )
-    return model(inputs.token_ids, inputs.positions, kv_cache, meta, inputs.logits_indices)
+    logits, kv_cache = model(
+        inputs.token_ids, inputs.positions, kv_cache, meta, inputs.logits_indices
+    )
+    if heads is not None:
+        logits = _gathered_logits(logits, heads)
+    return logits, kv_cache
 
 
-_model_step_jit = jax.jit(_model_step, static_argnums=(0, 4), donate_argnums=(2,))
+def _gathered_logits(logits: jax.Array, heads: HeadSharding) -> jax.Array:
+    """Each device computes its slice of the vocabulary, then the slices are gathered, so every
+    device holds all logits [S, V]. Asked for replicated logits directly, XLA gathers an untied
+    lm_head's weight [D, V] instead, every step."""
+    spec = jax.sharding.PartitionSpec
+    if logits.shape[1] % heads.mesh.shape[heads.axis] == 0:
+        split = jax.sharding.NamedSharding(heads.mesh, spec(None, heads.axis))
+        logits = jax.lax.with_sharding_constraint(logits, split)
+    return jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(heads.mesh, spec()))
+
+
+_model_step_jit = jax.jit(_model_step, static_argnums=(0, 4, 5), donate_argnums=(2,))
 
 
 class ModelRunner:
@@ -73,6 +96,8 @@ class ModelRunner:
         self.graphdef = graphdef
         self.state = state
         self.attn_impl = attn_impl
+        self.mesh = mesh
+        self.heads = HeadSharding(mesh, MODEL_AXIS) if mesh.shape[MODEL_AXIS] > 1 else None
         shape = kv_cache_shape(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim
         )
@@ -98,8 +123,9 @@ class ModelRunner:
         t0 = time.perf_counter()
         for i, (t, s) in enumerate(pairs):
             lowered = _model_step_jit.lower(
-                self.graphdef, self.state, self.kv_cache, example_inputs(t, s), self.attn_impl
-            )
+                self.graphdef, self.state, self.kv_cache, example_inputs(t, s), self.attn_impl,
+                self.heads,
+            )  # fmt: skip
             self._executables[(t, s)] = lowered.compile()
             if progress is not None:
                 progress(i + 1, len(pairs), time.perf_counter() - t0)
@@ -107,12 +133,12 @@ class ModelRunner:
 
     @property
     def logits_sharding(self) -> jax.sharding.Sharding:
-        """How the compiled steps lay out their logits (the sampler must expect the same)."""
-        exe = next(iter(self._executables.values()))
-        return exe.output_shardings[0]
+        """Where `run`'s logits live (the sampler must expect the same): this process's first
+        device of the mesh, which holds a full copy."""
+        return jax.sharding.SingleDeviceSharding(self.mesh.local_devices[0])
 
     def run(self, inputs: StepInputs) -> jax.Array:
-        """Run one step; returns logits [S, V] (on device) and keeps the new KV pool."""
+        """Run one step; returns logits [S, V] (on one device) and keeps the new KV pool."""
         exe = self._executables.get((inputs.num_tokens, inputs.max_seqs))
         if exe is None:
             raise RuntimeError(
@@ -120,4 +146,4 @@ class ModelRunner:
                 f"precompiled: {sorted(self._executables)}"
             )
         logits, self.kv_cache = exe(self.state, self.kv_cache, inputs)
-        return logits
+        return logits.addressable_data(0)

@@ -39,6 +39,30 @@ def make_mesh(tensor_parallel_size: int = 1) -> jax.sharding.Mesh:
     )
 
 
+def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
+    """Raise ValueError naming every count the model's split over `tensor_parallel_size`
+    devices needs to divide: query and KV heads (attention runs per KV-head shard), MLP hidden
+    units, and the vocabulary when the lm_head is its own (column-parallel) weight."""
+    n = tensor_parallel_size
+    counts = {
+        "query heads": cfg.num_heads,
+        "KV heads": cfg.num_kv_heads,
+        "MLP hidden units (intermediate_size)": cfg.intermediate_size,
+    }
+    if not cfg.tie_word_embeddings:
+        counts["vocabulary entries (untied lm_head)"] = cfg.vocab_size
+    bad = [f"{count} {name}" for name, count in counts.items() if count % n]
+    if bad:
+        fits = [
+            d for d in range(1, cfg.num_kv_heads + 1) if all(c % d == 0 for c in counts.values())
+        ]
+        raise ValueError(
+            f"tensor_parallel_size={n} must divide the model's head counts "
+            f"({cfg.num_heads} query heads, {cfg.num_kv_heads} KV heads) and its other split "
+            f"axes; it does not divide {', '.join(bad)}. Sizes that fit this model: {fits}"
+        )
+
+
 def place_model(
     cfg: ModelConfig, params: Any, dtype: Any, mesh: jax.sharding.Mesh
 ) -> tuple[nnx.GraphDef, nnx.State]:
