@@ -26,6 +26,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -76,6 +80,89 @@ inline float fast_exp(float x) {
   return p;
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+// {sum of a[0]'s lanes, ..., sum of a[7]'s lanes}.
+inline __m256 sum_lanes8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]);
+  const __m256 s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]);
+  const __m256 s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 s0123 = _mm256_hadd_ps(s01, s23);  // low half: lanes 0-3 of a[0..3]; high: 4-7
+  const __m256 s4567 = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20),
+                       _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+#endif
+// sc[g * bs + j] = q_g . k_j for the query heads g < group and the positions j0 <= j < j1 of one
+// page (k: its [bs, d] rows).
+inline void page_scores(const float* qs, const float* kp, float* sc, int64_t group, int64_t d,
+                        int64_t bs, int64_t j0, int64_t j1) {
+  int64_t j = j0;
+#if defined(__AVX2__) && defined(__FMA__)
+  // Eight positions at a time: eight dot products accumulate lane-wise, then one transposing
+  // reduction turns their eight vectors into one vector of eight scores (a horizontal sum per
+  // position would cost more than its dot product at d = 64).
+  if (d % 8 == 0) {
+    for (; j + 8 <= j1; j += 8) {
+      const float* k0 = kp + j * d;
+      for (int64_t g = 0; g < group; ++g) {
+        const float* qg = qs + g * d;
+        __m256 a[8];
+        for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+          const __m256 qv = _mm256_load_ps(qg + i);
+          for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + r * d + i), a[r]);
+        }
+        _mm256_storeu_ps(sc + g * bs + j, sum_lanes8(a));
+      }
+    }
+  }
+#endif
+  for (; j < j1; ++j) {  // the rest, and machines without AVX2
+    const float* kj = kp + j * d;
+    for (int64_t g = 0; g < group; ++g) {
+      const float* qg = qs + g * d;
+      float s = 0.0f;
+      for (int64_t i = 0; i < d; ++i) s += qg[i] * kj[i];
+      sc[g * bs + j] = s;
+    }
+  }
+}
+
+// acc[g] += sum over j0 <= j < j1 of sc[g * bs + j] * v_j for one page (v: its [bs, d] rows).
+inline void page_values(const float* sc, const float* vp, float* acc, int64_t group, int64_t d,
+                        int64_t bs, int64_t j0, int64_t j1) {
+#if defined(__AVX2__) && defined(__FMA__)
+  // Per query head, 64 output columns at a time stay in eight registers across the page's
+  // positions (the scalar loop below reloads and stores them for every position).
+  if (d % 64 == 0) {
+    for (int64_t g = 0; g < group; ++g) {
+      float* ag = acc + g * d;
+      const float* sg = sc + g * bs;
+      for (int64_t c = 0; c < d; c += 64) {
+        __m256 a[8];
+        for (int r = 0; r < 8; ++r) a[r] = _mm256_load_ps(ag + c + 8 * r);
+        for (int64_t j = j0; j < j1; ++j) {
+          const __m256 w = _mm256_broadcast_ss(sg + j);
+          const float* vj = vp + j * d + c;
+          for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * r), a[r]);
+        }
+        for (int r = 0; r < 8; ++r) _mm256_store_ps(ag + c + 8 * r, a[r]);
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = j0; j < j1; ++j) {  // one V row load serves every query head
+    const float* vj = vp + j * d;
+    for (int64_t g = 0; g < group; ++g) {
+      const float w = sc[g * bs + j];
+      float* ag = acc + g * d;
+      for (int64_t i = 0; i < d; ++i) ag[i] += w * vj[i];
+    }
+  }
+}
+
 // One unit: the decode row of sequence u.seq for the query heads of KV head u.head, read page by
 // page over the positions it may see, with an online softmax per query head.
 // kD is the head dim when known at compile time (0: read it from the problem).
@@ -114,15 +201,7 @@ void run_unit(const Problem& p, const Unit& u) {
     const int64_t base = page * bs;
     const int64_t j0 = std::max<int64_t>(lo - base, 0);
     const int64_t j1 = std::min<int64_t>(kv_len - base, bs);
-    for (int64_t j = j0; j < j1; ++j) {  // one K row load serves every query head
-      const float* kj = kp + j * d;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qs + g * d;
-        float s = 0.0f;
-        for (int64_t i = 0; i < d; ++i) s += qg[i] * kj[i];
-        sc[g * bs + j] = s;
-      }
-    }
+    page_scores(qs, kp, sc, group, d, bs, j0, j1);
     for (int64_t g = 0; g < group; ++g) {
       float* sg = sc + g * bs;
       if (p.soft_cap > 0.0f) {
@@ -142,14 +221,7 @@ void run_unit(const Problem& p, const Unit& u) {
       float* ag = acc + g * d;
       for (int64_t i = 0; i < d; ++i) ag[i] *= alpha;
     }
-    for (int64_t j = j0; j < j1; ++j) {  // one V row load serves every query head
-      const float* vj = vp + j * d;
-      for (int64_t g = 0; g < group; ++g) {
-        const float w = sc[g * bs + j];
-        float* ag = acc + g * d;
-        for (int64_t i = 0; i < d; ++i) ag[i] += w * vj[i];
-      }
-    }
+    page_values(sc, vp, acc, group, d, bs, j0, j1);
   }
   float* dst = p.out + (row * p.hq + u.head * group) * d;
   for (int64_t g = 0; g < group; ++g) {
