@@ -10,6 +10,10 @@ timed in the same run and bandwidth is also given as a fraction of it.
     python bench/kernels.py                 # full run, markdown table on stdout
     python bench/kernels.py --json out.json # also write the figures as JSON
     python bench/kernels.py --smoke         # tiny shapes, seconds (CI)
+
+It also times the layers' projections (`layer_matmul`) on SmolLM2's four weight shapes at a
+few tokens, stacked over 30 layers and run under `lax.scan` as the model runs them, so the
+weights come from memory and not from cache: "bytes" is then the weights read.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.pallas import choose_impl, kv_cache_shape, ragged_paged_attention
+from jserve.pallas.layer_matmul import MATMUL_IMPLS, layer_matmul
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 2
 IMPLS_BY_BACKEND = {
@@ -60,6 +65,15 @@ FULL_CASES = [
     Case("prefill 16 x 32 after a 384-token prefix", ((32, 416),) * 16),
 ]
 SMOKE_CASES = [Case("decode 2 x 64", ((1, 64),) * 2), _mixed(2, 64, 1, 8, 40)]
+# name, K, N of each projection of SmolLM2-135M (fused as jserve.models.llama fuses them)
+PROJECTIONS = (
+    ("wqkv", 576, 960),
+    ("wo", 576, 576),
+    ("w_gate_up", 576, 3072),
+    ("w_down", 1536, 576),
+)
+MATMUL_TOKENS, MATMUL_LAYERS = (1, 2, 4, 8), 30
+SMOKE_PROJECTIONS, SMOKE_MATMUL_TOKENS, SMOKE_MATMUL_LAYERS = (("w", 64, 40),), (1, 3), 2
 
 
 def make_inputs(case: Case, dtype, seed: int = 0) -> tuple[jax.Array, ...]:
@@ -138,6 +152,45 @@ def run(cases: list[Case], impls: tuple[str, ...], dtype, reps: int) -> list[dic
     return rows
 
 
+def run_matmuls(
+    projections: tuple,
+    token_counts: tuple[int, ...],
+    layers: int,
+    impls: tuple[str, ...],
+    reps: int,
+) -> list[dict]:
+    """Each projection over `layers` stacked weights under lax.scan, per implementation."""
+    rows = []
+    rng = np.random.default_rng(0)
+    for name, k, n in projections:
+        w = jnp.asarray(rng.standard_normal((layers, k, n), np.float32))
+        for tokens in token_counts:
+            x = jnp.asarray(rng.standard_normal((tokens, k), np.float32))
+            for impl in impls:
+
+                def stack(x, w, impl=impl):
+                    def one(total, layer):
+                        return total + layer_matmul(x, w, layer, impl), None
+
+                    zero = jnp.zeros((x.shape[0], w.shape[2]), x.dtype)
+                    return jax.lax.scan(one, zero, jnp.arange(w.shape[0], dtype=jnp.int32))[0]
+
+                seconds, cpu_seconds = median_seconds(jax.jit(stack), (x, w), reps)
+                rows.append(
+                    dict(
+                        case=f"matmul {name} {k}x{n} x {layers} layers",
+                        impl=impl,
+                        tokens=tokens,
+                        ms=seconds * 1e3,
+                        cpu_ms=cpu_seconds * 1e3,
+                        mbytes=w.nbytes / 1e6,
+                        gbps=w.nbytes / seconds / 1e9,
+                    )
+                )
+        del w
+    return rows
+
+
 def markdown(rows: list[dict], copy_gbps: float | None) -> str:
     head = "| case | impl | tokens | median ms | CPU ms | MB moved | GB/s |"
     sep = "|---|---|---:|---:|---:|---:|---:|"
@@ -175,6 +228,13 @@ def main(argv: list[str] | None = None) -> None:
     if backend == "gpu":
         copy_gbps = copy_bandwidth(2**24 if args.smoke else 2**30, reps) / 1e9
     rows = run(cases, impls, jnp.dtype(args.dtype), reps)
+    if backend == "cpu" and args.dtype == "float32":
+        shapes = (
+            (SMOKE_PROJECTIONS, SMOKE_MATMUL_TOKENS, SMOKE_MATMUL_LAYERS)
+            if args.smoke
+            else (PROJECTIONS, MATMUL_TOKENS, MATMUL_LAYERS)
+        )
+        rows += run_matmuls(*shapes, MATMUL_IMPLS, reps)
     print(
         f"backend {backend} ({jax.devices()[0].device_kind}), {args.dtype}, "
         f"auto impl = {choose_impl(dtype=jnp.dtype(args.dtype))}, median of {reps} runs\n"

@@ -8,7 +8,11 @@ change.
 
 Projections that read the same input are fused into one weight, so each layer runs one matmul
 for Q, K and V and one for gate and up (fewer, wider dots; at one token a step is bound by
-reading weights, and every separate dot pays its own slice of the stacked weights):
+reading weights). Every projection is one 2-D product `layer_matmul(x, w, layer)` over the
+weight viewed as [L, K, N]: the scan never slices the big weights itself, so on CPU a step of a
+few tokens can read each layer's rows in place (jserve.pallas.layer_matmul). The attention
+output is flattened to [T, Hq * Hd] before `wo`, so XLA never transposes that weight per step.
+Fused layouts:
 - `wqkv` [L, D, Hkv, G + 2, Hd]: for each KV head, its G query heads, then its key, then its
   value, so sharding the KV-head axis keeps every device's query heads with their K/V head;
 - `w_gate_up` [L, D, 2, F]: gate and up side by side, sharded on F.
@@ -28,6 +32,7 @@ from jserve.layers.attention import attention
 from jserve.layers.norm import rms_norm
 from jserve.layers.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from jserve.models.config import ModelConfig
+from jserve.pallas.layer_matmul import layer_matmul
 
 MODEL_AXIS = "model"
 
@@ -70,6 +75,7 @@ class LlamaModel(nnx.Module):
         kv_cache: Any,  # the attention implementation's cache (None for dense attention)
         attn_meta: Any,  # attention metadata; its type selects the implementation
         logits_indices: jax.Array,  # [S] int32, rows of T whose next-token logits are wanted
+        matmul_impl: str = "xla",  # how the projections run (jserve.pallas.layer_matmul)
     ) -> tuple[jax.Array, Any]:
         """Returns (logits [S, V] float32, updated kv_cache)."""
         cfg = self.cfg
@@ -79,26 +85,39 @@ class LlamaModel(nnx.Module):
         sm_scale = cfg.head_dim**-0.5
         t, group = token_ids.shape[0], cfg.num_heads // cfg.num_kv_heads
         weights = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))  # each [L, ...]
+        # The projections' weights as [L, K, N], read per layer by layer_matmul (never copied
+        # out of the stack by the scan); the rest is small and scanned over.
+        d, hd = cfg.hidden_size, cfg.head_dim
+        L = cfg.num_layers
+        proj = {
+            "wqkv": weights.pop("wqkv").reshape(L, d, -1),  # [L, D, Hkv * (G + 2) * Hd]
+            "wo": weights.pop("wo").reshape(L, -1, d),  # [L, Hq * Hd, D]
+            "w_gate_up": weights.pop("w_gate_up").reshape(L, d, -1),  # [L, D, 2 * F]
+            "w_down": weights.pop("w_down"),  # [L, F, D]
+        }
+
+        def matmul(x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
+            return layer_matmul(x, proj[name], layer, matmul_impl)
 
         def layer_step(carry, xs):
             x, kv_cache = carry
             w, layer = xs
             h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            qkv = jnp.einsum("TD,DKJH->TKJH", h, w["wqkv"])  # [T, Hkv, G + 2, Hd]
+            qkv = matmul(h, "wqkv", layer).reshape(t, cfg.num_kv_heads, group + 2, hd)
             if cfg.attention_bias:
                 qkv = qkv + w["bqkv"]
-            q = qkv[:, :, :group].reshape(t, cfg.num_heads, cfg.head_dim)  # [T, Hq, Hd]
+            q = qkv[:, :, :group].reshape(t, cfg.num_heads, hd)  # [T, Hq, Hd]
             k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, Hkv, Hd] each
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             a, kv_cache = attention(
                 q, k, v, kv_cache, attn_meta, layer,
                 sm_scale=sm_scale, sliding_window=cfg.sliding_window,
             )  # fmt: skip
-            x = x + jnp.einsum("TNH,NHD->TD", a, w["wo"])  # [T, D]
+            x = x + matmul(a.reshape(t, -1), "wo", layer)  # [T, D]
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            gate_up = jnp.einsum("TD,DJF->TJF", h, w["w_gate_up"])  # [T, 2, F]
+            gate_up = matmul(h, "w_gate_up", layer).reshape(t, 2, -1)  # [T, 2, F]
             gate, up = gate_up[:, 0], gate_up[:, 1]  # [T, F] each
-            x = x + jnp.einsum("TF,FD->TD", jax.nn.silu(gate) * up, w["w_down"])  # [T, D]
+            x = x + matmul(jax.nn.silu(gate) * up, "w_down", layer)  # [T, D]
             return (x, kv_cache), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)

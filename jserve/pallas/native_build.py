@@ -25,7 +25,10 @@ from jserve.cache_dir import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("native") / "ragged_attention_cpu.cc"
+SOURCES = tuple(
+    Path(__file__).with_name("native") / name
+    for name in ("ragged_attention_cpu.cc", "skinny_matmul_cpu.cc")
+)
 # Reassociation lets the compiler vectorize dot products; no -ffast-math, whose finite-math
 # assumption would break the -inf of the online softmax's first page.
 FLAGS = (
@@ -33,7 +36,10 @@ FLAGS = (
     "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast",
 )  # fmt: skip
 # name of the FFI target -> symbol of its handler in the library
-TARGETS = {"jserve_ragged_attention_f32": "JserveRaggedAttentionF32"}
+TARGETS = {
+    "jserve_ragged_attention_f32": "JserveRaggedAttentionF32",
+    "jserve_skinny_matmul_f32": "JserveSkinnyMatmulF32",
+}
 
 
 def _compiler() -> str | None:
@@ -44,14 +50,20 @@ def _build(compiler: str, out: Path) -> None:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(
         b"\0".join(
-            x.encode() for x in (SOURCE.read_text(), " ".join(FLAGS), version, jaxlib.__version__)
+            x.encode()
+            for x in (
+                *(s.read_text() for s in SOURCES),
+                " ".join(FLAGS),
+                version,
+                jaxlib.__version__,
+            )
         )
     ).hexdigest()[:16]
-    target = out / f"ragged_attention_cpu-{key}.so"
+    target = out / f"jserve_cpu_kernels-{key}.so"
     if not target.exists():
         out.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(tmp)]
+        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode:
             tmp.unlink(missing_ok=True)
@@ -66,12 +78,12 @@ def load() -> ctypes.CDLL | None:
     """The native kernel library with its FFI targets registered, or None if it can't be built."""
     compiler = _compiler()
     if compiler is None:
-        log.warning("no C++ compiler (g++, clang++ or $CXX): CPU attention stays on plain XLA")
+        log.warning("no C++ compiler (g++, clang++ or $CXX): CPU kernels stay on plain XLA")
         return None
     try:
         library = ctypes.CDLL(str(_build(compiler, default_cache_dir() / "native")))
     except (OSError, RuntimeError) as e:
-        log.warning("native CPU kernels unavailable, attention stays on plain XLA: %s", e)
+        log.warning("native CPU kernels unavailable, they stay on plain XLA: %s", e)
         return None
     for name, symbol in TARGETS.items():
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), "cpu")

@@ -26,6 +26,7 @@ from jserve.layers.attention import HeadSharding, PagedAttentionMetadata
 from jserve.models.config import ModelConfig
 from jserve.models.llama import MODEL_AXIS
 from jserve.pallas import kv_cache_shape
+from jserve.pallas.layer_matmul import choose_matmul_impl
 from jserve.runtime.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,7 @@ def _model_step(
     inputs: StepInputs,
     attn_impl: str,  # static: attention implementation name
     heads: HeadSharding | None,  # static: how heads split over the mesh (None: one device)
+    matmul_impl: str,  # static: how the layers' projections run (jserve.pallas.layer_matmul)
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Returns (logits [S, V] float32 of each sequence's last token, the new kv_cache)."""
     model = nnx.merge(graphdef, state)
@@ -58,7 +60,7 @@ def _model_step(
         heads=heads,
     )
     logits, kv_cache = model(
-        inputs.token_ids, inputs.positions, kv_cache, meta, inputs.logits_indices
+        inputs.token_ids, inputs.positions, kv_cache, meta, inputs.logits_indices, matmul_impl
     )
     if heads is not None:
         logits = _gathered_logits(logits, heads)
@@ -76,7 +78,7 @@ def _gathered_logits(logits: jax.Array, heads: HeadSharding) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(heads.mesh, spec()))
 
 
-_model_step_jit = jax.jit(_model_step, static_argnums=(0, 4, 5), donate_argnums=(2,))
+_model_step_jit = jax.jit(_model_step, static_argnums=(0, 4, 5, 6), donate_argnums=(2,))
 
 
 class ModelRunner:
@@ -98,6 +100,8 @@ class ModelRunner:
         self.attn_impl = attn_impl
         self.mesh = mesh
         self.heads = HeadSharding(mesh, MODEL_AXIS) if mesh.shape[MODEL_AXIS] > 1 else None
+        # The native matmul is one device's kernel: a sharded model keeps XLA's partitioned dot.
+        self.matmul_impl = "xla" if self.heads else choose_matmul_impl(dtype=dtype)
         shape = kv_cache_shape(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim
         )
@@ -124,7 +128,7 @@ class ModelRunner:
         for i, (t, s) in enumerate(pairs):
             lowered = _model_step_jit.lower(
                 self.graphdef, self.state, self.kv_cache, example_inputs(t, s), self.attn_impl,
-                self.heads,
+                self.heads, self.matmul_impl,
             )  # fmt: skip
             self._executables[(t, s)] = lowered.compile()
             if progress is not None:
