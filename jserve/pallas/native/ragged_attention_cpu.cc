@@ -189,12 +189,13 @@ void run_unit(const Problem& p, const Unit& u) {
     const float* kp = p.k + layer_offset + table[page] * page_stride;
     const float* vp = p.v + layer_offset + table[page] * page_stride;
     // Pages are scattered in the pool, so the hardware prefetcher cannot run ahead across
-    // them: ask for the next pages' K and V while this one is computed.
+    // them: ask for the next pages' K and V while this one is computed, into L2 (hint 2), which
+    // holds many more outstanding requests than L1 does.
     for (int64_t ahead = 1; ahead <= kPrefetchPages && page + ahead <= last_page; ++ahead) {
       const int64_t next = layer_offset + table[page + ahead] * page_stride;
       for (int64_t b = 0; b < bs * d; b += kFloatsPerLine) {
-        __builtin_prefetch(p.k + next + b);
-        __builtin_prefetch(p.v + next + b);
+        __builtin_prefetch(p.k + next + b, 0, 2);
+        __builtin_prefetch(p.v + next + b, 0, 2);
       }
     }
     // The visible positions of this page: [j0, j1). Nothing outside them is read.
