@@ -1,11 +1,11 @@
 """Kernels: the paged KV pool layout, its write, ragged paged attention, and the layers' matmul.
 
 `ragged_paged_attention` dispatches by backend to one implementation module, each with the same
-anatomy: ragged_reference (jnp), ragged_xla (plain XLA loops), ragged_native (decode rows in a
-native C++ kernel built by native_build, prefill rows in ragged_xla: the CPU serving path for
-float32), ragged_interpret (coarse-grid Pallas, CPU interpret mode, for checking kernel semantics),
-ragged_triton (GPU) and ragged_mosaic (TPU). ragged_common holds the one call contract they all
-take (`RaggedCall`), the validators and the masking; kv_cache the pool layout and the KV write.
+anatomy: ragged_reference (jnp), ragged_xla (plain XLA loops), ragged_native (a native C++
+kernel built by native_build: the CPU serving path for float32), ragged_interpret (coarse-grid
+Pallas, CPU interpret mode, for checking kernel semantics), ragged_triton (GPU) and
+ragged_mosaic (TPU). ragged_common holds the one call contract they all take (`RaggedCall`),
+the validators and the masking; kv_cache the pool layout and the KV write.
 layer_matmul is `x @ w[layer]` for stacked weights, on CPU through a native kernel for steps
 of a few tokens. Validators are not re-exported here: import them from their modules.
 """

@@ -1,6 +1,6 @@
 """The one public ragged paged attention entry: picks an implementation by backend and dtype.
 
-cpu -> ragged_native (decode rows in a native kernel, prefill rows in XLA) for float32 where the
+cpu -> ragged_native (a native C++ kernel, decode and prefill rows alike) for float32 where the
 kernel builds, else the plain-XLA loops of ragged_xla (Pallas only interprets on CPU; the
 interpret kernel stays for checking the kernel's semantics in tests). gpu -> the Triton kernel,
 tpu -> the Mosaic kernel; any other backend -> the jnp reference. bench/kernels.py times them

@@ -1,11 +1,11 @@
-"""Ragged paged attention with decode rows in a native CPU kernel: the CPU serving path (float32).
+"""Ragged paged attention in a native CPU kernel: the CPU serving path (float32).
 
-Decode rows (sequences with one query row) are memory-bound matrix-vector products, where
-XLA's CPU loops are slowest: the kernel (`native/ragged_attention_cpu.cc`, built by
-`native_build`) reads each of their pages straight from the pool, only the positions the row
-may see, spread over XLA's intra-op threads. Prefill rows are matrix products, where XLA's dots
-win: they run in ragged_xla's prefill loop. Both follow ragged_common's contract. Other dtypes,
-and machines where the kernel cannot be built, use ragged_xla for everything.
+The kernel (`native/ragged_attention_cpu.cc`, built by `native_build`) follows ragged_common's
+contract for every row, decode and prefill alike: it reads each page straight from the pool,
+only the positions some row of a work unit may see, once for all of the unit's rows, and
+spreads the units over XLA's intra-op threads. ragged_xla's loops run their small dots one
+after the other on one thread, and a decode row there gathers its pages at a few GB/s. Other
+dtypes, and machines where the kernel cannot be built, use ragged_xla.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import numpy as np
 
 from jserve.pallas.native_build import load as load_native_kernels
 from jserve.pallas.ragged_common import RaggedCall
-from jserve.pallas.ragged_xla import prefill_rows
 
 TARGET = "jserve_ragged_attention_f32"
 
@@ -35,11 +34,10 @@ def ragged_paged_attention_native(call: RaggedCall) -> jax.Array:
             f"log); got {call.q.dtype}"
         )
     kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(call.q.shape, jnp.float32))
-    decoded = kernel(
+    return kernel(
         call.q, call.k_pool, call.v_pool, call.block_tables, call.cu_q_lens, call.kv_lens,
         call.num_seqs.reshape(1), call.layer,
         sm_scale=np.float32(call.sm_scale),
         sliding_window=np.int64(call.sliding_window or 0),
         soft_cap=np.float32(call.soft_cap or 0.0),
     )  # fmt: skip
-    return prefill_rows(call, decoded)

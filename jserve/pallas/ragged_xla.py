@@ -149,21 +149,6 @@ def _decode_rows(st: _Step, out: jax.Array) -> jax.Array:
     return lax.fori_loop(0, is_decode.sum(), decode_step, out)
 
 
-def prefill_rows(
-    call: RaggedCall,
-    out: jax.Array,
-    *,
-    block_q: int = DEFAULT_BLOCK_Q,
-    chunk_pages: int = DEFAULT_CHUNK_PAGES,
-) -> jax.Array:
-    """`out` [T, Hq, D] float32 with the rows of every sequence with q_len > 1 written over it
-    (other rows kept): the prefill half of this module, which other CPU paths reuse."""
-    st = _Step.make(call, block_q, chunk_pages)
-    t = call.dims.num_tokens
-    out = _prefill_rows(st, jnp.pad(out, ((0, st.bq), (0, 0), (0, 0))))
-    return out[:t]
-
-
 def _prefill_rows(st: _Step, out: jax.Array) -> jax.Array:
     """Writes the rows of every sequence with q_len > 1 into `out` [T + bq, Hq, D]."""
     if st.call.dims.num_tokens == 1:  # a one-token step has no prefill rows

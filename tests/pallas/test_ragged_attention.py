@@ -85,15 +85,16 @@ def test_kernel_long_context_slow(impl, name):
     _check(impl, name, LONG)
 
 
-# Hypothesis: fixed buckets per geometry, so examples reuse compiled executables.
+# Hypothesis: fixed buckets per geometry, so examples reuse compiled executables. Each pool
+# holds max_seqs full block tables, so any drawn batch fits: 1 + max_seqs * max_blocks + 3.
 GEOMETRIES = [
-    Geometry(num_tokens=64, max_seqs=8, max_blocks=22, num_blocks=120),
+    Geometry(num_tokens=64, max_seqs=8, max_blocks=22, num_blocks=180),
     Geometry(num_q_heads=4, num_kv_heads=4, head_dim=128, block_size=32,
-             num_tokens=64, max_seqs=8, max_blocks=11, num_blocks=60),
+             num_tokens=64, max_seqs=8, max_blocks=11, num_blocks=92),
     Geometry(num_q_heads=8, num_kv_heads=1, head_dim=128,
-             num_tokens=64, max_seqs=8, max_blocks=22, num_blocks=120),
+             num_tokens=64, max_seqs=8, max_blocks=22, num_blocks=180),
     Geometry(num_q_heads=6, num_kv_heads=2, block_size=32, dtype="bfloat16",
-             num_tokens=64, max_seqs=8, max_blocks=11, num_blocks=60),
+             num_tokens=64, max_seqs=8, max_blocks=11, num_blocks=92),
 ]  # fmt: skip
 OPTIONS = [{}, dict(sliding_window=37, soft_cap=30.0)]
 MAX_CONTEXT = 320

@@ -1,20 +1,20 @@
-// Decode rows of ragged paged attention for CPU, float32, as an XLA FFI custom call.
+// Ragged paged attention for CPU, float32, as an XLA FFI custom call.
 //
 // The operation and masking contract are ragged_common.py's: sequence s owns query rows
 // cu_q_lens[s]:cu_q_lens[s + 1] and kv_lens[s] cached positions reached through
-// block_tables[s]. This kernel computes the rows of sequences with exactly one query row (a
-// decode step), which sees positions p < kv_lens[s] (and p >= kv_lens[s] - sliding_window);
-// every other output row is 0, for the caller to fill (ragged_native.py runs the prefill rows in
-// XLA, where its dots are fast). Positions a row may not see are never read, so stale slots and
-// unused pages (which may hold anything, NaN included) cannot reach an output.
+// block_tables[s]; its query token t of q_len sees positions p <= kv_lens[s] - q_len + t (and,
+// with a window, p > that - sliding_window). Positions no row may see are never read, so stale
+// slots and unused pages (which may hold anything, NaN included) cannot reach an output; rows
+// no sequence owns are 0.
 //
-// Why native code: XLA's CPU backend runs ragged_xla's per-page loop as a chain of small ops and
-// gathers pages at a few GB/s; a decode row is a memory-bound matrix-vector product, and this
-// kernel reads each page straight from the pool once for all the query heads that share it.
+// Why native code: XLA's CPU backend runs ragged_xla's per-page loop as a chain of small ops on
+// one thread and gathers pages at a few GB/s. Here a work unit is one KV head of up to
+// kBlockRows query tokens of one sequence (a decode row is a unit of one token): each page it
+// needs is read straight from the pool once for all of the unit's (token, query head) rows, and
+// scored and accumulated with vector code.
 //
-// Work units are (decode sequence, KV head). Units are taken from an atomic counter by the
-// calling thread and by tasks on XLA's intra-op thread pool, so the call finishes even if no
-// pool thread is free.
+// Units are taken from an atomic counter by the calling thread and by tasks on XLA's intra-op
+// thread pool, so the call finishes even if no pool thread is free.
 
 #include <algorithm>
 #include <atomic>
@@ -36,15 +36,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// Bounds of the per-unit stack buffers; the handler refuses larger shapes.
-constexpr int64_t kMaxHeadDim = 256;  // head_dim
-constexpr int64_t kMaxPage = 64;      // positions per page (block_size)
-constexpr int64_t kMaxGroup = 16;     // query heads per KV head
+constexpr int64_t kBlockRows = 32;    // query tokens of a prefill chunk per unit
 constexpr int64_t kPrefetchPages = 2;  // pages requested ahead of the one being computed
 constexpr int64_t kFloatsPerLine = 16; // 64-byte cache lines
 
 struct Unit {
-  int64_t seq, head;
+  int64_t seq, head, r0, r1;  // query tokens [r0, r1) of the sequence
 };
 
 struct Problem {
@@ -93,7 +90,7 @@ inline __m256 sum_lanes8(const __m256* a) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 #endif
-// sc[g * bs + j] = q_g . k_j for the query heads g < group and the positions j0 <= j < j1 of one
+// sc[g * bs + j] = q_g . k_j for the query rows g < group and the positions j0 <= j < j1 of one
 // page (k: its [bs, d] rows).
 inline void page_scores(const float* qs, const float* kp, float* sc, int64_t group, int64_t d,
                         int64_t bs, int64_t j0, int64_t j1) {
@@ -110,7 +107,7 @@ inline void page_scores(const float* qs, const float* kp, float* sc, int64_t gro
         __m256 a[8];
         for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
         for (int64_t i = 0; i < d; i += 8) {
-          const __m256 qv = _mm256_load_ps(qg + i);
+          const __m256 qv = _mm256_loadu_ps(qg + i);
           for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + r * d + i), a[r]);
         }
         _mm256_storeu_ps(sc + g * bs + j, sum_lanes8(a));
@@ -141,13 +138,13 @@ inline void page_values(const float* sc, const float* vp, float* acc, int64_t gr
       const float* sg = sc + g * bs;
       for (int64_t c = 0; c < d; c += 64) {
         __m256 a[8];
-        for (int r = 0; r < 8; ++r) a[r] = _mm256_load_ps(ag + c + 8 * r);
+        for (int r = 0; r < 8; ++r) a[r] = _mm256_loadu_ps(ag + c + 8 * r);
         for (int64_t j = j0; j < j1; ++j) {
           const __m256 w = _mm256_broadcast_ss(sg + j);
           const float* vj = vp + j * d + c;
           for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * r), a[r]);
         }
-        for (int r = 0; r < 8; ++r) _mm256_store_ps(ag + c + 8 * r, a[r]);
+        for (int r = 0; r < 8; ++r) _mm256_storeu_ps(ag + c + 8 * r, a[r]);
       }
     }
     return;
@@ -163,28 +160,35 @@ inline void page_values(const float* sc, const float* vp, float* acc, int64_t gr
   }
 }
 
-// One unit: the decode row of sequence u.seq for the query heads of KV head u.head, read page by
-// page over the positions it may see, with an online softmax per query head.
+// One unit: query tokens [r0, r1) of sequence u.seq for the query heads of KV head u.head (one
+// token for a decode row, up to kBlockRows of a prefill chunk), read page by page over the
+// positions any of them may see, with an online softmax per (token, query head) row. Every
+// row's K/V page is loaded once for all of the unit's rows.
 // kD is the head dim when known at compile time (0: read it from the problem).
 template <int64_t kD>
 void run_unit(const Problem& p, const Unit& u) {
   const int64_t d = kD ? kD : p.d;
   const int64_t group = p.hq / p.hkv, bs = p.bs;
-  const int64_t row = p.cu[u.seq], kv_len = p.kv[u.seq];
-  const int64_t lo = p.window > 0 ? std::max<int64_t>(kv_len - p.window, 0) : 0;
-  alignas(64) float qs[kMaxGroup * kMaxHeadDim];
-  alignas(64) float acc[kMaxGroup * kMaxHeadDim];
-  alignas(64) float sc[kMaxGroup * kMaxPage];
-  float mx[kMaxGroup], den[kMaxGroup];
-  std::fill(acc, acc + group * d, 0.0f);
-  std::fill(mx, mx + group, -std::numeric_limits<float>::infinity());
-  std::fill(den, den + group, 0.0f);
-  const float* src = p.q + (row * p.hq + u.head * group) * d;
-  for (int64_t i = 0; i < group * d; ++i) qs[i] = src[i] * p.scale;
+  const int64_t q_start = p.cu[u.seq], q_len = p.cu[u.seq + 1] - q_start;
+  const int64_t kv_len = p.kv[u.seq];
+  const int64_t rows = (u.r1 - u.r0) * group;  // row m: token r0 + m / group, head m % group
+  // Token t sees positions [first(t), ctx(t)]: its causal limit and its window's start.
+  auto ctx = [&](int64_t t) { return kv_len - q_len + t; };
+  auto first = [&](int64_t t) {
+    return p.window > 0 ? std::max<int64_t>(ctx(t) - p.window + 1, 0) : int64_t{0};
+  };
+  std::vector<float> qs(rows * d), acc(rows * d, 0.0f), sc(rows * bs);
+  std::vector<float> mx(rows, -std::numeric_limits<float>::infinity()), den(rows, 0.0f);
+  for (int64_t t = u.r0; t < u.r1; ++t) {
+    const float* src = p.q + ((q_start + t) * p.hq + u.head * group) * d;
+    float* dst = qs.data() + (t - u.r0) * group * d;
+    for (int64_t i = 0; i < group * d; ++i) dst[i] = src[i] * p.scale;
+  }
   const int32_t* table = p.tables + u.seq * p.mb;
   const int64_t page_stride = p.hkv * bs * d;
   const int64_t layer_offset = p.layer * p.nb * page_stride + u.head * bs * d;
-  const int64_t last_page = (kv_len - 1) / bs;
+  const int64_t lo = first(u.r0), hi = ctx(u.r1 - 1) + 1;  // what any row sees; hi <= kv_len
+  const int64_t last_page = (hi - 1) / bs;
   for (int64_t page = lo / bs; page <= last_page; ++page) {
     const float* kp = p.k + layer_offset + table[page] * page_stride;
     const float* vp = p.v + layer_offset + table[page] * page_stride;
@@ -198,36 +202,47 @@ void run_unit(const Problem& p, const Unit& u) {
         __builtin_prefetch(p.v + next + b, 0, 2);
       }
     }
-    // The visible positions of this page: [j0, j1). Nothing outside them is read.
+    // The positions of this page some row sees: [j0, j1). Nothing outside them is read, and
+    // each of them is a written slot (below kv_len), so it is finite.
     const int64_t base = page * bs;
     const int64_t j0 = std::max<int64_t>(lo - base, 0);
-    const int64_t j1 = std::min<int64_t>(kv_len - base, bs);
-    page_scores(qs, kp, sc, group, d, bs, j0, j1);
-    for (int64_t g = 0; g < group; ++g) {
-      float* sg = sc + g * bs;
+    const int64_t j1 = std::min<int64_t>(hi - base, bs);
+    page_scores(qs.data(), kp, sc.data(), rows, d, bs, j0, j1);
+    for (int64_t m = 0; m < rows; ++m) {
+      const int64_t t = u.r0 + m / group;
+      float* sm = sc.data() + m * bs;
+      // This row's own visible part of the page: [a, b); the rest weighs 0.
+      const int64_t a = std::max<int64_t>(j0, first(t) - base);
+      const int64_t b = std::min<int64_t>(j1, ctx(t) + 1 - base);
+      for (int64_t j = j0; j < std::min(a, j1); ++j) sm[j] = 0.0f;
+      for (int64_t j = std::max(b, j0); j < j1; ++j) sm[j] = 0.0f;
+      if (a >= b) continue;
       if (p.soft_cap > 0.0f) {
-        for (int64_t j = j0; j < j1; ++j) sg[j] = p.soft_cap * std::tanh(sg[j] / p.soft_cap);
+        for (int64_t j = a; j < b; ++j) sm[j] = p.soft_cap * std::tanh(sm[j] / p.soft_cap);
       }
-      float page_max = sg[j0];
-      for (int64_t j = j0 + 1; j < j1; ++j) page_max = std::max(page_max, sg[j]);
-      const float m_new = std::max(mx[g], page_max);
-      const float alpha = den[g] > 0.0f ? fast_exp(mx[g] - m_new) : 0.0f;
-      mx[g] = m_new;
+      float page_max = sm[a];
+      for (int64_t j = a + 1; j < b; ++j) page_max = std::max(page_max, sm[j]);
+      const float m_new = std::max(mx[m], page_max);
+      const float alpha = den[m] > 0.0f ? fast_exp(mx[m] - m_new) : 0.0f;
+      mx[m] = m_new;
       float sum = 0.0f;
-      for (int64_t j = j0; j < j1; ++j) {
-        sg[j] = fast_exp(sg[j] - m_new);
-        sum += sg[j];
+      for (int64_t j = a; j < b; ++j) {
+        sm[j] = fast_exp(sm[j] - m_new);
+        sum += sm[j];
       }
-      den[g] = den[g] * alpha + sum;
-      float* ag = acc + g * d;
-      for (int64_t i = 0; i < d; ++i) ag[i] *= alpha;
+      den[m] = den[m] * alpha + sum;
+      float* am = acc.data() + m * d;
+      for (int64_t i = 0; i < d; ++i) am[i] *= alpha;
     }
-    page_values(sc, vp, acc, group, d, bs, j0, j1);
+    page_values(sc.data(), vp, acc.data(), rows, d, bs, j0, j1);
   }
-  float* dst = p.out + (row * p.hq + u.head * group) * d;
-  for (int64_t g = 0; g < group; ++g) {
-    const float inv = den[g] > 0.0f ? 1.0f / den[g] : 0.0f;
-    for (int64_t i = 0; i < d; ++i) dst[g * d + i] = acc[g * d + i] * inv;
+  for (int64_t t = u.r0; t < u.r1; ++t) {
+    float* dst = p.out + ((q_start + t) * p.hq + u.head * group) * d;
+    const int64_t m0 = (t - u.r0) * group;
+    for (int64_t g = 0; g < group; ++g) {
+      const float inv = den[m0 + g] > 0.0f ? 1.0f / den[m0 + g] : 0.0f;
+      for (int64_t i = 0; i < d; ++i) dst[g * d + i] = acc[(m0 + g) * d + i] * inv;
+    }
   }
 }
 
@@ -266,10 +281,9 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   if (qd.size() != 3 || pd.size() != 5 || td.size() != 2) {
     return ffi::Error::InvalidArgument("ragged attention: unexpected ranks");
   }
-  if (pd[4] > kMaxHeadDim || pd[3] > kMaxPage || qd[1] % pd[2] || qd[1] / pd[2] > kMaxGroup) {
+  if (qd[1] % pd[2]) {
     return ffi::Error::InvalidArgument(
-        "native ragged attention: head_dim must be <= 256, block_size <= 64 and query heads "
-        "per KV head <= 16");
+        "native ragged attention: query heads must be a multiple of KV heads");
   }
   auto work = std::make_shared<Work>();
   Problem& p = work->problem;
@@ -293,8 +307,14 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   std::memset(p.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);
   const int64_t n = num_seqs.typed_data()[0];
   for (int64_t s = 0; s < n; ++s) {
-    if (p.cu[s + 1] - p.cu[s] != 1 || p.kv[s] < 1) continue;  // not a decode row
-    for (int64_t h = 0; h < p.hkv; ++h) work->units.push_back({s, h});
+    const int64_t q_len = p.cu[s + 1] - p.cu[s];
+    if (q_len < 1 || p.kv[s] < q_len) continue;  // no rows, or a malformed sequence
+    // Later blocks of a chunk see more context: queued first, they balance the threads.
+    for (int64_t r1 = q_len; r1 > 0; r1 -= kBlockRows) {
+      for (int64_t h = 0; h < p.hkv; ++h) {
+        work->units.push_back({s, h, std::max<int64_t>(r1 - kBlockRows, 0), r1});
+      }
+    }
   }
   const int64_t n_units = static_cast<int64_t>(work->units.size());
   const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_units) - 1;
