@@ -25,10 +25,9 @@ from jserve.cache_dir import default_cache_dir
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(
-    Path(__file__).with_name("native") / name
-    for name in ("ragged_attention_cpu.cc", "skinny_matmul_cpu.cc")
-)
+NATIVE_DIR = Path(__file__).with_name("native")
+SOURCES = tuple(NATIVE_DIR / name for name in ("ragged_attention_cpu.cc", "skinny_matmul_cpu.cc"))
+HEADERS = (NATIVE_DIR / "parallel_units.h",)  # included by the sources; part of the build key
 # Reassociation lets the compiler vectorize dot products; no -ffast-math, whose finite-math
 # assumption would break the -inf of the online softmax's first page.
 FLAGS = (
@@ -52,7 +51,7 @@ def _build(compiler: str, out: Path) -> None:
         b"\0".join(
             x.encode()
             for x in (
-                *(s.read_text() for s in SOURCES),
+                *(s.read_text() for s in (*SOURCES, *HEADERS)),
                 " ".join(FLAGS),
                 version,
                 jaxlib.__version__,

@@ -13,23 +13,20 @@
 // needs is read straight from the pool once for all of the unit's (token, query head) rows, and
 // scored and accumulated with vector code.
 //
-// Units are taken from an atomic counter by the calling thread and by tasks on XLA's intra-op
-// thread pool, so the call finishes even if no pool thread is free.
+// The units run over XLA's intra-op threads through jserve::run_units (parallel_units.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
+#include "parallel_units.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -254,21 +251,6 @@ void run_unit_any(const Problem& p, const Unit& u) {
   }
 }
 
-struct Work {
-  Problem problem;
-  std::vector<Unit> units;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void drain(Work& w) {
-  const int64_t n = static_cast<int64_t>(w.units.size());
-  for (int64_t i = w.next.fetch_add(1); i < n; i = w.next.fetch_add(1)) {
-    run_unit_any(w.problem, w.units[i]);
-    w.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                                ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
                                ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
@@ -285,8 +267,7 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument(
         "native ragged attention: query heads must be a multiple of KV heads");
   }
-  auto work = std::make_shared<Work>();
-  Problem& p = work->problem;
+  Problem p;
   p.q = q.typed_data();
   p.k = k_pool.typed_data();
   p.v = v_pool.typed_data();
@@ -306,23 +287,19 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   p.window = sliding_window;
   std::memset(p.out, 0, sizeof(float) * qd[0] * qd[1] * qd[2]);
   const int64_t n = num_seqs.typed_data()[0];
+  std::vector<Unit> units;
   for (int64_t s = 0; s < n; ++s) {
     const int64_t q_len = p.cu[s + 1] - p.cu[s];
     if (q_len < 1 || p.kv[s] < q_len) continue;  // no rows, or a malformed sequence
     // Later blocks of a chunk see more context: queued first, they balance the threads.
     for (int64_t r1 = q_len; r1 > 0; r1 -= kBlockRows) {
       for (int64_t h = 0; h < p.hkv; ++h) {
-        work->units.push_back({s, h, std::max<int64_t>(r1 - kBlockRows, 0), r1});
+        units.push_back({s, h, std::max<int64_t>(r1 - kBlockRows, 0), r1});
       }
     }
   }
-  const int64_t n_units = static_cast<int64_t>(work->units.size());
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), n_units) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([work] { drain(*work); });
-  }
-  drain(*work);
-  while (work->done.load(std::memory_order_acquire) < n_units) std::this_thread::yield();
+  jserve::run_units(pool, static_cast<int64_t>(units.size()),
+                    [&](int64_t i) { run_unit_any(p, units[i]); });
   return ffi::Error::Success();
 }
 

@@ -8,21 +8,18 @@
 // - each work unit streams one contiguous block of w's rows, in order, four rows at a time, so
 //   the hardware prefetcher runs ahead, into its own partial [T, N] output (which stays in L1
 //   or L2); the partial outputs are summed at the end;
-// - the units are spread over XLA's intra-op thread pool through an atomic work counter, and
-//   the calling thread takes units too, so a call finishes even if no pool thread is free.
+// - the units run over XLA's intra-op threads through jserve::run_units (parallel_units.h).
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
 
+#include "parallel_units.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -110,23 +107,6 @@ void row_block(const Problem& p, int64_t k0, int64_t k1, float* out) {
   for (int64_t n0 = 0; n0 < p.n; n0 += width) tile(p, k0, k1, n0, std::min(p.n, n0 + width), out);
 }
 
-struct Work {
-  Problem problem;
-  int64_t units, rows;       // unit i takes rows [i * rows, (i + 1) * rows) of w
-  std::vector<float> parts;  // [units, T, N]: each unit's partial product
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
-void drain(Work& w) {
-  const Problem& p = w.problem;
-  for (int64_t i = w.next.fetch_add(1); i < w.units; i = w.next.fetch_add(1)) {
-    const int64_t k0 = i * w.rows;
-    row_block(p, k0, std::min(p.k, k0 + w.rows), w.parts.data() + i * p.t * p.n);
-    w.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
                             ffi::Result<ffi::Buffer<ffi::F32>> y) {
@@ -137,8 +117,7 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("skinny matmul: layer out of range");
-  auto work = std::make_shared<Work>();
-  Problem& p = work->problem;
+  Problem p;
   p.t = xd[0];
   p.k = xd[1];
   p.n = wd[2];
@@ -147,19 +126,17 @@ ffi::Error SkinnyMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   p.y = y->typed_data();
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());  // the caller among them
   const int64_t wanted = workers * kUnitsPerThread;
-  work->rows = ((p.k + wanted - 1) / wanted + kRowAlign - 1) / kRowAlign * kRowAlign;
-  work->units = (p.k + work->rows - 1) / work->rows;
-  work->parts.resize(work->units * p.t * p.n);
-  const int64_t helpers = std::min<int64_t>(workers, work->units) - 1;
-  for (int64_t i = 0; i < helpers; ++i) {
-    pool.Schedule([work] { drain(*work); });
-  }
-  drain(*work);
-  while (work->done.load(std::memory_order_acquire) < work->units) std::this_thread::yield();
+  // Unit i takes rows [i * rows, (i + 1) * rows) of w into its own partial product.
+  const int64_t rows = ((p.k + wanted - 1) / wanted + kRowAlign - 1) / kRowAlign * kRowAlign;
+  const int64_t units = (p.k + rows - 1) / rows;
+  std::vector<float> parts(units * p.t * p.n);  // [units, T, N]
+  jserve::run_units(pool, units, [&](int64_t i) {
+    row_block(p, i * rows, std::min(p.k, (i + 1) * rows), parts.data() + i * p.t * p.n);
+  });
   const int64_t size = p.t * p.n;
-  std::copy(work->parts.begin(), work->parts.begin() + size, p.y);
-  for (int64_t u = 1; u < work->units; ++u) {
-    const float* part = work->parts.data() + u * size;
+  std::copy(parts.begin(), parts.begin() + size, p.y);
+  for (int64_t u = 1; u < units; ++u) {
+    const float* part = parts.data() + u * size;
     for (int64_t i = 0; i < size; ++i) p.y[i] += part[i];
   }
   return ffi::Error::Success();
