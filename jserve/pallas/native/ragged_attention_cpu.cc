@@ -157,6 +157,12 @@ inline void page_values(const float* sc, const float* vp, float* acc, int64_t gr
   }
 }
 
+// One unit's working rows: scaled queries, accumulators, one page's scores, running max and
+// softmax denominator.
+struct UnitScratch {
+  std::vector<float> qs, acc, sc, mx, den;
+};
+
 // One unit: query tokens [r0, r1) of sequence u.seq for the query heads of KV head u.head (one
 // token for a decode row, up to kBlockRows of a prefill chunk), read page by page over the
 // positions any of them may see, with an online softmax per (token, query head) row. Every
@@ -174,8 +180,15 @@ void run_unit(const Problem& p, const Unit& u) {
   auto first = [&](int64_t t) {
     return p.window > 0 ? std::max<int64_t>(ctx(t) - p.window + 1, 0) : int64_t{0};
   };
-  std::vector<float> qs(rows * d), acc(rows * d, 0.0f), sc(rows * bs);
-  std::vector<float> mx(rows, -std::numeric_limits<float>::infinity()), den(rows, 0.0f);
+  // Per-thread buffers, grown once and reused by every unit the thread runs: a step runs
+  // hundreds of units per layer, most of them one decode row.
+  thread_local UnitScratch scratch;
+  auto& [qs, acc, sc, mx, den] = scratch;
+  qs.resize(rows * d);
+  sc.resize(rows * bs);
+  acc.assign(rows * d, 0.0f);
+  mx.assign(rows, -std::numeric_limits<float>::infinity());
+  den.assign(rows, 0.0f);
   for (int64_t t = u.r0; t < u.r1; ++t) {
     const float* src = p.q + ((q_start + t) * p.hq + u.head * group) * d;
     float* dst = qs.data() + (t - u.r0) * group * d;
