@@ -11,9 +11,11 @@ timed in the same run and bandwidth is also given as a fraction of it.
     python bench/kernels.py --json out.json # also write the figures as JSON
     python bench/kernels.py --smoke         # tiny shapes, seconds (CI)
 
-It also times the layers' projections (`layer_matmul`) on SmolLM2's four weight shapes at a
-few tokens, stacked over 30 layers and run under `lax.scan` as the model runs them, so the
-weights come from memory and not from cache: "bytes" is then the weights read.
+It also times the layers' projections (`layer_matmul`, each implementation on the weight laid
+out as it reads it) on SmolLM2's four weight shapes at 1 to 512 tokens, stacked over 30 layers
+and run under `lax.scan` as the model runs them, so the weights come from memory and not from
+cache: "bytes" is then the weights read (at a few tokens the bound; from about 16 tokens on the
+products are bound by arithmetic instead).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.pallas import choose_impl, kv_cache_shape, ragged_paged_attention
-from jserve.pallas.layer_matmul import MATMUL_IMPLS, layer_matmul
+from jserve.pallas.layer_matmul import MATMUL_IMPLS, layer_matmul, pack_layer_weight
 
 NUM_Q_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_LAYERS = 9, 3, 64, 16, 2
 IMPLS_BY_BACKEND = {
@@ -72,7 +74,7 @@ PROJECTIONS = (
     ("w_gate_up", 576, 3072),
     ("w_down", 1536, 576),
 )
-MATMUL_TOKENS, MATMUL_LAYERS = (1, 2, 4, 8, 16, 32), 30
+MATMUL_TOKENS, MATMUL_LAYERS = (1, 4, 16, 32, 64, 128, 512), 30
 SMOKE_PROJECTIONS, SMOKE_MATMUL_TOKENS, SMOKE_MATMUL_LAYERS = (("w", 64, 40),), (1, 3), 2
 
 
@@ -167,15 +169,17 @@ def run_matmuls(
         for tokens in token_counts:
             x = jnp.asarray(rng.standard_normal((tokens, k), np.float32))
             for impl in impls:
+                laid_out = pack_layer_weight(w, impl)
 
-                def stack(x, w, impl=impl):
+                def stack(x, w, impl=impl, n=n):
                     def one(total, layer):
-                        return total + layer_matmul(x, w, layer, impl), None
+                        return total + layer_matmul(x, w, layer, impl, n), None
 
-                    zero = jnp.zeros((x.shape[0], w.shape[2]), x.dtype)
-                    return jax.lax.scan(one, zero, jnp.arange(w.shape[0], dtype=jnp.int32))[0]
+                    zero = jnp.zeros((x.shape[0], n), x.dtype)
+                    return jax.lax.scan(one, zero, jnp.arange(layers, dtype=jnp.int32))[0]
 
-                seconds, cpu_seconds = median_seconds(jax.jit(stack), (x, w), reps)
+                seconds, cpu_seconds = median_seconds(jax.jit(stack), (x, laid_out), reps)
+                del laid_out
                 rows.append(
                     dict(
                         case=f"matmul {name} {k}x{n} x {layers} layers",

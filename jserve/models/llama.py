@@ -9,9 +9,10 @@ change.
 Projections that read the same input are fused into one weight, so each layer runs one matmul
 for Q, K and V and one for gate and up (fewer, wider dots; at one token a step is bound by
 reading weights). Every projection is one 2-D product `layer_matmul(x, w, layer)` over the
-weight viewed as [L, K, N]: the scan never slices the big weights itself, so on CPU a step of a
-few tokens can read each layer's rows in place (jserve.pallas.layer_matmul). The attention
-output is flattened to [T, Hq * Hd] before `wo`, so XLA never transposes that weight per step.
+weight viewed as [L, K, N]: the scan never slices the big weights itself, so on CPU the native
+kernel reads each layer's weight in place, from the packed layout `lay_out_weights` gives the
+parameters once at load time (jserve.pallas.layer_matmul). The attention output is
+flattened to [T, Hq * Hd] before `wo`, so XLA never transposes that weight per step.
 Fused layouts:
 - `wqkv` [L, D, Hkv, G + 2, Hd]: for each KV head, its G query heads, then its key, then its
   value, so sharding the KV-head axis keeps every device's query heads with their K/V head;
@@ -32,9 +33,10 @@ from jserve.layers.attention import attention
 from jserve.layers.norm import rms_norm
 from jserve.layers.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from jserve.models.config import ModelConfig
-from jserve.pallas.layer_matmul import layer_matmul
+from jserve.pallas.layer_matmul import PANEL, layer_matmul, pack_layer_weight
 
 MODEL_AXIS = "model"
+PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layers' weights layer_matmul reads
 
 
 def _param(shape: tuple[int, ...], sharding: tuple[str | None, ...], dtype: Any) -> nnx.Param:
@@ -79,25 +81,28 @@ class LlamaModel(nnx.Module):
     ) -> tuple[jax.Array, Any]:
         """Returns (logits [S, V] float32, updated kv_cache)."""
         cfg = self.cfg
-        x = self.embed[...][token_ids]  # [T, D]
+        x = self._embedding(token_ids, matmul_impl)  # [T, D]
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq))  # [T, Hd] each
         sm_scale = cfg.head_dim**-0.5
         t, group = token_ids.shape[0], cfg.num_heads // cfg.num_kv_heads
         weights = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))  # each [L, ...]
-        # The projections' weights as [L, K, N], read per layer by layer_matmul (never copied
-        # out of the stack by the scan); the rest is small and scanned over.
+        # The projections' weights, read per layer by layer_matmul (never copied out of the
+        # stack by the scan): viewed as [L, K, N] here, or already packed for "native" by
+        # lay_out_weights. The rest is small and scanned over.
+        proj = {name: weights.pop(name) for name in PROJECTIONS}
+        if matmul_impl == "xla":
+            proj = {name: _as_layer_matrices(name, w) for name, w in proj.items()}
         d, hd = cfg.hidden_size, cfg.head_dim
-        L = cfg.num_layers
-        proj = {
-            "wqkv": weights.pop("wqkv").reshape(L, d, -1),  # [L, D, Hkv * (G + 2) * Hd]
-            "wo": weights.pop("wo").reshape(L, -1, d),  # [L, Hq * Hd, D]
-            "w_gate_up": weights.pop("w_gate_up").reshape(L, d, -1),  # [L, D, 2 * F]
-            "w_down": weights.pop("w_down"),  # [L, F, D]
+        widths = {  # N of each projection
+            "wqkv": cfg.num_kv_heads * (group + 2) * hd,
+            "wo": d,
+            "w_gate_up": 2 * cfg.intermediate_size,
+            "w_down": d,
         }
 
         def matmul(x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
-            return layer_matmul(x, proj[name], layer, matmul_impl)
+            return layer_matmul(x, proj[name], layer, matmul_impl, widths[name])
 
         def layer_step(carry, xs):
             x, kv_cache = carry
@@ -123,11 +128,48 @@ class LlamaModel(nnx.Module):
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (weights, layer_ids))
         h = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps)  # [S, D]
-        if cfg.tie_word_embeddings:
-            logits = jnp.einsum("SD,VD->SV", h, self.embed[...])
-        else:
-            logits = jnp.einsum("SD,DV->SV", h, self.lm_head[...])
-        return logits.astype(jnp.float32), kv_cache
+        return self._logits(h, matmul_impl).astype(jnp.float32), kv_cache
+
+    def _embedding(self, token_ids: jax.Array, matmul_impl: str) -> jax.Array:
+        table = self.embed[...]
+        if matmul_impl == "native" and self.cfg.tie_word_embeddings:
+            # Packed as the output head's weight [1, V / 16, D, 16]: token v is column v % 16
+            # of panel v // 16.
+            return table[0, token_ids // PANEL, :, token_ids % PANEL]
+        return table[token_ids]
+
+    def _logits(self, h: jax.Array, matmul_impl: str) -> jax.Array:
+        tied = self.cfg.tie_word_embeddings
+        head = self.embed[...] if tied else self.lm_head[...]
+        if matmul_impl == "native":  # packed by lay_out_weights
+            return layer_matmul(h, head, jnp.int32(0), "native", self.cfg.vocab_size)
+        return jnp.einsum("SD,VD->SV" if tied else "SD,DV->SV", h, head)
+
+
+def _as_layer_matrices(name: str, w: jax.Array) -> jax.Array:
+    """A projection's weight [L, ...] viewed as [L, K, N], K being its input features."""
+    if name == "wo":  # [L, Hq, Hd, D]
+        return w.reshape(w.shape[0], -1, w.shape[-1])
+    return w.reshape(*w.shape[:2], -1)  # wqkv [L, D, Hkv, G + 2, Hd], w_gate_up, w_down
+
+
+def lay_out_weights(state: nnx.State, matmul_impl: str) -> nnx.State:
+    """The model's parameters laid out for `matmul_impl`, as `LlamaModel.__call__` then reads
+    them: unchanged for "xla"; for "native", the projections and the output head (the
+    embedding, when tied: the lookup then reads the packed table) packed by
+    `pack_layer_weight`. Once, at load time; the other parameters are shared with `state`."""
+    if matmul_impl == "xla":
+        return state
+    out = jax.tree.map(lambda x: x, state)  # new containers, the same arrays
+    pack = jax.jit(pack_layer_weight, static_argnums=1)
+    for name in PROJECTIONS:
+        param = out["layers"][name]
+        param.set_value(pack(_as_layer_matrices(name, param.get_value()), matmul_impl))
+    if "lm_head" in out:  # [D, V]
+        out["lm_head"].set_value(pack(out["lm_head"].get_value()[None], matmul_impl))
+    else:  # tied: the embedding [V, D] is the head's weight transposed
+        out["embed"].set_value(pack(out["embed"].get_value().T[None], matmul_impl))
+    return out
 
 
 def fuse_projections(cfg: ModelConfig, layers: dict[str, Any]) -> dict[str, Any]:

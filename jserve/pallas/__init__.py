@@ -6,8 +6,9 @@ kernel built by native_build: the CPU serving path for float32), ragged_interpre
 Pallas, CPU interpret mode, for checking kernel semantics), ragged_triton (GPU) and
 ragged_mosaic (TPU). ragged_common holds the one call contract they all take (`RaggedCall`),
 the validators and the masking; kv_cache the pool layout and the KV write.
-layer_matmul is `x @ w[layer]` for stacked weights, on CPU through a native kernel for steps
-of a few tokens. Validators are not re-exported here: import them from their modules.
+layer_matmul is `x @ w[layer]` for stacked weights, on CPU through a native kernel on weights
+packed in column panels at load time. Validators are not re-exported here: import them from
+their modules.
 """
 
 from jserve.pallas.kv_cache import kv_cache_shape, write_kv

@@ -1,12 +1,16 @@
 """`x @ w[layer]` for a weight stacked on a leading layer axis: the model's projections.
 
-XLA's dot needs its operand on its own, so under the model's `lax.scan` each layer's weight is
-first copied out of the stack; at a few tokens per step, where a step is bound by reading the
-weights, that copy is a second pass over them and XLA's dot reads at well under the machine's
-bandwidth. On CPU in float32, steps of at most `NATIVE_MAX_TOKENS` tokens therefore run the
-native kernel (`native/skinny_matmul_cpu.cc`), which streams the layer's rows where they lie.
-Larger steps are matrix products where XLA's dot wins; other backends and dtypes, and machines
-where the kernel cannot be built, always use XLA's dot.
+Two layouts of the same weight, chosen once per model by `choose_matmul_impl`:
+- "xla": w is [L, K, N] and the product is XLA's dot on `w[layer]`. Under the model's
+  `lax.scan` XLA first copies each layer's slice out of the stack, and its CPU dot packs its
+  operand on every call, which at a few tokens per step is a second pass over the weights;
+- "native" (CPU, float32): w is packed once at load time by `pack_layer_weight` into column
+  panels [L, ceil(N / 16), K, 16], and `native/packed_matmul_cpu.cc` streams the layer's panels
+  where they lie, register-blocked over the step's rows. Measured on a 2-core AVX2/AVX-512 CPU
+  against XLA's dot over SmolLM2's projections: faster at every step size up to 128 tokens
+  (about 1.5x at 1 to 32) and level at 512 (`bench/kernels.py`'s matmul rows).
+Other backends and dtypes, sharded models and machines where the kernel cannot be built use
+"xla".
 """
 
 from __future__ import annotations
@@ -16,11 +20,8 @@ import jax.numpy as jnp
 
 from jserve.pallas.native_build import load as load_native_kernels
 
-TARGET = "jserve_skinny_matmul_f32"
-# Measured on a 2-core AVX2 CPU as whole SmolLM2 model steps, native against XLA's dot: 1.3x
-# faster at 1 token, 1.4x at 4 and 8, 1.1x at 16, 0.93x at 32 (XLA's dot wins once the step is
-# compute-bound); bench/kernels.py's matmul rows time the projections alone.
-NATIVE_MAX_TOKENS = 16
+TARGET = "jserve_packed_matmul_f32"
+PANEL = 16  # columns per packed panel (the kernel's register block width)
 MATMUL_IMPLS = ("xla", "native")
 
 
@@ -32,21 +33,48 @@ def choose_matmul_impl(backend: str | None = None, dtype: jnp.dtype = jnp.float3
     return "xla"
 
 
-def layer_matmul(x: jax.Array, w: jax.Array, layer: jax.Array, impl: str = "xla") -> jax.Array:
-    """x [T, K] @ w[layer] with w [L, K, N] and `layer` an int32 scalar (traced): [T, N].
+def pack_layer_weight(w: jax.Array, impl: str) -> jax.Array:
+    """w [L, K, N] in the layout `layer_matmul(..., impl)` reads: unchanged for "xla"; for
+    "native" [L, ceil(N / 16), K, 16], panel p holding columns 16p..16p+15 with K rows of 16
+    contiguous floats, zero columns padding N up to a multiple of 16."""
+    _check_impl(impl)
+    if w.ndim != 3:
+        raise ValueError(f"pack_layer_weight needs w [L, K, N]; got {w.shape}")
+    if impl == "xla":
+        return w
+    L, K, N = w.shape
+    panels = -(-N // PANEL)
+    w = jnp.pad(w, ((0, 0), (0, 0), (0, panels * PANEL - N)))
+    return w.reshape(L, K, panels, PANEL).transpose(0, 2, 1, 3)
 
-    impl "native" runs the native kernel when T <= NATIVE_MAX_TOKENS and XLA's dot otherwise
-    (choose it with `choose_matmul_impl`); "xla" always runs XLA's dot.
-    """
+
+def layer_matmul(
+    x: jax.Array, w: jax.Array, layer: jax.Array, impl: str = "xla", n: int | None = None
+) -> jax.Array:
+    """x [T, K] @ layer `layer` (an int32 scalar, traced) of w, laid out for `impl` by
+    `pack_layer_weight`: [T, N]. The "native" layout pads N, so it needs `n`, the true N."""
+    _check_impl(impl)
+    if impl == "xla":
+        if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
+            raise ValueError(
+                f"layer_matmul needs x [T, K] and w [L, K, N]; got {x.shape}, {w.shape}"
+            )
+        return x @ jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
+    if x.ndim != 2 or w.ndim != 4 or w.shape[3] != PANEL or x.shape[1] != w.shape[2]:
+        raise ValueError(
+            "matmul impl 'native' needs x [T, K] and w packed by pack_layer_weight "
+            f"[L, ceil(N / {PANEL}), K, {PANEL}]; got {x.shape}, {w.shape}"
+        )
+    if n is None or not (w.shape[1] - 1) * PANEL < n <= w.shape[1] * PANEL:
+        raise ValueError(f"matmul impl 'native' needs n, N of the weight packed as {w.shape}")
+    if x.dtype != jnp.float32 or w.dtype != jnp.float32:
+        raise ValueError(f"matmul impl 'native' needs float32; got {x.dtype} and {w.dtype}")
+    if load_native_kernels() is None:  # registers the kernel's FFI target
+        raise ValueError("matmul impl 'native' needs the native CPU kernels (see the log)")
+    kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))
+    return kernel(x, w, jnp.asarray(layer, jnp.int32))
+
+
+def _check_impl(impl: str) -> None:
     if impl not in MATMUL_IMPLS:
         raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
-    if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
-        raise ValueError(f"layer_matmul needs x [T, K] and w [L, K, N]; got {x.shape}, {w.shape}")
-    if impl == "native" and x.shape[0] <= NATIVE_MAX_TOKENS:
-        if x.dtype != jnp.float32 or w.dtype != jnp.float32:
-            raise ValueError(f"matmul impl 'native' needs float32; got {x.dtype} and {w.dtype}")
-        if load_native_kernels() is None:  # registers the kernel's FFI target
-            raise ValueError("matmul impl 'native' needs the native CPU kernels (see the log)")
-        kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[2]), x.dtype))
-        return kernel(x, w, jnp.asarray(layer, jnp.int32))
-    return x @ jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)

@@ -26,7 +26,7 @@ from jserve.cache_dir import default_cache_dir
 log = logging.getLogger(__name__)
 
 NATIVE_DIR = Path(__file__).with_name("native")
-SOURCES = tuple(NATIVE_DIR / name for name in ("ragged_attention_cpu.cc", "skinny_matmul_cpu.cc"))
+SOURCES = tuple(NATIVE_DIR / name for name in ("ragged_attention_cpu.cc", "packed_matmul_cpu.cc"))
 HEADERS = (NATIVE_DIR / "parallel_units.h",)  # included by the sources; part of the build key
 # Reassociation lets the compiler vectorize dot products; no -ffast-math, whose finite-math
 # assumption would break the -inf of the online softmax's first page.
@@ -37,7 +37,7 @@ FLAGS = (
 # name of the FFI target -> symbol of its handler in the library
 TARGETS = {
     "jserve_ragged_attention_f32": "JserveRaggedAttentionF32",
-    "jserve_skinny_matmul_f32": "JserveSkinnyMatmulF32",
+    "jserve_packed_matmul_f32": "JservePackedMatmulF32",
 }
 
 

@@ -24,7 +24,7 @@ from flax import nnx
 
 from jserve.layers.attention import HeadSharding, PagedAttentionMetadata
 from jserve.models.config import ModelConfig
-from jserve.models.llama import MODEL_AXIS
+from jserve.models.llama import MODEL_AXIS, lay_out_weights
 from jserve.pallas import kv_cache_shape
 from jserve.pallas.layer_matmul import choose_matmul_impl
 from jserve.runtime.step_inputs import StepInputs
@@ -96,12 +96,12 @@ class ModelRunner:
     ) -> None:
         self.cfg = cfg
         self.graphdef = graphdef
-        self.state = state
         self.attn_impl = attn_impl
         self.mesh = mesh
         self.heads = HeadSharding(mesh, MODEL_AXIS) if mesh.shape[MODEL_AXIS] > 1 else None
         # The native matmul is one device's kernel: a sharded model keeps XLA's partitioned dot.
         self.matmul_impl = "xla" if self.heads else choose_matmul_impl(dtype=dtype)
+        self.state = lay_out_weights(state, self.matmul_impl)
         shape = kv_cache_shape(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim
         )
