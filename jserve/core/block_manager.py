@@ -81,7 +81,7 @@ class BlockManager:
         for index in range((request.num_tokens - 1) // size):
             start = index * size
             block_id = cache.get(
-                self._block_hash(request, index), tuple(request.all_token_ids[start : start + size])
+                self.block_hash(request, index), tuple(request.all_token_ids[start : start + size])
             )
             if block_id is None:
                 break
@@ -153,7 +153,7 @@ class BlockManager:
         for index in range(request.num_hashed_blocks, num_full):
             start = index * size
             if cache.insert(
-                self._block_hash(request, index),
+                self.block_hash(request, index),
                 request.block_ids[index],
                 tuple(request.all_token_ids[start : start + size]),
             ):
@@ -182,7 +182,8 @@ class BlockManager:
                 )
             )
 
-    def _block_hash(self, request: Request, index: int) -> bytes:
+    def block_hash(self, request: Request, index: int) -> bytes:
+        """The prefix cache's key of `request`'s full block `index` (memoized on the request)."""
         hashes = request.block_hashes
         size = self.block_size
         while len(hashes) <= index:

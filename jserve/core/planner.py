@@ -5,10 +5,13 @@ a. running decodes, one token each, in rank order (lane, then arrival);
 b. running prefills (chunked prompts, recomputes after preemption), in rank order;
 c. unless (a) or (b) preempted, waiting requests, lane by lane (aged lanes first), each
    admitted with its cached prefix and a first chunk while sequences, budget and free blocks
-   above the watermark allow. Inside a lane: preempted requests first, then by fair share
-   between tenants (the least-served backlogged tenant's oldest request: jserve.core.fairness)
-   or, with fairness="fcfs", FIFO. Tenants at their `max_running` cap wait. With
-   scheduling="static", (c) is replaced by admitting a whole batch only when nothing runs.
+   above the watermark allow. A request whose next blocks a running prefill is computing
+   right now (the same prefix, not cached yet) waits for them rather than computing them a
+   second time (SGLang's in-batch prefix check). Inside a lane: preempted requests first,
+   then by fair share between tenants (the least-served backlogged tenant's oldest request:
+   jserve.core.fairness) or, with fairness="fcfs", FIFO. Tenants at their `max_running` cap
+   wait. With scheduling="static", (c) is replaced by admitting a whole batch only when
+   nothing runs.
 When a running request cannot get a block, a request of the lowest running lane is preempted:
 the most-served tenant's latest one (fcfs: the latest arrival). Its blocks are freed and it
 goes back to the front of its lane with every token kept, to recompute them (cheaply, with
@@ -39,6 +42,9 @@ from jserve.core.request import LANE_RANK, Request, RequestStatus
 
 _rank = attrgetter("rank")
 _KEEP_GOING = ("admitted", "skip", "capped")  # verdicts after which a lane's next may go
+# A waiting request defers for a prefix in flight only if at least this many of its next
+# blocks are being computed: for a shorter shared span, waiting a step costs more than it saves.
+IN_FLIGHT_MIN_BLOCKS = 2
 
 
 @dataclass
@@ -53,7 +59,7 @@ class PlanOutcome:
     preempted: list[Request] = field(default_factory=list)
     # Why the last waiting request considered was not admitted, for the decision log:
     # "max_num_seqs", "token_budget", "kv_watermark", "long_lane_share", "tenant_cap",
-    # "preempting" (blocks ran out this step); None if nothing was deferred.
+    # "prefix_in_flight", "preempting" (blocks ran out this step); None if nothing was deferred.
     deferred: str | None = None
 
 
@@ -112,6 +118,9 @@ class _Planner:
         # victims see them; built on first use (most steps admit no one and preempt no one).
         self._pending: dict[tuple[str, str], float] | None = None
         self._extra_running: dict[str, int] | None = None  # tenant -> net admissions, for caps
+        # Keys of the blocks running prefills will compute and cache; built on first use and
+        # dropped on each admission.
+        self._in_flight: set[bytes] | None = None
 
     def build(self) -> PlanOutcome:
         static = self.config.scheduling == "static"
@@ -298,6 +307,9 @@ class _Planner:
             hits = leader.block_ids[: (request.num_prompt_tokens - 1) // self.block_size]
         else:
             hits = block_manager.lookup_prefix(request)
+            if self._prefix_in_flight(request, len(hits)):
+                self.outcome.deferred = "prefix_in_flight"
+                return "skip"
         num_new = self._chunk_size(request, request.num_tokens - len(hits) * self.block_size)
         if num_new == 0:
             # With chunked prefill and budget left, only the long lane's share can say no.
@@ -315,7 +327,24 @@ class _Planner:
         self._add_chunk(request, num_new)
         return "admitted"
 
+    def _prefix_in_flight(self, request: Request, num_hits: int) -> bool:
+        """Whether the IN_FLIGHT_MIN_BLOCKS blocks after `request`'s cached prefix are being
+        computed by running prefills (keys chain their prefix, so checking the last suffices)."""
+        last = num_hits + IN_FLIGHT_MIN_BLOCKS - 1
+        if last >= (request.num_tokens - 1) // self.block_size:  # as lookup_prefix's limit
+            return False
+        if self._in_flight is None:
+            block_hash = self.block_manager.block_hash
+            self._in_flight = {
+                block_hash(r, index)
+                for r in (*self.unfinished_prefills, *self.outcome.admitted)
+                if r.request_id not in self.preempted
+                for index in range(r.num_hashed_blocks, r.num_tokens // self.block_size)
+            }
+        return self.block_manager.block_hash(request, last) in self._in_flight
+
     def _start_running(self, request: Request, hits: list[int], fork: bool) -> None:
+        self._in_flight = None  # its prefill joins those in flight
         if fork:
             self.block_manager.fork(request, hits)
         elif self.block_manager.prefix_cache is not None:

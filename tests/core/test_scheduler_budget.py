@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
 from jserve.core.request import Request
+from jserve.core.scheduler import DECISIONS
 from jserve.stopping import StopConditions
 
 from .helpers import chunks, make_request, make_scheduler, run_until_idle, step
@@ -71,6 +74,45 @@ def test_prefix_reuse_and_counters():
     plan, _ = step(scheduler)
     assert chunks(plan) == [("again", 16, 4, True)]
     assert scheduler.stats().prefix_cache_hits == 32
+
+
+def _shared(request_id: str, prefix_len: int, own: int, max_tokens: int = 2) -> Request:
+    prompt = [*range(1000, 1000 + prefix_len), *range(5000 + 100 * own, 5000 + 101 * own)]
+    return Request(request_id, prompt, stop=StopConditions(max_tokens), arrival_time=0.0)
+
+
+def test_a_prefix_in_flight_is_computed_once(caplog):
+    """Requests arriving together with a 24-token common prefix: the first computes it, the
+    others wait a step for it instead of computing it again in the same step, as a naive
+    scheduler would (then every prompt is computed whole)."""
+    caplog.set_level(logging.DEBUG, logger=DECISIONS.name)
+    scheduler = make_scheduler(block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    for i in range(1, 4):
+        scheduler.add_request(_shared(f"r{i}", 24, own=i + 3))
+    plan, _ = step(scheduler)
+    assert chunks(plan) == [("r1", 0, 28, True)]
+    assert "defer 2 waiting: prefix_in_flight" in caplog.messages
+    plan, _ = step(scheduler)
+    assert chunks(plan) == [("r1", 28, 1, True), ("r2", 24, 5, True), ("r3", 24, 6, True)]
+    run_until_idle(scheduler)
+    assert scheduler.stats().prefix_cache_hits == 48
+
+
+def test_a_short_shared_span_or_a_lost_prefill_does_not_hold_anyone_back():
+    scheduler = make_scheduler(block_size=4, max_num_batched_tokens=64, enable_prefix_caching=True)
+    scheduler.add_request(_shared("a", 4, own=8))  # one shared block: below the threshold
+    scheduler.add_request(_shared("b", 4, own=9))
+    plan, _ = step(scheduler)
+    assert [c[:3] for c in chunks(plan)] == [("a", 0, 12), ("b", 0, 13)]
+
+    scheduler = make_scheduler(block_size=4, max_num_batched_tokens=16, enable_prefix_caching=True)
+    scheduler.add_request(_shared("long", 40, own=4))  # chunked over several steps
+    scheduler.add_request(_shared("same", 40, own=5))
+    plan, _ = step(scheduler)
+    assert chunks(plan) == [("long", 0, 16, False)]
+    scheduler.abort("long")  # its blocks will never be computed: no one waits for them
+    plan, _ = step(scheduler)
+    assert chunks(plan)[0][:3] == ("same", 16, 16)  # the 16 tokens cached before the abort
 
 
 def test_prefix_caching_off_recomputes_everything():
