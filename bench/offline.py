@@ -33,9 +33,10 @@ from jserve.engine import LLMEngine
 from jserve.engine_args import EngineArgs
 from jserve.layers.norm import rms_norm
 from jserve.layers.rope import apply_rope, inverse_frequencies, rope_cos_sin
-from jserve.loaders.model_source import load_model
+from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.models.config import ModelConfig
 from jserve.runtime.compilation import forbid_compilation
+from jserve.runtime.params import make_mesh, place_model
 from jserve.sampling_params import SamplingParams
 
 TEXT_MODULES = ("argparse", "collections", "dataclasses", "functools", "json", "logging",
@@ -188,11 +189,14 @@ def make_dense_decode_step(cfg: ModelConfig):
 
 
 class DenseDecodeLoop:
-    """The engine's parameters driven by a plain jitted decode loop: no paging, no scheduler."""
+    """The engine's model driven by a plain jitted decode loop: no paging, no scheduler. It
+    places its own copy of the parameters in the model's layout (the engine's runner keeps
+    them laid out for its matmul kernel)."""
 
-    def __init__(self, engine: LLMEngine, max_len: int) -> None:
-        self.cfg = engine.model_config
-        self.params = nnx.to_pure_dict(engine.runner.state)
+    def __init__(self, loaded: LoadedModel, max_len: int) -> None:
+        self.cfg = loaded.config
+        _, state = place_model(self.cfg, loaded.params, jnp.float32, make_mesh())
+        self.params = nnx.to_pure_dict(state)
         self.step = make_dense_decode_step(self.cfg)
         self.max_len = max_len
         # Inputs laid out like the step's outputs, so the first call compiles the only version.
@@ -264,10 +268,12 @@ def decode_rates(engine: LLMEngine, dense: DenseDecodeLoop, prompts, context: in
     return rate(batch, engine_times), rate(batch, dense_times)
 
 
-def decode_table(engine: LLMEngine, pool: list[int], cfg: dict, seed: int) -> dict:
+def decode_table(
+    engine: LLMEngine, loaded: LoadedModel, pool: list[int], cfg: dict, seed: int
+) -> dict:
     """Decode speed at each batch size, engine vs dense loop, after checking they agree."""
     context, warmup, steps = cfg["decode_context"], cfg["decode_warmup"], cfg["decode_steps"]
-    dense = DenseDecodeLoop(engine, context + warmup + steps + 1)
+    dense = DenseDecodeLoop(loaded, context + warmup + steps + 1)
     check_prompt = pool[: context // 2]
     dense_tokens = dense.greedy(check_prompt, CHECK_TOKENS)
     engine.add_request("check", {"prompt_token_ids": check_prompt}, greedy(CHECK_TOKENS))
@@ -370,7 +376,7 @@ def main(argv: list[str] | None = None) -> None:
             "output_lens": workload.output_lens,
         },
         "throughput": throughput,
-        "decode": decode_table(engines["continuous"], pool, cfg, args.seed),
+        "decode": decode_table(engines["continuous"], loaded, pool, cfg, args.seed),
         "loadavg_1min": {"before": load_before, "after": os.getloadavg()[0]},
     }
     print(markdown(report))

@@ -40,7 +40,7 @@ from serve_metrics import format_summary, summarize, summarize_by_group
 from workloads import LengthDist
 
 from jserve.config import LANES, CacheConfig, SchedulerConfig
-from jserve.core.buckets import make_seq_buckets, make_token_buckets, step_buckets
+from jserve.core.buckets import engine_buckets, make_seq_buckets, make_token_buckets, step_buckets
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
@@ -486,8 +486,9 @@ def compare_serve(path: str, report_path: str) -> str:
             for r in run["requests"]
         ]
         table = load_bucket_report(report_path)
-        token_buckets = make_token_buckets(config.max_num_batched_tokens, smallest=1)
-        seq_buckets = make_seq_buckets(config.max_num_seqs)
+        token_buckets, seq_buckets = engine_buckets(  # as the CPU engine that ran it
+            config.max_num_batched_tokens, config.max_num_seqs, decode_midpoints=True
+        )
         model = MeasuredCost(StepCosts(token_buckets, seq_buckets, table))
         costs = StepCosts(token_buckets, seq_buckets, table)
         result = simulate(workload, config, blocks, model, costs, None, block_size)
@@ -565,8 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         rate = float("inf") if args.rate is None else args.rate
         workload = synthetic(args.num_requests, rate, args.prompt_len, args.output_len, shares,
                              args.seed)  # fmt: skip
-    token_buckets = make_token_buckets(args.max_num_batched_tokens, smallest=1)
-    seq_buckets = make_seq_buckets(args.max_num_seqs)
+    token_buckets, seq_buckets = engine_buckets(  # as a CPU engine has them
+        args.max_num_batched_tokens, args.max_num_seqs, args.cost_model == "measured"
+    )
     if args.cost_model == "measured":
         costs = StepCosts(token_buckets, seq_buckets, load_bucket_report(args.bucket_report))
         model = MeasuredCost(StepCosts(token_buckets, seq_buckets, dict(costs.seconds)))

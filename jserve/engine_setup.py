@@ -17,7 +17,7 @@ import jax
 
 from jserve.cache_dir import default_cache_dir
 from jserve.config import CacheConfig
-from jserve.core.buckets import make_seq_buckets, make_token_buckets, step_buckets
+from jserve.core.buckets import engine_buckets, step_buckets
 from jserve.core.scheduler import Scheduler
 from jserve.core.step_costs import StepCosts, check_target_itl, load_bucket_report
 from jserve.core.tenants import load_tenant_policy
@@ -70,9 +70,10 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
     max_model_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     block_bytes = kv_block_bytes(cfg, args.block_size, dtype)
     num_blocks = args.num_kv_blocks or args.kv_cache_memory // block_bytes
-    # Token buckets start at 1 so small decode steps do not pay for 16 tokens.
-    token_buckets = make_token_buckets(args.max_num_batched_tokens, smallest=1)
-    seq_buckets = make_seq_buckets(args.max_num_seqs)
+    # On CPU a step's cost grows with its tokens from about 16 on, so decode sizes get midpoints.
+    token_buckets, seq_buckets = engine_buckets(
+        args.max_num_batched_tokens, args.max_num_seqs, jax.default_backend() == "cpu"
+    )
     pairs = step_buckets(token_buckets, seq_buckets)
     seed = load_bucket_report(args.step_costs_file) if args.step_costs_file else None
     scheduler = Scheduler(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from jserve.core.buckets import (
+    engine_buckets,
     make_seq_buckets,
     make_token_buckets,
     pick_bucket,
@@ -47,10 +48,25 @@ def test_bad_bounds():
         make_token_buckets(0)
 
 
-@pytest.mark.parametrize("max_tokens,max_seqs", [(512, 32), (64, 8), (256, 1), (100, 48)])
-def test_every_step_shape_is_precompiled_and_holds_the_step(max_tokens, max_seqs):
-    tokens = make_token_buckets(max_tokens, smallest=1)
-    seqs = make_seq_buckets(max_seqs)
+def test_engine_buckets_add_midpoints_in_the_decode_range_only():
+    assert engine_buckets(512, 64, decode_midpoints=True) == (
+        (1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512),
+        (8, 16, 24, 32, 48, 64),
+    )
+    assert engine_buckets(512, 40, decode_midpoints=True) == (
+        (1, 2, 4, 8, 16, 24, 32, 64, 128, 256, 512),
+        (8, 16, 24, 32, 40),
+    )
+    assert engine_buckets(512, 64, decode_midpoints=False) == (
+        make_token_buckets(512, smallest=1),
+        make_seq_buckets(64),
+    )
+
+
+@pytest.mark.parametrize("midpoints", [False, True])
+@pytest.mark.parametrize("max_tokens,max_seqs", [(512, 32), (64, 8), (256, 1), (100, 48), (96, 96)])
+def test_every_step_shape_is_precompiled_and_holds_the_step(max_tokens, max_seqs, midpoints):
+    tokens, seqs = engine_buckets(max_tokens, max_seqs, midpoints)
     precompiled = set(step_buckets(tokens, seqs))
     for n_tokens in range(1, max_tokens + 1):
         for n_seqs in range(1, min(n_tokens, max_seqs) + 1):
