@@ -11,7 +11,10 @@
 // one thread and gathers pages at a few GB/s. Here a work unit is one KV head of up to
 // kBlockRows query tokens of one sequence (a decode row is a unit of one token): each page it
 // needs is read straight from the pool once for all of the unit's (token, query head) rows, and
-// scored and accumulated with vector code.
+// scored and accumulated with vector code. The online softmax steps once per tile of
+// kTilePages pages rather than once per page: a row's max, rescale and bookkeeping were about
+// a quarter of a prefill unit's time, and tiles of 4 pages made the kernel 1.10-1.13x faster on
+// prefill and mixed batches (interleaved A/B in one process).
 //
 // The units run over XLA's intra-op threads through jserve::run_units (parallel_units.h).
 
@@ -35,6 +38,7 @@ namespace {
 
 constexpr int64_t kBlockRows = 32;    // query tokens of a prefill chunk per unit
 constexpr int64_t kPrefetchPages = 2;  // pages requested ahead of the one being computed
+constexpr int64_t kTilePages = 4;      // pages per online-softmax step
 constexpr int64_t kFloatsPerLine = 16; // 64-byte cache lines
 
 struct Unit {
@@ -87,10 +91,10 @@ inline __m256 sum_lanes8(const __m256* a) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 #endif
-// sc[g * bs + j] = q_g . k_j for the query rows g < group and the positions j0 <= j < j1 of one
-// page (k: its [bs, d] rows).
+// sc[g * ld + j] = q_g . k_j for the query rows g < group and the positions j0 <= j < j1 of one
+// page (k: its [bs, d] rows; ld: sc's row stride).
 inline void page_scores(const float* qs, const float* kp, float* sc, int64_t group, int64_t d,
-                        int64_t bs, int64_t j0, int64_t j1) {
+                        int64_t ld, int64_t j0, int64_t j1) {
   int64_t j = j0;
 #if defined(__AVX2__) && defined(__FMA__)
   // Eight positions at a time: eight dot products accumulate lane-wise, then one transposing
@@ -107,7 +111,7 @@ inline void page_scores(const float* qs, const float* kp, float* sc, int64_t gro
           const __m256 qv = _mm256_loadu_ps(qg + i);
           for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + r * d + i), a[r]);
         }
-        _mm256_storeu_ps(sc + g * bs + j, sum_lanes8(a));
+        _mm256_storeu_ps(sc + g * ld + j, sum_lanes8(a));
       }
     }
   }
@@ -118,21 +122,21 @@ inline void page_scores(const float* qs, const float* kp, float* sc, int64_t gro
       const float* qg = qs + g * d;
       float s = 0.0f;
       for (int64_t i = 0; i < d; ++i) s += qg[i] * kj[i];
-      sc[g * bs + j] = s;
+      sc[g * ld + j] = s;
     }
   }
 }
 
-// acc[g] += sum over j0 <= j < j1 of sc[g * bs + j] * v_j for one page (v: its [bs, d] rows).
+// acc[g] += sum over j0 <= j < j1 of sc[g * ld + j] * v_j for one page (v: its [bs, d] rows).
 inline void page_values(const float* sc, const float* vp, float* acc, int64_t group, int64_t d,
-                        int64_t bs, int64_t j0, int64_t j1) {
+                        int64_t ld, int64_t j0, int64_t j1) {
 #if defined(__AVX2__) && defined(__FMA__)
   // Per query head, 64 output columns at a time stay in eight registers across the page's
   // positions (the scalar loop below reloads and stores them for every position).
   if (d % 64 == 0) {
     for (int64_t g = 0; g < group; ++g) {
       float* ag = acc + g * d;
-      const float* sg = sc + g * bs;
+      const float* sg = sc + g * ld;
       for (int64_t c = 0; c < d; c += 64) {
         __m256 a[8];
         for (int r = 0; r < 8; ++r) a[r] = _mm256_loadu_ps(ag + c + 8 * r);
@@ -150,7 +154,7 @@ inline void page_values(const float* sc, const float* vp, float* acc, int64_t gr
   for (int64_t j = j0; j < j1; ++j) {  // one V row load serves every query head
     const float* vj = vp + j * d;
     for (int64_t g = 0; g < group; ++g) {
-      const float w = sc[g * bs + j];
+      const float w = sc[g * ld + j];
       float* ag = acc + g * d;
       for (int64_t i = 0; i < d; ++i) ag[i] += w * vj[i];
     }
@@ -185,7 +189,7 @@ void run_unit(const Problem& p, const Unit& u) {
   thread_local UnitScratch scratch;
   auto& [qs, acc, sc, mx, den] = scratch;
   qs.resize(rows * d);
-  sc.resize(rows * bs);
+  sc.resize(rows * kTilePages * bs);
   acc.assign(rows * d, 0.0f);
   mx.assign(rows, -std::numeric_limits<float>::infinity());
   den.assign(rows, 0.0f);
@@ -199,52 +203,72 @@ void run_unit(const Problem& p, const Unit& u) {
   const int64_t layer_offset = p.layer * p.nb * page_stride + u.head * bs * d;
   const int64_t lo = first(u.r0), hi = ctx(u.r1 - 1) + 1;  // what any row sees; hi <= kv_len
   const int64_t last_page = (hi - 1) / bs;
-  for (int64_t page = lo / bs; page <= last_page; ++page) {
-    const float* kp = p.k + layer_offset + table[page] * page_stride;
-    const float* vp = p.v + layer_offset + table[page] * page_stride;
-    // Pages are scattered in the pool, so the hardware prefetcher cannot run ahead across
-    // them: ask for the next pages' K and V while this one is computed, into L2 (hint 2), which
-    // holds many more outstanding requests than L1 does.
-    for (int64_t ahead = 1; ahead <= kPrefetchPages && page + ahead <= last_page; ++ahead) {
-      const int64_t next = layer_offset + table[page + ahead] * page_stride;
-      for (int64_t b = 0; b < bs * d; b += kFloatsPerLine) {
-        __builtin_prefetch(p.k + next + b, 0, 2);
-        __builtin_prefetch(p.v + next + b, 0, 2);
+  const int64_t ts = kTilePages * bs;  // row stride of sc: one tile's positions
+  for (int64_t tile = lo / bs; tile <= last_page; tile += kTilePages) {
+    const int64_t tile_end = std::min(last_page + 1, tile + kTilePages);  // pages [tile, end)
+    // Scores of every page of the tile, then one softmax step per row over the tile's
+    // positions, then the weighted values page by page: a row's bookkeeping (max, rescale)
+    // is paid once per tile rather than once per page.
+    for (int64_t page = tile; page < tile_end; ++page) {
+      const float* kp = p.k + layer_offset + table[page] * page_stride;
+      // Pages are scattered in the pool, so the hardware prefetcher cannot run ahead across
+      // them: ask for the next pages' K and V while this one is computed, into L2 (hint 2),
+      // which holds many more outstanding requests than L1 does.
+      for (int64_t ahead = 1; ahead <= kPrefetchPages && page + ahead <= last_page; ++ahead) {
+        const int64_t next = layer_offset + table[page + ahead] * page_stride;
+        for (int64_t b = 0; b < bs * d; b += kFloatsPerLine) {
+          __builtin_prefetch(p.k + next + b, 0, 2);
+          __builtin_prefetch(p.v + next + b, 0, 2);
+        }
       }
+      // The positions of this page some row sees: [j0, j1). Nothing outside them is read,
+      // and each of them is a written slot (below kv_len), so it is finite.
+      const int64_t base = page * bs;
+      const int64_t j0 = std::max<int64_t>(lo - base, 0);
+      const int64_t j1 = std::min<int64_t>(hi - base, bs);
+      page_scores(qs.data(), kp, sc.data() + (page - tile) * bs, rows, d, ts, j0, j1);
     }
-    // The positions of this page some row sees: [j0, j1). Nothing outside them is read, and
-    // each of them is a written slot (below kv_len), so it is finite.
-    const int64_t base = page * bs;
-    const int64_t j0 = std::max<int64_t>(lo - base, 0);
-    const int64_t j1 = std::min<int64_t>(hi - base, bs);
-    page_scores(qs.data(), kp, sc.data(), rows, d, bs, j0, j1);
+    // The tile's positions some row sees, [t0, t1), relative to the tile's first position.
+    const int64_t tile_base = tile * bs;
+    const int64_t t0 = std::max<int64_t>(lo - tile_base, 0);
+    const int64_t t1 = std::min<int64_t>(hi - tile_base, (tile_end - tile) * bs);
     for (int64_t m = 0; m < rows; ++m) {
       const int64_t t = u.r0 + m / group;
-      float* sm = sc.data() + m * bs;
-      // This row's own visible part of the page: [a, b); the rest weighs 0.
-      const int64_t a = std::max<int64_t>(j0, first(t) - base);
-      const int64_t b = std::min<int64_t>(j1, ctx(t) + 1 - base);
-      for (int64_t j = j0; j < std::min(a, j1); ++j) sm[j] = 0.0f;
-      for (int64_t j = std::max(b, j0); j < j1; ++j) sm[j] = 0.0f;
+      float* sm = sc.data() + m * ts;
+      // This row's own visible part of the tile: [a, b); the rest weighs 0.
+      const int64_t a = std::max<int64_t>(t0, first(t) - tile_base);
+      const int64_t b = std::min<int64_t>(t1, ctx(t) + 1 - tile_base);
+      for (int64_t j = t0; j < std::min(a, t1); ++j) sm[j] = 0.0f;
+      for (int64_t j = std::max(b, t0); j < t1; ++j) sm[j] = 0.0f;
       if (a >= b) continue;
       if (p.soft_cap > 0.0f) {
         for (int64_t j = a; j < b; ++j) sm[j] = p.soft_cap * std::tanh(sm[j] / p.soft_cap);
       }
-      float page_max = sm[a];
-      for (int64_t j = a + 1; j < b; ++j) page_max = std::max(page_max, sm[j]);
-      const float m_new = std::max(mx[m], page_max);
-      const float alpha = den[m] > 0.0f ? fast_exp(mx[m] - m_new) : 0.0f;
-      mx[m] = m_new;
+      float tile_max = sm[a];
+      for (int64_t j = a + 1; j < b; ++j) tile_max = std::max(tile_max, sm[j]);
+      const float m_new = std::max(mx[m], tile_max);
       float sum = 0.0f;
       for (int64_t j = a; j < b; ++j) {
         sm[j] = fast_exp(sm[j] - m_new);
         sum += sm[j];
       }
-      den[m] = den[m] * alpha + sum;
-      float* am = acc.data() + m * d;
-      for (int64_t i = 0; i < d; ++i) am[i] *= alpha;
+      // Rescale what was accumulated only when the max moved (after the first tiles, rarely).
+      if (den[m] > 0.0f && m_new != mx[m]) {
+        const float alpha = fast_exp(mx[m] - m_new);
+        den[m] *= alpha;
+        float* am = acc.data() + m * d;
+        for (int64_t i = 0; i < d; ++i) am[i] *= alpha;
+      }
+      mx[m] = m_new;
+      den[m] += sum;
     }
-    page_values(sc.data(), vp, acc.data(), rows, d, bs, j0, j1);
+    for (int64_t page = tile; page < tile_end; ++page) {
+      const float* vp = p.v + layer_offset + table[page] * page_stride;
+      const int64_t base = page * bs;
+      const int64_t j0 = std::max<int64_t>(lo - base, 0);
+      const int64_t j1 = std::min<int64_t>(hi - base, bs);
+      page_values(sc.data() + (page - tile) * bs, vp, acc.data(), rows, d, ts, j0, j1);
+    }
   }
   for (int64_t t = u.r0; t < u.r1; ++t) {
     float* dst = p.out + ((q_start + t) * p.hq + u.head * group) * d;
