@@ -29,7 +29,7 @@ allocation takes, so they are freed as the pass goes).
 from __future__ import annotations
 
 from bisect import bisect_left, insort
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
@@ -118,8 +118,8 @@ class _Planner:
         # victims see them; built on first use (most steps admit no one and preempt no one).
         self._pending: dict[tuple[str, str], float] | None = None
         self._extra_running: dict[str, int] | None = None  # tenant -> net admissions, for caps
-        # Keys of the blocks running prefills will compute and cache; built on first use and
-        # dropped on each admission.
+        # Keys of the blocks running prefills will compute and cache; built on first use, then
+        # grown by each admission.
         self._in_flight: set[bytes] | None = None
 
     def build(self) -> PlanOutcome:
@@ -334,21 +334,26 @@ class _Planner:
         if last >= (request.num_tokens - 1) // self.block_size:  # as lookup_prefix's limit
             return False
         if self._in_flight is None:
-            block_hash = self.block_manager.block_hash
             self._in_flight = {
-                block_hash(r, index)
+                key
                 for r in (*self.unfinished_prefills, *self.outcome.admitted)
                 if r.request_id not in self.preempted
-                for index in range(r.num_hashed_blocks, r.num_tokens // self.block_size)
+                for key in self._uncomputed_keys(r)
             }
         return self.block_manager.block_hash(request, last) in self._in_flight
 
+    def _uncomputed_keys(self, request: Request) -> Iterator[bytes]:
+        """Keys of `request`'s full blocks of known tokens that it has yet to compute."""
+        for index in range(request.num_hashed_blocks, request.num_tokens // self.block_size):
+            yield self.block_manager.block_hash(request, index)
+
     def _start_running(self, request: Request, hits: list[int], fork: bool) -> None:
-        self._in_flight = None  # its prefill joins those in flight
         if fork:
             self.block_manager.fork(request, hits)
         elif self.block_manager.prefix_cache is not None:
             self.block_manager.use_prefix(request, hits)
+        if self._in_flight is not None:  # its prefill joins those in flight
+            self._in_flight.update(self._uncomputed_keys(request))
         self.outcome.admitted.append(request)
         insort(self.running, request, key=_rank)
         if self._extra_running is not None:

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -161,7 +162,7 @@ inline void page_values(const float* sc, const float* vp, float* acc, int64_t gr
   }
 }
 
-// One unit's working rows: scaled queries, accumulators, one page's scores, running max and
+// One unit's working rows: scaled queries, accumulators, one tile's scores, running max and
 // softmax denominator.
 struct UnitScratch {
   std::vector<float> qs, acc, sc, mx, den;
@@ -204,6 +205,13 @@ void run_unit(const Problem& p, const Unit& u) {
   const int64_t lo = first(u.r0), hi = ctx(u.r1 - 1) + 1;  // what any row sees; hi <= kv_len
   const int64_t last_page = (hi - 1) / bs;
   const int64_t ts = kTilePages * bs;  // row stride of sc: one tile's positions
+  // The positions of a page some row sees: [j0, j1). Nothing outside them is read, and each of
+  // them is a written slot (below kv_len), so it is finite.
+  auto seen = [&](int64_t page) {
+    const int64_t base = page * bs;
+    return std::pair<int64_t, int64_t>{std::max<int64_t>(lo - base, 0),
+                                       std::min<int64_t>(hi - base, bs)};
+  };
   for (int64_t tile = lo / bs; tile <= last_page; tile += kTilePages) {
     const int64_t tile_end = std::min(last_page + 1, tile + kTilePages);  // pages [tile, end)
     // Scores of every page of the tile, then one softmax step per row over the tile's
@@ -221,11 +229,7 @@ void run_unit(const Problem& p, const Unit& u) {
           __builtin_prefetch(p.v + next + b, 0, 2);
         }
       }
-      // The positions of this page some row sees: [j0, j1). Nothing outside them is read,
-      // and each of them is a written slot (below kv_len), so it is finite.
-      const int64_t base = page * bs;
-      const int64_t j0 = std::max<int64_t>(lo - base, 0);
-      const int64_t j1 = std::min<int64_t>(hi - base, bs);
+      const auto [j0, j1] = seen(page);
       page_scores(qs.data(), kp, sc.data() + (page - tile) * bs, rows, d, ts, j0, j1);
     }
     // The tile's positions some row sees, [t0, t1), relative to the tile's first position.
@@ -264,9 +268,7 @@ void run_unit(const Problem& p, const Unit& u) {
     }
     for (int64_t page = tile; page < tile_end; ++page) {
       const float* vp = p.v + layer_offset + table[page] * page_stride;
-      const int64_t base = page * bs;
-      const int64_t j0 = std::max<int64_t>(lo - base, 0);
-      const int64_t j1 = std::min<int64_t>(hi - base, bs);
+      const auto [j0, j1] = seen(page);
       page_values(sc.data() + (page - tile) * bs, vp, acc.data(), rows, d, ts, j0, j1);
     }
   }
