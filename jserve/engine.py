@@ -99,6 +99,10 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self.num_restarts = 0  # in-process restarts after a failed step (LLMEngine.recover)
+        # When the last model step's tokens reached the host, while requests keep running
+        # (None when the engine may go idle): the time to the next step is part of every
+        # running decode's inter-token latency, which target_itl_ms prices.
+        self._last_step_end: float | None = None
         self._kv_events: ZmqEventPublisher | None = None
         if args.kv_events_endpoint:
             self._kv_events = ZmqEventPublisher(
@@ -237,17 +241,22 @@ class LLMEngine:
             self._finish_child(child_id, reason, None, changed)
         if not plan.is_empty:
             self._iteration_tokens.append(plan.num_batched_tokens)
+            costs = self.scheduler.step_costs
             started = time.perf_counter()
+            if self._last_step_end is not None:
+                costs.observe_between_steps(started - self._last_step_end)
             logits = self.runner.run(self.inputs_builder.build(plan))
             sampled = self._sample(plan, logits, changed)
             # The sampler brought the tokens to the host: the step's device work is done.
-            seconds = time.perf_counter() - started
-            self.scheduler.step_costs.observe(plan.num_batched_tokens, len(plan.seqs), seconds)
+            self._last_step_end = time.perf_counter()
+            costs.observe(plan.num_batched_tokens, len(plan.seqs), self._last_step_end - started)
             self._postprocess(plan, sampled, changed)
         outputs = [state.to_output() for state in changed.values()]
         for state in changed.values():
             if state.finished:
                 self._states.pop(state.request_id, None)
+        if not self._states:
+            self._last_step_end = None
         if self._kv_events is not None:
             self._kv_events.publish(self.scheduler.block_manager.take_kv_events())
         return outputs

@@ -6,6 +6,12 @@ on the bucket, not on the exact batch. The table starts from a seed (a `bench/bu
 report, or the engine's own warm timing at start-up) and each served step updates its
 bucket's entry by an exponential moving average, so the estimates follow the machine's actual
 load. A bucket never measured is priced from the nearest measured one, scaled by tokens.
+
+A decode's inter-token latency is more than its step: the engine also schedules, builds the
+next step's inputs and hands outputs to the server between two steps, and a step's time
+varies from one run to the next. The adaptive budget (`largest_within`) therefore prices a
+step as its mean plus TAIL_DEVIATIONS of its measured deviation plus the measured time
+between steps, so a target holds for the tail of the latencies, not only their mean.
 """
 
 from __future__ import annotations
@@ -18,6 +24,10 @@ from jserve.core.buckets import pick_step_bucket
 
 EWMA_WEIGHT = 0.2  # weight of the newest measurement of a bucket
 RECENT_WEIGHT = 0.05  # of the newest step in the load-mix average (about the last 20 steps)
+# Mean absolute deviations above the mean that a step priced for a latency target may take:
+# about a 98th percentile for normally distributed step times (the mean absolute deviation
+# is 0.8 standard deviations).
+TAIL_DEVIATIONS = 2.5
 
 
 class StepCosts:
@@ -35,6 +45,11 @@ class StepCosts:
         # under the current mix of decodes and prefill chunks (None before the first step).
         self.recent: float | None = None
         self.seconds: dict[tuple[int, int], float] = {}
+        # Moving average of each bucket's absolute deviation from its mean.
+        self.deviation: dict[tuple[int, int], float] = {}
+        # Moving average of the engine's time between the end of one model step and the
+        # start of the next while requests keep running (0 until measured).
+        self.between_steps = 0.0
         for (tokens, seqs), secs in (seed or {}).items():
             if secs > 0:
                 self.seconds[(tokens, seqs)] = float(secs)
@@ -48,9 +63,18 @@ class StepCosts:
         """Learn from one served step (`seconds` of wall time, device and sampling)."""
         key = self.bucket(num_tokens, num_seqs)
         old = self.seconds.get(key)
-        self.seconds[key] = seconds if old is None else old + EWMA_WEIGHT * (seconds - old)
+        if old is None:
+            self.seconds[key] = seconds
+        else:
+            self.seconds[key] = old + EWMA_WEIGHT * (seconds - old)
+            dev = self.deviation.get(key, 0.0)
+            self.deviation[key] = dev + EWMA_WEIGHT * (abs(seconds - old) - dev)
         recent = self.recent
         self.recent = seconds if recent is None else recent + RECENT_WEIGHT * (seconds - recent)
+
+    def observe_between_steps(self, seconds: float) -> None:
+        """Learn the engine's time from the end of one step to the start of the next."""
+        self.between_steps += RECENT_WEIGHT * (max(0.0, seconds) - self.between_steps)
 
     def cost(self, num_tokens: int, num_seqs: int) -> float | None:
         """Estimated seconds of a step of this many tokens and sequences; None if nothing
@@ -61,21 +85,41 @@ class StepCosts:
             return known
         if not self.seconds:
             return None
-        tokens, seqs = key
         # The measured bucket nearest in tokens (then in seqs), scaled linearly by tokens:
         # steps are compute-bound per token on CPU, which makes this an overestimate below.
-        near = min(self.seconds, key=lambda k: (abs(k[0] - tokens), abs(k[1] - seqs)))
-        return self.seconds[near] * max(1.0, tokens / near[0])
+        near = self._nearest(key)
+        return self.seconds[near] * max(1.0, key[0] / near[0])
+
+    def _nearest(self, key: tuple[int, int]) -> tuple[int, int]:
+        tokens, seqs = key
+        return min(self.seconds, key=lambda k: (abs(k[0] - tokens), abs(k[1] - seqs)))
+
+    def latency(self, num_tokens: int, num_seqs: int) -> float | None:
+        """Seconds a running decode waits for its next token when the next step has this many
+        tokens and sequences, at the tail: the step's mean plus TAIL_DEVIATIONS of its
+        deviation (a bucket not measured twice borrows the nearest one's, scaled like its
+        mean) plus the time between steps; None if nothing has been measured yet."""
+        mean = self.cost(num_tokens, num_seqs)
+        if mean is None:
+            return None
+        key = self.bucket(num_tokens, num_seqs)
+        if key in self.deviation:
+            dev = self.deviation[key]
+        else:
+            near = self._nearest(key)
+            dev = self.deviation.get(near, 0.0) * mean / self.seconds[near]
+        return mean + TAIL_DEVIATIONS * dev + self.between_steps
 
     def largest_within(self, seconds: float, num_seqs: int) -> int | None:
-        """The largest token bucket whose step with `num_seqs` sequences is estimated to take
-        at most `seconds`; None if not even the smallest such bucket does (or none measured)."""
+        """The largest token bucket whose step with `num_seqs` sequences keeps a running
+        decode's inter-token latency (`latency`) within `seconds`; None if not even the
+        smallest such bucket does (or none measured)."""
         best = None
         for tokens in self.token_buckets:
             if tokens < num_seqs:
                 continue
-            cost = self.cost(tokens, num_seqs)
-            if cost is not None and cost <= seconds:
+            latency = self.latency(tokens, num_seqs)
+            if latency is not None and latency <= seconds:
                 best = tokens
         return best
 

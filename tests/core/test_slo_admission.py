@@ -30,8 +30,22 @@ def test_step_costs_learn_online_and_price_unmeasured_buckets():
     costs.observe(6, 2, 2.0)
     assert costs.cost(8, 8) == pytest.approx(1.2)  # moving average, weight 0.2
     assert costs.cost(32, 8) == pytest.approx(1.2 * 4)  # nearest, scaled by tokens
-    assert costs.largest_within(1.3, 1) == 8
     assert costs.recent == pytest.approx(1.0 + 0.05 * (2.0 - 1.0))  # every bucket's steps
+    # A latency target prices the tail: the mean plus 2.5 moving mean absolute deviations.
+    assert costs.latency(8, 8) == pytest.approx(1.2 + 2.5 * 0.2 * 1.0)
+    assert costs.latency(32, 8) == pytest.approx(4 * (1.2 + 2.5 * 0.2))  # borrowed, scaled
+    assert costs.largest_within(1.75, 1) == 8
+    assert costs.largest_within(1.65, 1) is None
+
+
+def test_the_time_between_steps_counts_against_the_itl_target():
+    costs = linear_costs(per_token=0.01, fixed=0.05)  # 16 tokens: 0.21 s, 8: 0.13 s
+    scheduler = make_scheduler(step_costs=costs, target_itl_ms=250.0)
+    assert scheduler.step_budget() == 16
+    for _ in range(200):  # the engine spends 50 ms between steps
+        costs.observe_between_steps(0.05)
+    assert costs.between_steps == pytest.approx(0.05, rel=1e-3)
+    assert scheduler.step_budget() == 8  # 0.21 + 0.05 > 0.25 >= 0.13 + 0.05
 
 
 def test_a_deadline_that_cannot_be_met_is_refused_with_the_numbers():
