@@ -78,9 +78,10 @@ def estimate_finish(
     """How long `request` would take if admitted now; None if no step cost is known.
 
     Prefill tokens (of those ahead, then its own) go through full steps of `budget` tokens.
-    Its decode takes `max_tokens` steps, priced as full steps when anything waits (later
-    arrivals' prefill chunks then share its decode steps), else as steps of the running batch
-    or the recent average step, whichever is longer. When more sequences are ahead than
+    Its decode takes `max_tokens` steps, priced as full steps when requests wait ahead of it
+    or lower lanes wait while a sequence slot is free (their prefill chunks then share its
+    decode steps), else as steps of the running batch or the recent average step, whichever
+    is longer. When more sequences are ahead than
     `max_num_seqs`, it waits one mean remaining decode per batch of them, rounded up. Aging
     lets each lower lane with work waiting put one request ahead every `aging_iterations`
     steps: those count as ahead too.
@@ -90,7 +91,12 @@ def estimate_finish(
     lower = [waiting.queue(lane) for lane in LANES[rank + 1 :] if waiting.queue(lane)]
     batch = min(config.max_num_seqs, len(running) + len(ahead) + 1)
     full_step = costs.cost(budget, batch)
-    decode_step = full_step if len(waiting) else costs.cost(batch, batch)
+    # Requests waiting ahead of it, or lower lanes' while a sequence slot is free, are
+    # admitted during its decode and their prefill chunks fill its steps; with every slot
+    # taken, lower lanes get a slot only when one frees (the recent average covers those).
+    slot_free = len(running) + len(ahead) + 1 < config.max_num_seqs
+    filled = bool(ahead) or (len(waiting) > 0 and slot_free)
+    decode_step = full_step if filled else costs.cost(batch, batch)
     if full_step is None or decode_step is None:
         return None
     decode_step = max(decode_step, costs.recent or 0.0)  # later arrivals' chunks share steps

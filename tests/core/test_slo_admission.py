@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from jserve.core.admission import estimate_finish
 from jserve.core.buckets import make_seq_buckets, make_token_buckets
 from jserve.core.step_costs import StepCosts, load_bucket_report
 from jserve.errors import RequestRejected
@@ -66,6 +67,36 @@ def test_a_deadline_that_cannot_be_met_is_refused_with_the_numbers():
     # A lower lane's queue is not ahead of an interactive request.
     scheduler.add_request(make_request("batch", 8, max_tokens=4, lane="batch"))
     run_until_idle(scheduler)
+
+
+def test_lower_lanes_fill_a_deadline_requests_steps_only_while_a_slot_is_free():
+    """Batch work waiting behind an interactive request shares its decode steps only if it
+    can be admitted: with every sequence slot taken, its decodes are priced as decode steps,
+    not as full steps."""
+    costs = linear_costs(per_token=0.01, fixed=0.05)
+
+    def estimate(num_running: int) -> float:
+        # (No aging in the window: a promoted batch request would count as ahead.)
+        scheduler = make_scheduler(step_costs=costs, max_num_seqs=4, aging_iterations=10**6)
+        for i in range(num_running):
+            scheduler.add_request(make_request(f"run{i}", 4, 100 * i, max_tokens=50))
+        step(scheduler)  # admit them (their prompts fit one step)
+        scheduler.add_request(make_request("batch", 30, 5000, lane="batch"))
+        new = make_request("new", 4, 6000, max_tokens=10)
+        result = estimate_finish(new, scheduler.config, costs, scheduler.running,
+                                 scheduler.waiting, scheduler.step_budget())  # fmt: skip
+        assert result is not None
+        return result.total
+
+    full, decode = 0.37, 0.09  # a 32-token step; a step of 4 decodes
+    # Each lower lane is assumed to put one request ahead by aging: its 30-token prompt is
+    # prefilled in full steps, and it takes a slot. 3 running + the new request then hold
+    # all 4: it waits one round of the running ones' 49 remaining decodes, and its own 10
+    # decodes are decode steps.
+    own_prefill = 4 / 32 * full
+    assert estimate(3) == pytest.approx(30 / 32 * full + 49 * decode + own_prefill + 10 * decode)
+    # With 2 running a slot stays free: the batch prompt's chunks fill its decode steps.
+    assert estimate(2) == pytest.approx(30 / 32 * full + own_prefill + 10 * full)
 
 
 def test_admitted_deadline_requests_finish_in_time_under_the_cost_model():
