@@ -236,6 +236,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of the requests that changed."""
         plan = self.scheduler.schedule()
+        if self._kv_events is not None:  # planning stored and evicted blocks; nothing else does
+            self._kv_events.publish(self.scheduler.block_manager.take_kv_events())
         changed: dict[str, RequestState] = {}
         for child_id, reason in plan.finished.items():
             self._finish_child(child_id, reason, None, changed)
@@ -257,8 +259,6 @@ class LLMEngine:
                 self._states.pop(state.request_id, None)
         if not self._states:
             self._last_step_end = None
-        if self._kv_events is not None:
-            self._kv_events.publish(self.scheduler.block_manager.take_kv_events())
         return outputs
 
     def _sample(

@@ -142,10 +142,16 @@ class BlockManager:
         self._kv_events = []
         return events
 
-    def cache_full_blocks(self, request: Request) -> None:
-        """Index the blocks `request` filled since the last call (after a step computed them)."""
+    def cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Index the full blocks among `request`'s first `num_tokens` tokens not indexed yet.
+
+        The scheduler calls this when it plans the step that computes those tokens, as vLLM
+        commits blocks when it allocates them: the cache (and its KV events, which routers
+        read) then knows the blocks one step earlier. No lookup can read them before that
+        step ran, because the next lookup happens when the next step is planned.
+        """
         cache = self.prefix_cache
-        num_full = request.num_computed_tokens // self.block_size
+        num_full = num_tokens // self.block_size
         if cache is None or num_full <= request.num_hashed_blocks:
             return
         size = self.block_size

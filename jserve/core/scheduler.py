@@ -208,10 +208,22 @@ class Scheduler:
             self.watermark_blocks, self.num_steps, self.fair, self.step_budget(),
         )  # fmt: skip
         self._apply(outcome)
+        plan = outcome.plan
+        if self.block_manager.prefix_cache is not None:
+            self._cache_planned_blocks(plan)
         if DECISIONS.isEnabledFor(logging.DEBUG):
             self._log_decisions(outcome, finished)
-        outcome.plan.finished = finished
-        return outcome.plan
+        plan.finished = finished
+        return plan
+
+    def _cache_planned_blocks(self, plan: StepPlan) -> None:
+        """Index the full blocks the planned step computes (see BlockManager.cache_full_blocks)."""
+        requests, block_manager, block_size = self._requests, self.block_manager, self.block_size
+        for seq in plan.seqs:
+            end = seq.start_pos + len(seq.token_ids)
+            request = requests[seq.request_id]
+            if end // block_size > request.num_hashed_blocks:
+                block_manager.cache_full_blocks(request, end)
 
     def _log_decisions(self, outcome: PlanOutcome, finished: Mapping[str, FinishReason]) -> None:
         level = self.fair.level
@@ -265,9 +277,6 @@ class Scheduler:
         `sample`. Returns the requests this finished (a stop token or max_tokens, decided by
         jserve.stopping; the caller applies the stop-string rule and calls finish_request)."""
         requests = self._requests
-        block_manager = self.block_manager
-        caching = block_manager.prefix_cache is not None
-        block_size = self.block_size
         running = RequestStatus.RUNNING
         charge = self.fair.charge
         decodes: dict[tuple[str, str], int] = {}  # (lane, tenant) -> one-token decodes
@@ -284,8 +293,6 @@ class Scheduler:
             else:  # a decode (or a recompute of outputs): one output token served
                 key = (request.lane, request.tenant)
                 decodes[key] = decodes.get(key, 0) + 1
-            if caching and num_computed // block_size > request.num_hashed_blocks:
-                block_manager.cache_full_blocks(request)
             if not seq.sample:
                 continue
             try:

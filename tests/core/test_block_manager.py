@@ -18,10 +18,11 @@ def append_output_token(request: Request, token_id: int) -> None:
 
 
 def compute(manager: BlockManager, req: Request, num_tokens: int) -> None:
-    """What a step does to a request: allocate, then (after the model ran) mark computed."""
+    """What a step does to a request: allocate and index its full blocks (planning), then
+    mark the tokens computed (after the model ran)."""
     assert manager.allocate(req, num_tokens)
+    manager.cache_full_blocks(req, req.num_computed_tokens + num_tokens)
     req.num_computed_tokens += num_tokens
-    manager.cache_full_blocks(req)
 
 
 def test_sink_is_never_handed_out_and_ids_start_at_one():

@@ -70,8 +70,8 @@ def run_operations(manager: BlockManager, operations: list, check) -> None:
         manager.use_prefix(req, hits)
         todo = min(compute, req.num_tokens - req.num_computed_tokens)
         if manager.allocate(req, todo):
+            manager.cache_full_blocks(req, req.num_computed_tokens + todo)
             req.num_computed_tokens += todo
-            manager.cache_full_blocks(req)
         if free:
             manager.free(req)
         else:
@@ -98,8 +98,7 @@ def test_stored_events_chain_their_parents_and_evictions_are_removals():
     manager.record_kv_events()
     first = Request("a", [1, 2, 3, 4, 5])
     assert manager.allocate(first, 5)
-    first.num_computed_tokens = 5
-    manager.cache_full_blocks(first)
+    manager.cache_full_blocks(first, 5)
     (stored,) = manager.take_kv_events()
     hashes = [external_block_hash(h) for h in first.block_hashes[:2]]
     assert stored == BlocksStored(tuple(hashes), None, (1, 2, 3, 4), 2)
@@ -119,10 +118,8 @@ def test_a_continuation_names_the_cached_parent():
     manager.record_kv_events()
     req = Request("a", [1, 2, 3, 4, 5, 6])
     assert manager.allocate(req, 6)
-    req.num_computed_tokens = 2
-    manager.cache_full_blocks(req)
-    req.num_computed_tokens = 6
-    manager.cache_full_blocks(req)
+    manager.cache_full_blocks(req, 2)
+    manager.cache_full_blocks(req, 6)
     first, second = manager.take_kv_events()
     names = [external_block_hash(h) for h in req.block_hashes]
     assert first.block_hashes == (names[0],) and first.parent_block_hash is None
@@ -134,6 +131,5 @@ def test_nothing_is_logged_unless_asked():
     manager = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
     req = Request("a", [1, 2, 3, 4])
     assert manager.allocate(req, 4)
-    req.num_computed_tokens = 4
-    manager.cache_full_blocks(req)
+    manager.cache_full_blocks(req, 4)
     assert manager.take_kv_events() == []

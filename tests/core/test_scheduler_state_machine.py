@@ -278,12 +278,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 if position < seq.start_pos:  # reads: must be this request's own prefix
                     assert self.shadow[block][slot] == keys[position], (seq, position)
                 else:
-                    writes.append((block, slot, keys[position]))
-        for block, slot, key in writes:
-            # Written blocks are private and not (yet) in the prefix cache.
-            assert self.manager.ref_counts[block] == 1
-            cache = self.manager.prefix_cache
-            assert cache is None or not cache.is_cached(block)
+                    # A written block is in the prefix cache only if this step fills it
+                    # (planning indexes the blocks its step completes), so no earlier plan
+                    # could have handed it to a reader.
+                    full = (position // self.block_size + 1) * self.block_size <= end
+                    writes.append((block, slot, keys[position], full))
+        cache = self.manager.prefix_cache
+        for block, slot, key, full in writes:
+            assert self.manager.ref_counts[block] == 1  # written blocks are private
+            assert cache is None or full or not cache.is_cached(block)
             self.shadow.setdefault(block, [None] * self.block_size)[slot] = key
 
     @staticmethod

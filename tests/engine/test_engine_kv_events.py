@@ -70,3 +70,34 @@ def test_served_requests_publish_stores_evictions_and_a_clear_on_restart(default
         assert wait_replayed(endpoint, {})["AllBlocksCleared"] == 1
     finally:
         engine.close()
+
+
+def test_a_prompts_blocks_are_published_before_the_step_that_computes_them(default_model):
+    # As vLLM does, the blocks a step completes are stored when it is planned, so a KV-aware
+    # router learns where a prefix lives a whole prefill step earlier.
+    engine = make_engine(
+        default_model, kv_events_endpoint="tcp://127.0.0.1:*",
+        kv_events_replay_endpoint="tcp://127.0.0.1:*",
+    )  # fmt: skip
+    try:
+        endpoint = engine._kv_events.replay_endpoint
+        seen_at_first_run: list[dict] = []
+        run = engine.runner.run
+
+        def run_and_look(inputs):
+            if not seen_at_first_run:  # the prompt's step has not run yet
+                expected = cache_contents(engine.scheduler.block_manager)
+                wait_replayed(endpoint, expected)
+                seen_at_first_run.append(expected)
+            return run(inputs)
+
+        engine.runner.run = run_and_look
+        prompt = list(range(1000, 1100))  # 6 full blocks of 16 and 4 tokens
+        engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=2))
+        run_to_completion(engine)
+        (published,) = seen_at_first_run
+        blocks = [tuple(prompt[i * 16 : (i + 1) * 16]) for i in range(6)]
+        # The first chunk's full blocks (the test engine's budget chunks the prompt).
+        assert published and sorted(published.values()) == blocks[: len(published)]
+    finally:
+        engine.close()
