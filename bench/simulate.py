@@ -476,7 +476,8 @@ def compare_serve(path: str, report_path: str) -> str:
     bench/serve.py or bench/compare.py JSON: the same arrivals, prompt and output lengths."""
     data = json.loads(Path(path).read_text())
     runs = data.get("reports", {"run": data})
-    rows = [["run", "", "req/s", "out tok/s", "TTFT p50 ms", "TPOT p50 ms"]]
+    rows = [["run", "", "req/s", "out tok/s", "TTFT p50 ms", "TPOT p50 ms", "steps",
+             "ms/step"]]  # fmt: skip
     for name, run in runs.items():
         if "--mock" in run["command"]:
             continue  # a mock server's cost is not the table's
@@ -493,15 +494,22 @@ def compare_serve(path: str, report_path: str) -> str:
         costs = StepCosts(token_buckets, seq_buckets, table)
         result = simulate(workload, config, blocks, model, costs, None, block_size)
         measured, predicted = run["summary"], summarize(result.records, result.duration)
+        # Steps, and the run's duration over them: the server's step count (bench/serve.py
+        # reads it from /metrics) for the measured run, the simulated steps for the other.
+        predicted["engine_steps"] = result.steps
+        predicted["wall_ms_per_step"] = 1000.0 * result.duration / max(result.steps, 1)
         for label, s in (("measured", measured), ("simulated", predicted)):
             rows.append([name, label, f"{s['request_throughput']:.3f}",
                          f"{s['output_throughput']:.1f}", _fmt(s["ttft_ms"]["p50"]),
-                         _fmt(s["tpot_ms"]["p50"])])  # fmt: skip
+                         _fmt(s["tpot_ms"]["p50"]), str(s.get("engine_steps", "-")),
+                         _fmt(s.get("wall_ms_per_step"))])  # fmt: skip
         ratio = [
             predicted["request_throughput"] / measured["request_throughput"],
             predicted["output_throughput"] / measured["output_throughput"],
             (predicted["ttft_ms"]["p50"] or 0) / (measured["ttft_ms"]["p50"] or 1),
             (predicted["tpot_ms"]["p50"] or 0) / (measured["tpot_ms"]["p50"] or 1),
+            predicted["engine_steps"] / (measured.get("engine_steps") or float("nan")),
+            predicted["wall_ms_per_step"] / (measured.get("wall_ms_per_step") or float("nan")),
         ]
         rows.append([name, "sim/measured", *(f"{x:.2f}" for x in ratio)])
     load = {n: r.get("loadavg_1min") for n, r in runs.items()}
