@@ -67,17 +67,31 @@ class SimRequest:
 
 
 class MeasuredCost:
-    """Seconds per step from a bench/buckets.py table (the step's padded bucket)."""
+    """Seconds per step from a bench/buckets.py table (the step's padded bucket), plus the
+    engine's host work per step (scheduling, input building, sampling, output processing)
+    that the table's model-step times leave out."""
 
     label = "measured table"
 
-    def __init__(self, costs: StepCosts) -> None:
+    def __init__(self, costs: StepCosts, host_s: float = 0.0) -> None:
         self.costs = costs
+        self.host_s = host_s
 
     def __call__(self, plan: StepPlan) -> float:
         cost = self.costs.cost(plan.num_batched_tokens, len(plan.seqs))
         assert cost is not None, "the measured table is empty"
-        return cost
+        return cost + self.host_s
+
+
+def host_seconds_per_step(report_path: str) -> float:
+    """The engine's time per step beyond the model step in a bench/buckets.py report's
+    workload run (its engine-step wall time less its runner time, over its steps); 0 for a
+    report without one."""
+    workload = json.loads(Path(report_path).read_text()).get("workload") or {}
+    steps = workload.get("steps") or 0
+    if not steps:
+        return 0.0
+    return max(0.0, (workload["wall_s"] - workload["runner_s"]) / steps)
 
 
 @dataclass(frozen=True)
@@ -326,13 +340,12 @@ def _engine_config(**overrides) -> SchedulerConfig:
 
 def _measured(report_path: str) -> tuple[StepCosts, MeasuredCost]:
     table = load_bucket_report(report_path)
-    token_buckets = make_token_buckets(512, smallest=1)
-    seq_buckets = make_seq_buckets(32)
+    token_buckets, seq_buckets = engine_buckets(512, 32, decode_midpoints=True)  # a CPU's
 
     def fresh() -> StepCosts:
         return StepCosts(token_buckets, seq_buckets, table)
 
-    return fresh, MeasuredCost(fresh())
+    return fresh, MeasuredCost(fresh(), host_seconds_per_step(report_path))
 
 
 def _models(args) -> list[tuple[str, object, object]]:
@@ -490,7 +503,8 @@ def compare_serve(path: str, report_path: str) -> str:
         token_buckets, seq_buckets = engine_buckets(  # as the CPU engine that ran it
             config.max_num_batched_tokens, config.max_num_seqs, decode_midpoints=True
         )
-        model = MeasuredCost(StepCosts(token_buckets, seq_buckets, table))
+        model = MeasuredCost(StepCosts(token_buckets, seq_buckets, table),
+                             host_seconds_per_step(report_path))  # fmt: skip
         costs = StepCosts(token_buckets, seq_buckets, table)
         result = simulate(workload, config, blocks, model, costs, None, block_size)
         measured, predicted = run["summary"], summarize(result.records, result.duration)
@@ -579,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.cost_model == "measured":
         costs = StepCosts(token_buckets, seq_buckets, load_bucket_report(args.bucket_report))
-        model = MeasuredCost(StepCosts(token_buckets, seq_buckets, dict(costs.seconds)))
+        model = MeasuredCost(StepCosts(token_buckets, seq_buckets, dict(costs.seconds)),
+                             host_seconds_per_step(args.bucket_report))  # fmt: skip
     else:
         model = RooflineCost()
         costs = model.table(token_buckets, seq_buckets)
