@@ -11,7 +11,8 @@ For a preset: start `jserve serve` with config A on a free loopback port, run th
 workload with bench/serve.py's core, stop the server (SIGTERM), then the same for config B, and
 print a table of both sides with the gain of B over A (B/A for throughputs, A/B for latencies,
 so > 1 always means B is better). Writes serve_PRESET.json and serve_PRESET_LABEL.png under
---out. `--server-args "..."` is added to both sides' command lines (e.g. a --model).
+--out, and each server's learned step costs as serve_PRESET_LABEL_step_costs.json. `--server-args
+"..."` is added to both sides' command lines (e.g. a --model).
 """
 
 from __future__ import annotations
@@ -95,10 +96,15 @@ async def build_specs(preset: Preset, base_url: str, seed: int, smoke: bool) -> 
 def run_side(preset: Preset, side_index: int, args: argparse.Namespace, out: Path) -> dict:
     side = (preset.a, preset.b)[side_index]
     extra = shlex.split(args.server_args)
+    name = f"serve_{preset.name}_{side.label}"
     if args.smoke:
         command = mock_command([*side.mock_args, *extra])
     else:
-        command = jserve_command([*preset.extra_server_args, *side.server_args, *extra])
+        # The server writes the step costs it learned while serving at shutdown: a table
+        # measured under the run's real load, for bench/simulate.py --bucket-report.
+        costs = out / f"{name}_step_costs.json"
+        command = jserve_command([*preset.extra_server_args, *side.server_args, *extra,
+                                  "--save-step-costs", str(costs)])  # fmt: skip
     print(f"\n### {preset.name} / {side.label}: {shlex.join(command)}", flush=True)
     log_path = out / "logs" / f"serve_{preset.name}_{side.label}.log"
     with ServerProcess(command, log_path, start_timeout=args.start_timeout) as server:
@@ -123,7 +129,6 @@ def run_side(preset: Preset, side_index: int, args: argparse.Namespace, out: Pat
     report.update(command=shlex.join(command), startup_s=server.startup_s,
                   workload_digest=workload_digest(specs))  # fmt: skip
     print(format_summary(report["summary"], f"{preset.name} / {side.label}"))
-    name = f"serve_{preset.name}_{side.label}"
     plot_run(records, duration, out / f"{name}.png", title=f"{name}: {shlex.join(command[3:])}")
     return report
 

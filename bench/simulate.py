@@ -84,10 +84,14 @@ class MeasuredCost:
 
 
 def host_seconds_per_step(report_path: str) -> float:
-    """The engine's time per step beyond the model step in a bench/buckets.py report's
-    workload run (its engine-step wall time less its runner time, over its steps); 0 for a
-    report without one."""
-    workload = json.loads(Path(report_path).read_text()).get("workload") or {}
+    """The engine's time per step beyond the table's step times: the time between steps of a
+    table the engine learned while serving (`jserve serve --save-step-costs`), or a
+    bench/buckets.py report's workload run (its engine-step wall time less its runner time,
+    over its steps); 0 for a report with neither."""
+    report = json.loads(Path(report_path).read_text())
+    if "between_steps_ms" in report:
+        return report["between_steps_ms"] / 1000.0
+    workload = report.get("workload") or {}
     steps = workload.get("steps") or 0
     if not steps:
         return 0.0

@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import collections
 import gc
+import json
 import logging
 import random
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import jax
 
@@ -29,6 +31,7 @@ from jserve.core.kv_cache_events import AllBlocksCleared
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
+from jserve.core.step_costs import learned_report
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine_args import EngineArgs
 from jserve.engine_setup import build_engine_parts, measure_step_costs
@@ -370,9 +373,14 @@ class LLMEngine:
         changed[child.state.request_id] = child.state
 
     def close(self) -> None:
-        """Release what outlives a step: the KV-events sockets (queued batches are sent)."""
+        """Release what outlives a step: the KV-events sockets (queued batches are sent); and
+        write the learned step costs where `save_step_costs` says."""
         if self._kv_events is not None:
             self._kv_events.close()
+        if self.args.save_step_costs:
+            report = learned_report(self.scheduler.step_costs)
+            Path(self.args.save_step_costs).write_text(json.dumps(report, indent=1))
+            log.info("wrote the learned step costs to %s", self.args.save_step_costs)
 
     # ---- operators' view -----------------------------------------------------------------
 

@@ -90,6 +90,13 @@ class EngineArgs:
         "way)",
         default_text="measured at start-up when target_itl_ms is set, else learned online",
     )
+    save_step_costs: str | None = setting(
+        None,
+        "at shutdown, write the step-cost table learned while serving to this JSON file, in "
+        "the format --step-costs-file and bench/simulate.py --bucket-report read: step costs "
+        "measured under the real load, for the next start or for capacity simulation",
+        default_text="not written",
+    )
     attention_impl: str = setting(
         "auto",
         "attention implementation: auto picks by backend and dtype (native for float32 on CPU, "

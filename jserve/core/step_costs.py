@@ -124,6 +124,20 @@ class StepCosts:
         return best
 
 
+def learned_report(costs: StepCosts) -> dict:
+    """The table as the engine learned it while serving, in the shape of a bench/buckets.py
+    report (each bucket's time under "mixed"), so `--step-costs-file` and bench/simulate.py's
+    `--bucket-report` read it; "between_steps_ms" is the host time between two steps."""
+    return {
+        "source": "learned while serving",
+        "between_steps_ms": costs.between_steps * 1000.0,
+        "buckets": [
+            {"T": tokens, "S": seqs, "mixed": {"step_ms": secs * 1000.0}}
+            for (tokens, seqs), secs in sorted(costs.seconds.items())
+        ],
+    }
+
+
 def load_bucket_report(path: str) -> dict[tuple[int, int], float]:
     """(tokens, seqs) -> seconds from a `bench/buckets.py` JSON report (its "mixed" steps:
     decodes plus prefill chunks, what serving under load runs)."""

@@ -8,7 +8,7 @@ import pytest
 
 from jserve.core.admission import estimate_finish
 from jserve.core.buckets import make_seq_buckets, make_token_buckets
-from jserve.core.step_costs import StepCosts, load_bucket_report
+from jserve.core.step_costs import StepCosts, learned_report, load_bucket_report
 from jserve.errors import RequestRejected
 
 from .helpers import make_request, make_scheduler, run_until_idle, step
@@ -178,3 +178,16 @@ def test_a_budget_lowered_below_the_running_decodes_still_decodes_them_all():
     # One token per running request: six decodes and one more prefill token.
     assert plan.num_decodes == 6 and plan.num_batched_tokens == 7
     run_until_idle(scheduler)
+
+
+def test_the_learned_table_reads_back_as_a_bucket_report(tmp_path):
+    costs = StepCosts(TOKEN_BUCKETS, SEQ_BUCKETS)
+    costs.observe(5, 1, 0.25)  # bucket (8, 8)
+    costs.observe(20, 3, 0.5)  # bucket (32, 8)
+    for _ in range(100):
+        costs.observe_between_steps(0.004)
+    report = learned_report(costs)
+    assert report["between_steps_ms"] == pytest.approx(4.0, rel=0.01)
+    path = tmp_path / "learned.json"
+    path.write_text(json.dumps(report))
+    assert load_bucket_report(str(path)) == {(8, 8): 0.25, (32, 8): 0.5}

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from jserve.core.step_costs import load_bucket_report
 from jserve.errors import RequestRejected
 from jserve.runtime.compilation import forbid_compilation
 from jserve.sampling_params import SamplingParams
@@ -200,3 +201,14 @@ def test_64_requests_after_warmup_compile_nothing(engine):
             engine.add_request(f"c{i}", prompt, params)
         final = run_to_completion(engine)
     assert len(final) == 64
+
+
+def test_the_step_costs_learned_while_serving_are_saved_at_close(default_model, tmp_path):
+    path = tmp_path / "learned.json"
+    engine = make_engine(default_model, save_step_costs=str(path))
+    for i in range(3):
+        engine.add_request(f"r{i}", list(range(100 + i, 140 + i)), SamplingParams(max_tokens=4))
+    run_to_completion(engine)
+    learned = dict(engine.scheduler.step_costs.seconds)
+    engine.close()
+    assert learned and load_bucket_report(str(path)) == pytest.approx(learned)
