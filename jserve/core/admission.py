@@ -81,10 +81,9 @@ def estimate_finish(
     Its decode takes `max_tokens` steps, priced as full steps when requests wait ahead of it
     or lower lanes wait while a sequence slot is free (their prefill chunks then share its
     decode steps), else as steps of the running batch or the recent average step, whichever
-    is longer. When more sequences are ahead than
-    `max_num_seqs`, it waits one mean remaining decode per batch of them, rounded up. Aging
-    lets each lower lane with work waiting put one request ahead every `aging_iterations`
-    steps: those count as ahead too.
+    is longer. When more sequences are ahead than `max_num_seqs`, it waits one mean
+    remaining decode per batch of them, rounded up. Aging lets each lower lane with work
+    waiting put one request ahead every `aging_iterations` steps: those count as ahead too.
     """
     rank = LANE_RANK[request.lane]
     ahead = [r for lane in LANES[: rank + 1] for r in waiting.queue(lane)]
