@@ -77,6 +77,14 @@ class MeasuredCost:
         self.costs = costs
         self.host_s = host_s
 
+    @classmethod
+    def from_report(
+        cls, path: str, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]
+    ) -> MeasuredCost:
+        """The cost model of a bucket report (or a table a server learned) for these buckets."""
+        table = StepCosts(token_buckets, seq_buckets, load_bucket_report(path))
+        return cls(table, host_seconds_per_step(path))
+
     def __call__(self, plan: StepPlan) -> float:
         cost = self.costs.cost(plan.num_batched_tokens, len(plan.seqs))
         assert cost is not None, "the measured table is empty"
@@ -349,7 +357,7 @@ def _measured(report_path: str) -> tuple[StepCosts, MeasuredCost]:
     def fresh() -> StepCosts:
         return StepCosts(token_buckets, seq_buckets, table)
 
-    return fresh, MeasuredCost(fresh(), host_seconds_per_step(report_path))
+    return fresh, MeasuredCost.from_report(report_path, token_buckets, seq_buckets)
 
 
 def _models(args) -> list[tuple[str, object, object]]:
@@ -507,8 +515,7 @@ def compare_serve(path: str, report_path: str) -> str:
         token_buckets, seq_buckets = engine_buckets(  # as the CPU engine that ran it
             config.max_num_batched_tokens, config.max_num_seqs, decode_midpoints=True
         )
-        model = MeasuredCost(StepCosts(token_buckets, seq_buckets, table),
-                             host_seconds_per_step(report_path))  # fmt: skip
+        model = MeasuredCost.from_report(report_path, token_buckets, seq_buckets)
         costs = StepCosts(token_buckets, seq_buckets, table)
         result = simulate(workload, config, blocks, model, costs, None, block_size)
         measured, predicted = run["summary"], summarize(result.records, result.duration)
@@ -596,9 +603,8 @@ def main(argv: list[str] | None = None) -> int:
         args.max_num_batched_tokens, args.max_num_seqs, args.cost_model == "measured"
     )
     if args.cost_model == "measured":
-        costs = StepCosts(token_buckets, seq_buckets, load_bucket_report(args.bucket_report))
-        model = MeasuredCost(StepCosts(token_buckets, seq_buckets, dict(costs.seconds)),
-                             host_seconds_per_step(args.bucket_report))  # fmt: skip
+        model = MeasuredCost.from_report(args.bucket_report, token_buckets, seq_buckets)
+        costs = StepCosts(token_buckets, seq_buckets, dict(model.costs.seconds))
     else:
         model = RooflineCost()
         costs = model.table(token_buckets, seq_buckets)
