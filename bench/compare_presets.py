@@ -184,13 +184,13 @@ async def tenants(
     maker: TextMaker, rng: np.random.Generator, n: int, num_systems: int, system_len: int,
     user_len: int, output_len: int,
 ) -> list[RequestSpec]:  # fmt: skip
-    """`n` requests, each with one of `num_systems` system prompts and its own user turn, in a
-    seeded random order (an order that alternated tenants would let round robin partition
-    them by parity, which no real traffic does)."""
+    """`n` requests, each with one of `num_systems` system prompts (its tenant's) and its own
+    user turn, in a seeded random order (an order that alternated tenants would let round
+    robin partition them by parity, which no real traffic does)."""
     systems = [await maker.text(system_len) for _ in range(num_systems)]
     owners = rng.permutation(np.arange(n) % num_systems)
-    return [RequestSpec(await maker.text(user_len), output_len, system=systems[int(o)])
-            for o in owners]  # fmt: skip
+    return [RequestSpec(await maker.text(user_len), output_len, system=systems[int(o)],
+                        tenant=f"tenant{int(o)}") for o in owners]  # fmt: skip
 
 
 async def shared_system_prompts(maker: TextMaker, rng: np.random.Generator, smoke: bool) -> list:

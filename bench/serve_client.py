@@ -104,7 +104,11 @@ async def _stream_one(
     path = "/v1/chat/completions" if config.endpoint == "chat" else "/v1/completions"
     started = time.perf_counter()
     record.start = started - t0
-    async with session.post(config.base_url + path, json=request_body(config, spec)) as resp:
+    # A tenant's requests form one session for a router's session affinity (vllm-router).
+    headers = {"x-session-id": spec.tenant} if spec.tenant is not None else None
+    async with session.post(
+        config.base_url + path, json=request_body(config, spec), headers=headers
+    ) as resp:
         if resp.status != 200:
             body = (await resp.text())[:200]
             raise RuntimeError(f"HTTP {resp.status}: {body}")

@@ -49,6 +49,12 @@ VLLM_ROUTER_POLICIES = (
     "sticky_least_loaded",
 )  # fmt: skip
 HEALTH_INTERVAL_S = 2  # the routers' probe interval, and the fleet's own
+# With kv_aware, vllm-router binds a session (a request's `x-session-id` header; a tenant's
+# requests can share one) to the replica its first request was placed on by the KV events,
+# for as long as the session keeps sending within this many seconds. Without it, two requests
+# of a new session sent before either is scheduled land on different replicas, and both pools
+# then hold that prefix (docs/fleet.md).
+SESSION_AFFINITY_TTL_S = 600
 _HOST = "127.0.0.1"
 # The program each replica runs, before its flags (tests swap in the mock server).
 REPLICA_PROGRAM = [sys.executable, "-m", "server.cli", "serve"]
@@ -208,6 +214,8 @@ def router_command(
                     f"{url}={replay}"]  # fmt: skip
     if kv_event_endpoints:
         command += ["--kv-event-model", model, "--kv-event-block-size", str(block_size)]
+    if policy == "kv_aware":
+        command += ["--kv-aware-session-affinity-ttl-secs", str(SESSION_AFFINITY_TTL_S)]
     return command
 
 

@@ -54,6 +54,8 @@ def test_plan_gives_each_replica_its_port_key_and_event_endpoints():
         assert "http://127.0.0.1:9101=tcp://127.0.0.1:6002" in command
         assert "http://127.0.0.1:9101=tcp://127.0.0.1:6003" in command
         assert command[command.index("--kv-event-model") + 1] == "m"
+        # A session sticks to the replica its first request was placed on.
+        assert command[command.index("--kv-aware-session-affinity-ttl-secs") + 1] == "600"
 
 
 def test_plan_refuses_bad_combinations():
