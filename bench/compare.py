@@ -106,7 +106,7 @@ def run_side(preset: Preset, side_index: int, args: argparse.Namespace, out: Pat
         command = jserve_command([*preset.extra_server_args, *side.server_args, *extra,
                                   "--save-step-costs", str(costs)])  # fmt: skip
     print(f"\n### {preset.name} / {side.label}: {shlex.join(command)}", flush=True)
-    log_path = out / "logs" / f"serve_{preset.name}_{side.label}.log"
+    log_path = out / "logs" / f"{name}.log"
     with ServerProcess(command, log_path, start_timeout=args.start_timeout) as server:
         print(f"ready in {server.startup_s:.1f} s at {server.base_url}", flush=True)
 

@@ -351,13 +351,13 @@ def _engine_config(**overrides) -> SchedulerConfig:
 
 
 def _measured(report_path: str) -> tuple[StepCosts, MeasuredCost]:
-    table = load_bucket_report(report_path)
     token_buckets, seq_buckets = engine_buckets(512, 32, decode_midpoints=True)  # a CPU's
+    model = MeasuredCost.from_report(report_path, token_buckets, seq_buckets)
 
     def fresh() -> StepCosts:
-        return StepCosts(token_buckets, seq_buckets, table)
+        return StepCosts(token_buckets, seq_buckets, dict(model.costs.seconds))
 
-    return fresh, MeasuredCost.from_report(report_path, token_buckets, seq_buckets)
+    return fresh, model
 
 
 def _models(args) -> list[tuple[str, object, object]]:
@@ -511,12 +511,11 @@ def compare_serve(path: str, report_path: str) -> str:
             SimRequest(r["start"], r["prompt_tokens"], r["expected_output_tokens"])
             for r in run["requests"]
         ]
-        table = load_bucket_report(report_path)
         token_buckets, seq_buckets = engine_buckets(  # as the CPU engine that ran it
             config.max_num_batched_tokens, config.max_num_seqs, decode_midpoints=True
         )
         model = MeasuredCost.from_report(report_path, token_buckets, seq_buckets)
-        costs = StepCosts(token_buckets, seq_buckets, table)
+        costs = StepCosts(token_buckets, seq_buckets, dict(model.costs.seconds))
         result = simulate(workload, config, blocks, model, costs, None, block_size)
         measured, predicted = run["summary"], summarize(result.records, result.duration)
         # Steps, and the run's duration over them: the server's step count (bench/serve.py
