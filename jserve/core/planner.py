@@ -3,7 +3,8 @@
 Over one step's token budget:
 a. running decodes, one token each, in rank order (lane, then arrival);
 b. running prefills (chunked prompts, recomputes after preemption), in rank order;
-c. unless (a) or (b) preempted, waiting requests, lane by lane (aged lanes first), each
+c. unless (a) or (b) preempted, waiting requests: one from each lane that aging says is
+   starved (jserve.core.queues), then lane by lane in strict priority order, each
    admitted with its cached prefix and a first chunk while sequences, budget and free blocks
    above the watermark allow. A request whose next blocks a running prefill is computing
    right now (the same prefix, not cached yet) waits for them rather than computing them a
@@ -33,7 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from jserve.config import SchedulerConfig
+from jserve.config import LANES, SchedulerConfig
 from jserve.core.block_manager import BlockManager
 from jserve.core.fairness import FairShare, service_of
 from jserve.core.plan import ScheduledSeq, StepPlan
@@ -121,6 +122,8 @@ class _Planner:
         # Keys of the blocks running prefills will compute and cache; built on first use, then
         # grown by each admission.
         self._in_flight: set[bytes] | None = None
+        self._lane_quota: int | None = None  # admissions `_admit_lane` may still make
+        self._promoted: set[str] = set()  # ids admitted ahead of lane order by aging
 
     def build(self) -> PlanOutcome:
         static = self.config.scheduling == "static"
@@ -194,13 +197,15 @@ class _Planner:
                 self._add_chunk(request, num_new)
 
     def admit_waiting(self) -> None:
-        """(c) Waiting requests by lane order while room is left; inside a lane, preempted
-        requests first, then fair share between tenants (or FIFO)."""
-        for lane in self.waiting.lanes_in_order(self.step):
-            if not self.waiting.queue(lane):
-                continue
-            verdict = self._admit_lane(lane)
-            if verdict == "stop":
+        """(c) Waiting requests while room is left: one from each starved lane (aging), then
+        lane by lane in strict order; inside a lane, preempted requests first, then fair share
+        between tenants (or FIFO)."""
+        for lane in self.waiting.starved_lanes(self.step):
+            if self._admit_lane(lane, limit=1) == "stop":
+                return
+        self._promoted = {r.request_id for r in self.outcome.admitted}
+        for lane in LANES:
+            if self.waiting.queue(lane) and self._admit_lane(lane) == "stop":
                 return
 
     def _admit_fifo(self, queue: Sequence[Request], skip_preempted: bool) -> str:
@@ -213,6 +218,8 @@ class _Planner:
             verdict = self._try_admit(request)
             if verdict not in _KEEP_GOING:
                 return verdict
+            if self._lane_quota_spent(verdict):
+                return "next_lane"
         return "next_lane"
 
     def _room(self) -> bool:
@@ -224,8 +231,10 @@ class _Planner:
             return False
         return True
 
-    def _admit_lane(self, lane: str) -> str:
-        """Admit from one lane: "stop" (no more admissions this step) or "next_lane"."""
+    def _admit_lane(self, lane: str, limit: int | None = None) -> str:
+        """Admit from one lane, at most `limit` requests: "stop" (no more admissions this
+        step) or "next_lane"."""
+        self._lane_quota = limit
         queue = self.waiting.queue(lane)
         if not self.vtc:
             return self._admit_fifo(queue, skip_preempted=False)
@@ -237,6 +246,8 @@ class _Planner:
             verdict = self._try_admit(request)
             if verdict not in _KEEP_GOING:
                 return verdict
+            if self._lane_quota_spent(verdict):
+                return "next_lane"
         tenant_queues = self.waiting.tenant_queues(lane)
         if len(tenant_queues) == 1:  # one tenant: its FIFO is the lane's (counters moot)
             return self._admit_fifo(queue, skip_preempted=True)
@@ -265,7 +276,16 @@ class _Planner:
                 heads.pop(tenant, None)  # none of its requests may start this step
             elif verdict != "admitted" and verdict != "skip":
                 return verdict
+            elif self._lane_quota_spent(verdict):
+                return "next_lane"
         return "next_lane"
+
+    def _lane_quota_spent(self, verdict: str) -> bool:
+        """Count an admission against `_admit_lane`'s limit; True once it is used up."""
+        if verdict != "admitted" or self._lane_quota is None:
+            return False
+        self._lane_quota -= 1
+        return self._lane_quota <= 0
 
     def admit_static_batch(self) -> None:
         """Static batching: take up to max_num_seqs waiting requests whose whole known tokens
@@ -293,6 +313,8 @@ class _Planner:
         """Admit `request` with its first chunk: "admitted", "skip" (a sibling waiting for its
         group's prefill), "capped" (its tenant runs its max_running sequences), "next_lane"
         (long lane's share used up) or "stop"."""
+        if request.request_id in self._promoted:  # admitted already, ahead of lane order
+            return "skip"
         if self._capped(request):
             self.outcome.deferred = "tenant_cap"
             return "capped"

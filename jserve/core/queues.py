@@ -1,5 +1,13 @@
 """Waiting queues: one FIFO per lane (and, inside it, one per tenant), strict lane priority
-with aging."""
+with aging.
+
+Aging bounds a lower lane's wait without giving up priority: a lane whose work has waited
+`aging_iterations` steps since its last admission (or since its head arrived, if later) puts
+one request ahead of strict order, and its clock restarts. Each lane so gets at least one
+admission every `aging_iterations` steps, and no more ahead of its turn: were a lane with an
+old backlog to go first while its head is old, it would go first every step of an overload,
+and strict priority would turn into first come, first served across lanes.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +26,7 @@ class WaitingQueues:
         # The same requests per lane and tenant, in the same order (fair share picks a tenant,
         # then its oldest request); a tenant with nothing waiting has no entry.
         self._tenants: dict[str, dict[str, deque[Request]]] = {lane: {} for lane in LANES}
+        self._last_admitted: dict[str, int] = {}  # lane -> step of its latest admission
         self._len = 0
 
     def __len__(self) -> int:
@@ -42,6 +51,11 @@ class WaitingQueues:
         self._tenants[request.lane].setdefault(request.tenant, deque()).appendleft(request)
         self._note_added(request, step)
 
+    def admit(self, request: Request, step: int) -> None:
+        """Take `request` out to run in `step`: its lane's aging clock restarts."""
+        self.remove(request)
+        self._last_admitted[request.lane] = step
+
     def remove(self, request: Request) -> None:
         self._lanes[request.lane].remove(request)
         tenants = self._tenants[request.lane]
@@ -54,16 +68,22 @@ class WaitingQueues:
             del tenants[request.tenant]
         self._len -= 1
 
+    def starved_lanes(self, step: int) -> list[str]:
+        """Lanes whose work has waited `aging_iterations` steps or more since the lane's last
+        admission (or since its head arrived, if later), longest first: each may put one
+        request ahead of strict lane order."""
+        waited = {}
+        for lane, queue in self._lanes.items():
+            if queue:
+                since = max(queue[0].enqueued_step, self._last_admitted.get(lane, -1))
+                if step - since >= self.aging_iterations:
+                    waited[lane] = since
+        return sorted(waited, key=waited.__getitem__)
+
     def lanes_in_order(self, step: int) -> list[str]:
-        """Lanes whose head waited `aging_iterations` or more first (oldest first), then the
-        rest by strict priority. This bounds how long any lane's head can wait."""
-        aged = [
-            lane
-            for lane, queue in self._lanes.items()
-            if queue and step - queue[0].enqueued_step >= self.aging_iterations
-        ]
-        aged.sort(key=lambda lane: self._lanes[lane][0].enqueued_step)
-        return aged + [lane for lane in LANES if lane not in aged]
+        """Starved lanes first, then the rest by strict priority."""
+        starved = self.starved_lanes(step)
+        return starved + [lane for lane in LANES if lane not in starved]
 
     def _note_added(self, request: Request, step: int) -> None:
         request.enqueued_step = step

@@ -258,7 +258,7 @@ class Scheduler:
         """Move what the planner admitted and preempted between waiting and running."""
         fair = self.fair
         for request in outcome.admitted:
-            self.waiting.remove(request)
+            self.waiting.admit(request, self.num_steps)
             request.status = RequestStatus.RUNNING
             fair.on_start_running(request)
             if request.num_preemptions == 0:

@@ -114,6 +114,23 @@ def test_aging_bounds_the_wait_of_a_lower_lane():
     assert first_step_of_batch(aging_iterations=1000, steps=20) is None
 
 
+def test_aging_puts_one_request_ahead_per_period_not_a_lane():
+    """An old backlog in a lower lane gets one admission every aging_iterations steps while a
+    higher lane is busy; it does not take every slot that frees because its requests are old
+    (that would make lane priority first come, first served in any long overload)."""
+    scheduler = make_scheduler(max_num_seqs=1, aging_iterations=4)
+    for index in range(6):
+        scheduler.add_request(make_request(f"bat-{index}", 4, lane="batch", max_tokens=1))
+    batch_steps = []
+    for index in range(1, 25):
+        scheduler.add_request(make_request(f"chat-{index}", 4, max_tokens=1))
+        plan, _ = step(scheduler)
+        if plan.seqs[0].request_id.startswith("bat"):
+            batch_steps.append(index)
+    # The first once the backlog waited 4 steps, then one every 4 steps of chat traffic.
+    assert batch_steps == [4, 8, 12, 16, 20, 24]
+
+
 def test_static_policy_admits_a_batch_only_when_nothing_runs():
     def first_steps(policy: str) -> dict[str, int]:
         scheduler = make_scheduler(max_num_seqs=2, scheduling=policy)
