@@ -12,6 +12,8 @@ deadlines are not checked at arrival (they still expire).
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -77,48 +79,82 @@ def estimate_finish(
 ) -> FinishEstimate | None:
     """How long `request` would take if admitted now; None if no step cost is known.
 
-    Prefill tokens (of those ahead, then its own) go through full steps of `budget` tokens.
-    Its decode takes `max_tokens` steps, priced as full steps when requests wait ahead of it
-    or lower lanes wait while a sequence slot is free (their prefill chunks then share its
-    decode steps), else as steps of the running batch or the recent average step, whichever
-    is longer. When more sequences are ahead than `max_num_seqs`, it waits one mean
-    remaining decode per batch of them, rounded up. Aging lets each lower lane with work
-    waiting put one request ahead every `aging_iterations` steps: those count as ahead too.
+    Its wait is the longer of two: the prefill work ahead of it (the running prompts' rest,
+    then the prompts waiting ahead in its lane and those above), in full steps of `budget`
+    tokens; and the steps until a sequence slot frees for it (`_slot_turnover`: each running
+    request holds its slot for its remaining decodes, each request ahead, in queue order,
+    takes the earliest freed slot for its `max_tokens`). Steps of that wait beyond the
+    prefill are priced as decode steps. Then its own prompt in full steps, and its
+    `max_tokens` decode steps: steps of the running batch, or the recent average step if
+    longer (later arrivals' chunks share them), except that prompts sharing them make full
+    steps of as many as their chunks fill. Those prompts are lower lanes' requests in the
+    slots left free and, while work waits ahead of it (an overload: more will arrive behind
+    it), one as long as theirs in every slot that frees during its decode. Aging lets each
+    lower lane with work waiting put one request ahead every `aging_iterations` steps: those
+    count as ahead too, with the lower lanes' heads' mean prompt and longest `max_tokens`.
     """
     rank = LANE_RANK[request.lane]
     ahead = [r for lane in LANES[: rank + 1] for r in waiting.queue(lane)]
     lower = [waiting.queue(lane) for lane in LANES[rank + 1 :] if waiting.queue(lane)]
-    batch = min(config.max_num_seqs, len(running) + len(ahead) + 1)
+    num_seqs = config.max_num_seqs
+    batch = min(num_seqs, len(running) + len(ahead) + 1)
     full_step = costs.cost(budget, batch)
-    # Requests waiting ahead of it, or lower lanes' while a sequence slot is free, are
-    # admitted during its decode and their prefill chunks fill its steps; with every slot
-    # taken, lower lanes get a slot only when one frees (the recent average covers those).
-    slot_free = len(running) + len(ahead) + 1 < config.max_num_seqs
-    filled = bool(ahead) or (len(waiting) > 0 and slot_free)
-    decode_step = full_step if filled else costs.cost(batch, batch)
+    decode_step = costs.cost(batch, batch)
     if full_step is None or decode_step is None:
         return None
     decode_step = max(decode_step, costs.recent or 0.0)  # later arrivals' chunks share steps
     prefill_ahead = sum(r.num_tokens for r in ahead) + sum(
         max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running
     )
-    remaining = [r.stop.max_tokens - r.num_output_tokens for r in (*running, *ahead)]
-    mean_decode = sum(remaining) / len(remaining) if remaining else 0.0
-    own = request.num_prompt_tokens / budget * full_step + request.stop.max_tokens * decode_step
+    held = [r.stop.max_tokens - r.num_output_tokens for r in running]
+    max_tokens = request.stop.max_tokens
+    # Prompts that will share its decode steps: lower lanes' requests in the slots left free
+    # once it and those ahead run, and, while work waits ahead of it (an overload: more will
+    # arrive behind it), a prompt as long as theirs in every slot that frees during them.
+    free = num_seqs - (len(running) + len(ahead) + 1)
+    fill = sum(r.num_tokens for r in itertools.islice(itertools.chain(*lower), max(0, free)))
+    mean_prompt_ahead = sum(r.num_tokens for r in ahead) / len(ahead) if ahead else 0.0
 
-    def wait_for(extra_seqs: int, extra_prefill: float) -> float:
-        seqs = len(running) + len(ahead) + extra_seqs
-        rounds = -(-max(0, seqs + 1 - config.max_num_seqs) // config.max_num_seqs)
-        prefill = (prefill_ahead + extra_prefill) / budget * full_step
-        return prefill + rounds * mean_decode * decode_step
+    def estimate(queued: list[int], prefill_queued: float) -> FinishEstimate:
+        prefill_steps = (prefill_ahead + prefill_queued) / budget
+        start, frees = _slot_turnover(num_seqs, held, queued)
+        wait = prefill_steps * full_step + max(0.0, start - prefill_steps) * decode_step
+        refills = sum(start < t < start + max_tokens for t in frees) if ahead else 0
+        shared = fill + refills * mean_prompt_ahead
+        full_decodes = min(max_tokens, math.ceil(shared / max(1, budget - batch)))
+        own = (
+            request.num_prompt_tokens / budget * full_step
+            + full_decodes * full_step
+            + (max_tokens - full_decodes) * decode_step
+        )
+        return FinishEstimate(wait, wait + own)
 
-    wait = wait_for(0, 0.0)
+    queued = [r.stop.max_tokens for r in ahead]
+    result = estimate(queued, 0.0)
     if lower:
-        steps = (wait + own) / min(full_step, decode_step)
+        steps = result.total / min(full_step, decode_step)
         promoted = len(lower) * -(-int(steps) // config.aging_iterations)
-        mean_prompt = sum(q[0].num_tokens for q in lower) / len(lower)
-        wait = wait_for(promoted, promoted * mean_prompt)
-    return FinishEstimate(wait, wait + own)
+        heads = [q[0] for q in lower]
+        prompt = sum(r.num_tokens for r in heads) / len(heads)
+        decodes = max(r.stop.max_tokens - r.num_output_tokens for r in heads)
+        result = estimate([decodes] * promoted + queued, promoted * prompt)
+    return result
+
+
+def _slot_turnover(
+    num_seqs: int, held: Sequence[int], queued: Sequence[int]
+) -> tuple[int, list[int]]:
+    """When a new request gets one of `num_seqs` sequence slots, and the steps at which the
+    other slots free after that: running requests hold theirs for `held` more steps each, and
+    the `queued` ahead of it, in order, each take the earliest slot that frees and hold it
+    that many steps (one token a step)."""
+    frees = sorted(held)[:num_seqs]
+    frees += [0] * (num_seqs - len(frees))
+    heapq.heapify(frees)
+    for steps in queued:
+        heapq.heappush(frees, heapq.heappop(frees) + steps)
+    start = heapq.heappop(frees)
+    return start, frees
 
 
 def check_deadline(request: Request, estimate: FinishEstimate | None, now: float) -> None:

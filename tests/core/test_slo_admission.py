@@ -69,10 +69,16 @@ def test_a_deadline_that_cannot_be_met_is_refused_with_the_numbers():
     run_until_idle(scheduler)
 
 
+def _estimate(scheduler, costs: StepCosts, new) -> float:
+    result = estimate_finish(new, scheduler.config, costs, scheduler.running,
+                             scheduler.waiting, scheduler.step_budget())  # fmt: skip
+    assert result is not None
+    return result.total
+
+
 def test_lower_lanes_fill_a_deadline_requests_steps_only_while_a_slot_is_free():
     """Batch work waiting behind an interactive request shares its decode steps only if it
-    can be admitted: with every sequence slot taken, its decodes are priced as decode steps,
-    not as full steps."""
+    can be admitted, and then only as many steps as its prompt's chunks fill."""
     costs = linear_costs(per_token=0.01, fixed=0.05)
 
     def estimate(num_running: int) -> float:
@@ -81,22 +87,49 @@ def test_lower_lanes_fill_a_deadline_requests_steps_only_while_a_slot_is_free():
         for i in range(num_running):
             scheduler.add_request(make_request(f"run{i}", 4, 100 * i, max_tokens=50))
         step(scheduler)  # admit them (their prompts fit one step)
-        scheduler.add_request(make_request("batch", 30, 5000, lane="batch"))
-        new = make_request("new", 4, 6000, max_tokens=10)
-        result = estimate_finish(new, scheduler.config, costs, scheduler.running,
-                                 scheduler.waiting, scheduler.step_budget())  # fmt: skip
-        assert result is not None
-        return result.total
+        scheduler.add_request(make_request("batch", 30, 5000, max_tokens=20, lane="batch"))
+        return _estimate(scheduler, costs, make_request("new", 4, 6000, max_tokens=10))
 
     full, decode = 0.37, 0.09  # a 32-token step; a step of 4 decodes
-    # Each lower lane is assumed to put one request ahead by aging: its 30-token prompt is
-    # prefilled in full steps, and it takes a slot. 3 running + the new request then hold
-    # all 4: it waits one round of the running ones' 49 remaining decodes, and its own 10
-    # decodes are decode steps.
     own_prefill = 4 / 32 * full
-    assert estimate(3) == pytest.approx(30 / 32 * full + 49 * decode + own_prefill + 10 * decode)
-    # With 2 running a slot stays free: the batch prompt's chunks fill its decode steps.
-    assert estimate(2) == pytest.approx(30 / 32 * full + own_prefill + 10 * full)
+    # Each lower lane is assumed to put one request ahead by aging: its 30-token prompt is
+    # prefilled in full steps first, and it takes a slot for its 20 decodes. With 3 running
+    # (49 decodes left each) that is the one free slot, so the new request waits until the
+    # promoted one's slot frees (20 steps, the first 30/32 of them full), and its own 10
+    # decodes are decode steps.
+    wait = 30 / 32 * full + (20 - 30 / 32) * decode
+    assert estimate(3) == pytest.approx(wait + own_prefill + 10 * decode)
+    # With 2 running a slot is free for it at once; the batch prompt's 30 tokens also fill
+    # the slot left over and share its decode steps: ceil(30 / (32 - 3)) = 2 of them full.
+    wait = 30 / 32 * full
+    assert estimate(2) == pytest.approx(wait + own_prefill + 2 * full + 8 * decode)
+
+
+def test_a_deadline_request_waits_for_the_slot_its_turn_frees():
+    """With every sequence slot taken, the wait is for the slot that frees in its turn: each
+    request ahead takes the earliest one for its own decodes (not a mean decode per round)."""
+    costs = linear_costs(per_token=0.01, fixed=0.05)
+    scheduler = make_scheduler(step_costs=costs, max_num_seqs=2)
+    scheduler.add_request(make_request("short", 4, 100, max_tokens=6))
+    scheduler.add_request(make_request("long", 4, 200, max_tokens=21))
+    step(scheduler)  # both run, one token out: 5 and 20 decodes left
+    scheduler.add_request(make_request("ahead", 4, 300, max_tokens=8))
+    full, decode = 0.05 + 0.32, 0.05 + 0.02  # a 32-token step; a step of 2 decodes
+    # "ahead" takes the slot "short" frees after 5 steps and holds it for 8: the new request
+    # gets the slot "long" frees after 13 < 20 steps. The first 4/32 of a step of that wait
+    # is "ahead"'s prompt in a full step.
+    wait = 4 / 32 * full + (13 - 4 / 32) * decode
+    own = 4 / 32 * full + 3 * decode
+    assert _estimate(scheduler, costs, make_request("new", 4, 400, max_tokens=3)) == (
+        pytest.approx(wait + own)
+    )
+    # Decoding 10 tokens from step 13, it sees "long"'s slot free at step 20. With work
+    # waiting ahead of it (an overload), a prompt as long as those ahead is assumed to take
+    # that slot, and its chunk makes one of the new request's decode steps a full one.
+    own = 4 / 32 * full + 1 * full + 9 * decode
+    assert _estimate(scheduler, costs, make_request("new", 4, 400, max_tokens=10)) == (
+        pytest.approx(wait + own)
+    )
 
 
 def test_admitted_deadline_requests_finish_in_time_under_the_cost_model():
