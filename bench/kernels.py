@@ -47,6 +47,9 @@ IMPLS_BY_BACKEND = {
 class Case:
     name: str
     seqs: tuple[tuple[int, int], ...]  # (q_len, kv_len) per sequence
+    # Leading pages every sequence takes from one shared list, as far as it fills them whole
+    # (a cached prompt prefix); the bytes a kernel must move count them once.
+    shared_blocks: int = 0
 
 
 def _mixed(decodes: int, decode_ctx: int, chunks: int, chunk_len: int, chunk_ctx: int) -> Case:
@@ -65,6 +68,7 @@ FULL_CASES = [
     _mixed(28, 2048, 4, 121, 2048),
     Case("prefill 1 x 512", ((512, 512),)),
     Case("prefill 16 x 32 after a 384-token prefix", ((32, 416),) * 16),
+    Case("decode 32 x 448 sharing a 384-token prefix", ((1, 448),) * 32, shared_blocks=24),
 ]
 SMOKE_CASES = [Case("decode 2 x 64", ((1, 64),) * 2), _mixed(2, 64, 1, 8, 40)]
 # name, K, N of each projection of SmolLM2-135M (fused as jserve.models.llama fuses them)
@@ -82,14 +86,17 @@ def make_inputs(case: Case, dtype, seed: int = 0) -> tuple[jax.Array, ...]:
     """Device arrays for one call: random pools, pages scattered over the pool, layer 1."""
     rng = np.random.default_rng(seed)
     needed = [-(-kv // BLOCK_SIZE) for _, kv in case.seqs]
-    num_blocks = 1 + sum(needed)
+    shared = [min(case.shared_blocks, kv // BLOCK_SIZE) for _, kv in case.seqs]
+    num_blocks = 1 + max(shared) + sum(needed) - sum(shared)
     shape = kv_cache_shape(NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
     k_pool = rng.standard_normal(shape, np.float32)
     v_pool = rng.standard_normal(shape, np.float32)
     free = 1 + rng.permutation(num_blocks - 1)
+    prefix, free = free[: max(shared)], free[max(shared) :]
     tables = np.zeros((len(case.seqs), max(needed)), np.int32)
     for s, n in enumerate(needed):
-        tables[s, :n], free = free[:n], free[n:]
+        tables[s, : shared[s]] = prefix[: shared[s]]
+        tables[s, shared[s] : n], free = free[: n - shared[s]], free[n - shared[s] :]
     cu = np.concatenate([[0], np.cumsum([q for q, _ in case.seqs])]).astype(np.int32)
     kv_lens = np.array([kv for _, kv in case.seqs], np.int32)
     q = rng.standard_normal((int(cu[-1]), NUM_Q_HEADS, HEAD_DIM), np.float32)
@@ -104,7 +111,9 @@ def make_inputs(case: Case, dtype, seed: int = 0) -> tuple[jax.Array, ...]:
 
 def bytes_moved(case: Case, itemsize: int) -> int:
     """Live K and V positions read plus q read and output written."""
-    kv = sum(kv for _, kv in case.seqs) * NUM_KV_HEADS * HEAD_DIM * 2
+    shared = [min(case.shared_blocks, kv // BLOCK_SIZE) * BLOCK_SIZE for _, kv in case.seqs]
+    positions = sum(kv for _, kv in case.seqs) - sum(shared) + max(shared)
+    kv = positions * NUM_KV_HEADS * HEAD_DIM * 2
     tokens = sum(q for q, _ in case.seqs) * NUM_Q_HEADS * HEAD_DIM * 2
     return (kv + tokens) * itemsize
 

@@ -57,20 +57,25 @@ class RaggedCase:
 
 
 def build_case(
-    seqs: list[tuple[int, int]], geo: Geometry = Geometry(), seed: int = 0
+    seqs: list[tuple[int, int]], geo: Geometry = Geometry(), seed: int = 0, shared_blocks: int = 0
 ) -> RaggedCase:
-    """A batch with the given (q_len, kv_len) sequences, pages scattered over the pool."""
+    """A batch with the given (q_len, kv_len) sequences, pages scattered over the pool.
+
+    With `shared_blocks`, every sequence's first pages, as many as it fills whole up to that
+    number, are the same blocks (a cached prompt prefix), written once."""
     rng = np.random.default_rng(seed)
     dtype = np.dtype(bfloat16) if geo.dtype == "bfloat16" else np.dtype(geo.dtype)
     bs, d = geo.block_size, geo.head_dim
     needed = [-(-kv // bs) for _, kv in seqs]
+    shared = [min(shared_blocks, kv // bs) for _, kv in seqs]
+    own = [n - c for n, c in zip(needed, shared, strict=True)]
     num_tokens = geo.num_tokens or sum(q for q, _ in seqs) + 3
     max_seqs = geo.max_seqs or len(seqs) + 2
     max_blocks = geo.max_blocks or max(needed, default=0) + 1
     assert sum(q for q, _ in seqs) <= num_tokens and len(seqs) <= max_seqs
     assert max(needed, default=0) <= max_blocks
-    num_blocks = geo.num_blocks or 1 + sum(needed) + 3
-    assert num_blocks >= 1 + sum(needed)
+    num_blocks = geo.num_blocks or 1 + max(shared, default=0) + sum(own) + 3
+    assert num_blocks >= 1 + max(shared, default=0) + sum(own)
     shape = kv_cache_shape(geo.num_layers, num_blocks, bs, geo.num_kv_heads, d)
     k_pool = np.full(shape, np.nan, np.float32)
     v_pool = np.full(shape, np.nan, np.float32)
@@ -79,11 +84,17 @@ def build_case(
     cu = np.zeros(max_seqs + 1, np.int32)
     kv_lens = np.zeros(max_seqs, np.int32)
     q = np.full((num_tokens, geo.num_q_heads, d), np.nan, np.float32)
+    prefix, free = free[: max(shared, default=0)], free[max(shared, default=0) :]
+    written = set()
     for s, (q_len, kv_len) in enumerate(seqs):
-        blocks, free = free[: needed[s]], free[needed[s] :]
+        mine, free = free[: own[s]], free[own[s] :]
+        blocks = np.concatenate([prefix[: shared[s]], mine])
         tables[s, : needed[s]] = blocks
         for pos in range(kv_len):
             block, off = blocks[pos // bs], pos % bs
+            if (block, off) in written:
+                continue  # a shared prefix position, written by an earlier sequence
+            written.add((block, off))
             k_pool[geo.layer, block, :, off] = rng.standard_normal((geo.num_kv_heads, d))
             v_pool[geo.layer, block, :, off] = rng.standard_normal((geo.num_kv_heads, d))
         cu[s + 1] = cu[s] + q_len

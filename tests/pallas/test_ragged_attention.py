@@ -33,6 +33,24 @@ NAMED = {
     "layer0_of_3": ([(1, 20), (6, 6)], Geometry(num_layers=3, layer=0), {}),
     "no_real_sequences": ([], Geometry(num_tokens=8, max_seqs=4, max_blocks=2), {}),
     "big_buckets": ([(1, 5), (2, 9)], Geometry(num_tokens=40, max_seqs=9, max_blocks=12), {}),
+    # Sequences whose first pages are the same blocks (a cached prompt prefix): the native
+    # kernel reads those once for a group of decode rows. 12 decodes make a group of 8 and
+    # one of 4; one stops exactly at the prefix's end, one inside it, one chunk follows it.
+    "shared_prefix_decode": (
+        [(1, 96 + 7 * i) for i in range(10)] + [(1, 96), (1, 40)],
+        SMOLLM,
+        dict(shared_blocks=6),
+    ),
+    "shared_prefix_mixed": (
+        [(1, 130), (20, 116), (1, 97), (1, 161), (33, 140), (1, 112)],
+        GQA8_D128,
+        dict(shared_blocks=5),
+    ),
+    "shared_prefix_window_cap": (
+        [(1, 100), (1, 120), (5, 90), (1, 70)],
+        SMOLLM,
+        dict(shared_blocks=4, sliding_window=24, soft_cap=8.0),
+    ),
 }
 LONG = {
     "long_decode_4096": ([(1, 4096), (1, 4081), (1, 4095)], SMOLLM, {}),
@@ -45,7 +63,9 @@ TRITON_LONG_CI = ("long_decode_4096",)
 
 def _check(impl: str, name: str, table: dict) -> None:
     seqs, geometry, options = table[name]
-    assert_matches_naive(impl, build_case(seqs, geometry, seed=len(name)), **options)
+    options = dict(options)
+    case = build_case(seqs, geometry, seed=len(name), shared_blocks=options.pop("shared_blocks", 0))
+    assert_matches_naive(impl, case, **options)
 
 
 @pytest.mark.parametrize("name", sorted(NAMED))
@@ -122,12 +142,14 @@ def ragged_batches(draw):
             break
         seqs.append((q, max(kv, q)))
         tokens += q
-    return seqs, geometry, draw(st.sampled_from(OPTIONS))
+    options = {**draw(st.sampled_from(OPTIONS)), "shared_blocks": draw(st.sampled_from([0, 2, 7]))}
+    return seqs, geometry, options
 
 
 def _hypothesis_check(impls, batch, seed):
     seqs, geometry, options = batch
-    case = build_case(seqs, geometry, seed=seed)
+    options = dict(options)
+    case = build_case(seqs, geometry, seed=seed, shared_blocks=options.pop("shared_blocks"))
     for impl in impls:
         if impl == "native" and geometry.dtype != "float32":
             continue  # float32 only; the dispatcher sends other dtypes to xla
