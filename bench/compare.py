@@ -61,6 +61,41 @@ def gain(a: float | None, b: float | None, higher_is_better: bool) -> float | No
     return b / a if higher_is_better else a / b
 
 
+def shares_while_all_wait(records: list) -> dict[str, float] | None:
+    """Each group's share of the tokens served while every group had a request waiting for
+    its first token (None with fewer than two groups, or no such time): a client's view of
+    fair share while all are backlogged, since it cannot see the server's queues. A request
+    counts as waiting from its send to its first token; its prompt tokens are served at its
+    first token, its output tokens as they stream."""
+    groups = sorted({r.group for r in records})
+    if len(groups) < 2:
+        return None
+    events = []  # (time, group, +1 starts waiting / -1 stops)
+    tokens = []  # (time, group, count)
+    for r in records:
+        if not r.success or not r.chunk_times:
+            continue
+        first = r.start + r.ttft
+        events += [(r.start, r.group, 1), (first, r.group, -1)]
+        tokens.append((first, r.group, r.prompt_tokens))
+        tokens += [(t, r.group, n) for t, n in zip(r.chunk_times, r.chunk_tokens, strict=True)]
+    waiting = dict.fromkeys(groups, 0)
+    windows, opened = [], None
+    for time, group, step in sorted(events, key=lambda e: (e[0], -e[2])):
+        waiting[group] += step
+        if opened is None and all(waiting.values()):
+            opened = time
+        elif opened is not None and not all(waiting.values()):
+            windows.append((opened, time))
+            opened = None
+    served = dict.fromkeys(groups, 0)
+    for time, group, count in tokens:
+        if any(a <= time <= b for a, b in windows):
+            served[group] += count
+    total = sum(served.values())
+    return {g: served[g] / total for g in groups} if total else None
+
+
 def ratio_table(preset: Preset, reports: dict[str, dict]) -> tuple[str, list[dict]]:
     """The printed table and its rows (for the JSON)."""
     a, b = reports[preset.a.label], reports[preset.b.label]
@@ -76,6 +111,10 @@ def ratio_table(preset: Preset, reports: dict[str, dict]) -> tuple[str, list[dic
                 continue
             rows.append({"metric": prefix + label, "a": values[0], "b": values[1],
                          "gain": gain(values[0], values[1], higher)})  # fmt: skip
+        shares = [(report.get("shares_while_all_wait") or {}).get(group) for report in (a, b)]
+        if group and shares != [None, None]:
+            rows.append({"metric": prefix + "token share while all groups wait", "a": shares[0],
+                         "b": shares[1], "gain": None})  # fmt: skip
     width = max(len(r["metric"]) for r in rows) + 2
     head = f"{'metric':<{width}}{preset.a.label:>18}{preset.b.label:>18}{'gain of B':>12}"
     lines = [head, "-" * len(head)]
@@ -127,7 +166,8 @@ def run_side(preset: Preset, side_index: int, args: argparse.Namespace, out: Pat
 
         specs, report, records, duration = asyncio.run(go())
     report.update(command=shlex.join(command), startup_s=server.startup_s,
-                  workload_digest=workload_digest(specs))  # fmt: skip
+                  workload_digest=workload_digest(specs),
+                  shares_while_all_wait=shares_while_all_wait(records))  # fmt: skip
     print(format_summary(report["summary"], f"{preset.name} / {side.label}"))
     plot_run(records, duration, out / f"{name}.png", title=f"{name}: {shlex.join(command[3:])}")
     return report

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 import pytest
-from compare import gain
+from compare import gain, shares_while_all_wait
 from load_curve import find_knee, parse_rates
 from serve import to_json
 from serve_client import RequestRecord, send_times
@@ -139,3 +139,26 @@ def test_cpu_seconds_cover_the_whole_process_tree():
         shell.wait()
     with pytest.raises(ValueError, match="--server-pid"):
         process_tree_cpu_seconds(shell.pid)
+
+
+def test_token_shares_count_only_while_every_group_waits():
+    def record(group, start, ttft, prompt, chunk_times):
+        return RequestRecord(
+            index=0, group=group, expected_output_tokens=len(chunk_times), success=True,
+            start=start, ttft=ttft, e2e=chunk_times[-1] - start, prompt_tokens=prompt,
+            output_tokens=len(chunk_times), chunk_times=chunk_times,
+            chunk_tokens=[1] * len(chunk_times),
+        )  # fmt: skip
+
+    # A waits over [0, 4), B over [1, 3): the one window is [1, 3]. Inside it A's first
+    # request gets its 10 prompt tokens and first output token at 2 and one more at 2.5 (its
+    # token at 5 and the second request's, from 4 on, are outside); B's gets its 4 prompt
+    # tokens and first output token at 3 (its second, at 3.5, is outside).
+    records = [
+        record("A", 0.0, 2.0, 10, [2.0, 2.5, 5.0]),
+        record("A", 0.5, 3.5, 7, [4.0, 6.0]),
+        record("B", 1.0, 2.0, 4, [3.0, 3.5]),
+    ]
+    shares = shares_while_all_wait(records)
+    assert shares == pytest.approx({"A": 12 / 17, "B": 5 / 17})
+    assert shares_while_all_wait(records[:2]) is None  # one group
