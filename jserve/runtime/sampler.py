@@ -43,6 +43,7 @@ from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 TOP_CANDIDATES = 128  # logits read by the top-k / top-p fast path
 _CANDIDATE_BLOCK = 64  # vocabulary block of the candidate search
 _BLOCK = 256  # inverse CDF: pick a block of the vocabulary, then a token inside it
+_ARGMAX_BLOCK = 128  # vocabulary block of the greedy argmax
 
 
 class SamplerOutput(NamedTuple):
@@ -80,10 +81,26 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
-    """Index of the first maximum per row, [S] int32 (XLA's CPU argmax is several times slower)."""
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
-    index = jnp.min(jnp.where(x == jnp.max(x, -1, keepdims=True), iota, x.shape[-1]), -1)
-    return jnp.minimum(index, x.shape[-1] - 1)  # an all-NaN pad row must still give an id
+    """Index of the first maximum per row, [S] int32 (a row holding NaN still gets an id < V).
+
+    Blocked, so the [S, V] row is read once: each block's max, the row's max, the first
+    block reaching it, then the first index inside that one block. The plain form (an [S, V]
+    comparison against the broadcast row max, then a min over an iota) made XLA:CPU
+    materialize the broadcast, and XLA's own argmax is several times slower still.
+    """
+    s, v = x.shape
+    blocks = -(-v // _ARGMAX_BLOCK)
+    if blocks * _ARGMAX_BLOCK != v:
+        x = jnp.pad(x, ((0, 0), (0, blocks * _ARGMAX_BLOCK - v)), constant_values=-jnp.inf)
+    x = x.reshape(s, blocks, _ARGMAX_BLOCK)
+    block_max = jnp.max(x, -1)  # [S, blocks]
+    row_max = jnp.max(block_max, -1, keepdims=True)
+    block_ids = jax.lax.broadcasted_iota(jnp.int32, block_max.shape, 1)
+    first = jnp.min(jnp.where(block_max == row_max, block_ids, blocks - 1), -1)  # [S]
+    block = jnp.take_along_axis(x, first[:, None, None], 1)[:, 0]  # [S, _ARGMAX_BLOCK]
+    lane = jax.lax.broadcasted_iota(jnp.int32, block.shape, 1)
+    within = jnp.min(jnp.where(block == row_max, lane, _ARGMAX_BLOCK), -1)
+    return jnp.minimum(first * _ARGMAX_BLOCK + within, v - 1)
 
 
 # --- cut-offs: the kept set of a row is {z >= cut} -----------------------------------------
@@ -237,47 +254,70 @@ def draw(z: jax.Array, uniforms: jax.Array) -> jax.Array:
 
 def _logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors) -> SamplerOutput:
     s = logits.shape[0]
-    lse = jax.nn.logsumexp(logits, -1, keepdims=True)
-    sampled = jnp.take_along_axis(logits, tokens[:, None], 1) - lse
 
     # The [S, V] logprobs are formed inside the branch: passed in from outside, they made
     # every step several times slower on XLA:CPU even when the branch was not taken.
-    def ranked() -> tuple[jax.Array, jax.Array, jax.Array]:
-        logprobs = logits - lse
+    def ranked() -> tuple[jax.Array, ...]:
+        logprobs = logits - jax.nn.logsumexp(logits, -1, keepdims=True)
+        sampled = jnp.take_along_axis(logprobs, tokens[:, None], 1)
         rank = jnp.sum(logprobs >= sampled, -1, dtype=jnp.int32)  # vLLM counts ties as ahead
         top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-        return rank, top_ids.astype(jnp.int32), top_logprobs
+        return sampled[:, 0], rank, top_ids.astype(jnp.int32), top_logprobs
 
-    def unranked() -> tuple[jax.Array, jax.Array, jax.Array]:
+    def unranked() -> tuple[jax.Array, ...]:
         top = (s, MAX_LOGPROBS)
-        return jnp.zeros(s, jnp.int32), jnp.zeros(top, jnp.int32), jnp.zeros(top, jnp.float32)
+        return (
+            jnp.zeros(s, jnp.float32),
+            jnp.zeros(s, jnp.int32),
+            jnp.zeros(top, jnp.int32),
+            jnp.zeros(top, jnp.float32),
+        )
 
-    rank, top_ids, top_logprobs = jax.lax.cond(jnp.any(t.want_logprobs), ranked, unranked)
-    return SamplerOutput(tokens, sampled[:, 0], rank, top_ids, top_logprobs)
+    return SamplerOutput(tokens, *jax.lax.cond(jnp.any(t.want_logprobs), ranked, unranked))
 
 
-@jax.jit
-def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
-    """Sample one token per row of `logits` [S, V] float32 under `t` (S rows, same bucket)."""
-    v = logits.shape[1]
-    penalised = jax.lax.cond(
+def _any_penalty(t: SamplingTensors, vocab_size: int) -> jax.Array:
+    return (
         jnp.any(t.repetition_penalty != 1)
         | jnp.any(t.presence_penalty != 0)
         | jnp.any(t.frequency_penalty != 0)
-        | jnp.any(t.banned_ids < v),
-        lambda: apply_penalties(logits, t),
-        lambda: logits,
+        | jnp.any(t.banned_ids < vocab_size)
+    )
+
+
+def _any_bitmask(t: SamplingTensors) -> jax.Array:
+    return jnp.any(t.token_bitmask != -1)
+
+
+def _processed_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Tokens [S] of a batch using any of penalties, grammar masks and random rows."""
+    penalised = jax.lax.cond(
+        _any_penalty(t, logits.shape[1]), lambda: apply_penalties(logits, t), lambda: logits
     )
     penalised = jax.lax.cond(
-        jnp.any(t.token_bitmask != -1),
+        _any_bitmask(t),
         lambda: apply_token_bitmask(penalised, t.token_bitmask),
         lambda: penalised,
     )
     greedy = first_argmax(penalised)
-    tokens = jax.lax.cond(
+    return jax.lax.cond(
         jnp.any(t.temperature > 0),
         lambda: jnp.where(t.temperature > 0, draw(filter_logits(penalised, t), t.uniforms), greedy),
         lambda: greedy,
+    )
+
+
+@jax.jit
+def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
+    """Sample one token per row of `logits` [S, V] float32 under `t` (S rows, same bucket).
+
+    A batch of plain greedy rows (the common case of offline and benchmark runs) takes the
+    first argmax of the raw logits directly: a `lax.cond` whose branch returns [S, V] costs a
+    copy of the logits on XLA:CPU even when that branch changes nothing.
+    """
+    processed = _any_penalty(t, logits.shape[1]) | _any_bitmask(t) | jnp.any(t.temperature > 0)
+    tokens = jax.lax.cond(
+        processed, lambda: _processed_sample(logits, t), lambda: first_argmax(logits)
     )
     return _logprobs(logits, tokens, t)
 

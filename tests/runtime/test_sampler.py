@@ -21,6 +21,7 @@ from jserve.runtime.sampler import (
     apply_penalties,
     draw,
     filter_logits,
+    first_argmax,
 )
 from jserve.runtime.sampling_tensors import SamplingRow, SamplingTensorBuilder, seeded_uniforms
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -202,6 +203,36 @@ def test_greedy_is_first_argmax_of_penalised_logits(sampler):
     penalised = x[2].copy()
     penalised[top] = penalised[top] / 2.0 if penalised[top] > 0 else penalised[top] * 2.0
     assert got[2] == np.argmax(penalised) and got[2] != top
+
+
+@pytest.mark.parametrize("v", [V, 4096, 130, 7])
+def test_first_argmax_takes_the_first_maximum_of_any_row(v):
+    rng = np.random.default_rng(5)
+    x = rng.integers(-5, 5, (8, v)).astype(np.float32)  # ties everywhere
+    x[1] = -np.inf  # every token masked: the first one
+    x[2, [v // 3, v - 1]] = 9  # a tie between blocks: the first index wins
+    x[3, -1] = 9  # the maximum in the last, partial block
+    x[4, v // 2] = np.nan  # a broken row (or an all-NaN pad row) still gives an id
+    x[5, :] = np.nan
+    got = np.asarray(jax.jit(first_argmax)(x))
+    np.testing.assert_array_equal(got[[0, 1, 2, 3, 6, 7]], np.argmax(x[[0, 1, 2, 3, 6, 7]], -1))
+    assert got[2] == v // 3 and got[3] == v - 1
+    assert ((got[4:6] >= 0) & (got[4:6] < v)).all()
+
+
+def test_plain_greedy_batch_gives_the_tokens_a_processed_batch_gives(sampler):
+    rng = np.random.default_rng(6)
+    x = distinct_logits(rng, 8)
+    x[:, 1234] = x.max() + 1  # every row's maximum; row 3 bans it below
+    x[5, [17, 9999]] = x.max() + 2  # a tie: the first index wins
+    plain = [row(SamplingParams(temperature=0)) for _ in range(6)]
+    penalised = row(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1234]))
+    processed = [*plain[:3], penalised, row(SamplingParams(temperature=0.7, seed=1)), *plain[5:]]
+    got_plain = sampler.sample(jnp.asarray(x), plain).tokens
+    got_processed = sampler.sample(jnp.asarray(x), processed).tokens
+    assert got_plain[:6].tolist() == [1234] * 5 + [17]
+    assert got_processed[[0, 1, 2, 5]].tolist() == [1234, 1234, 1234, 17]
+    assert got_processed[3] == np.argmax(np.where(np.arange(V) == 1234, -np.inf, x[3]))
 
 
 def test_min_tokens_bans_eos_and_stop_ids_until_reached(sampler):
