@@ -78,8 +78,13 @@ class LlamaModel(nnx.Module):
         attn_meta: Any,  # attention metadata; its type selects the implementation
         logits_indices: jax.Array,  # [S] int32, rows of T whose next-token logits are wanted
         matmul_impl: str = "xla",  # how the projections run (jserve.pallas.layer_matmul)
+        real_rows: tuple[jax.Array, jax.Array] | None = None,  # (tokens, sequences) not padding
     ) -> tuple[jax.Array, Any]:
-        """Returns (logits [S, V] float32, updated kv_cache)."""
+        """Returns (logits [S, V] float32, updated kv_cache).
+
+        With `real_rows`, the first `tokens` rows of T and `sequences` rows of S are the step's
+        real ones and the rest its bucket's padding, which the projections may skip: a padding
+        row's hidden state and logits are then 0 (jserve.pallas.layer_matmul's `rows`)."""
         cfg = self.cfg
         x = self._embedding(token_ids, matmul_impl)  # [T, D]
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
@@ -101,8 +106,10 @@ class LlamaModel(nnx.Module):
             "w_down": d,
         }
 
+        real_tokens, real_seqs = (None, None) if real_rows is None else real_rows
+
         def matmul(x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
-            return layer_matmul(x, proj[name], layer, matmul_impl, widths[name])
+            return layer_matmul(x, proj[name], layer, matmul_impl, widths[name], real_tokens)
 
         def layer_step(carry, xs):
             x, kv_cache = carry
@@ -128,7 +135,7 @@ class LlamaModel(nnx.Module):
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (weights, layer_ids))
         h = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps)  # [S, D]
-        return self._logits(h, matmul_impl).astype(jnp.float32), kv_cache
+        return self._logits(h, matmul_impl, real_seqs).astype(jnp.float32), kv_cache
 
     def _embedding(self, token_ids: jax.Array, matmul_impl: str) -> jax.Array:
         table = self.embed[...]
@@ -138,11 +145,11 @@ class LlamaModel(nnx.Module):
             return table[0, token_ids // PANEL, :, token_ids % PANEL]
         return table[token_ids]
 
-    def _logits(self, h: jax.Array, matmul_impl: str) -> jax.Array:
+    def _logits(self, h: jax.Array, matmul_impl: str, rows: jax.Array | None) -> jax.Array:
         tied = self.cfg.tie_word_embeddings
         head = self.embed[...] if tied else self.lm_head[...]
         if matmul_impl == "native":  # packed by lay_out_weights
-            return layer_matmul(h, head, jnp.int32(0), "native", self.cfg.vocab_size)
+            return layer_matmul(h, head, jnp.int32(0), "native", self.cfg.vocab_size, rows)
         return jnp.einsum("SD,VD->SV" if tied else "SD,DV->SV", h, head)
 
 

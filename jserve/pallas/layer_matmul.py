@@ -49,10 +49,20 @@ def pack_layer_weight(w: jax.Array, impl: str) -> jax.Array:
 
 
 def layer_matmul(
-    x: jax.Array, w: jax.Array, layer: jax.Array, impl: str = "xla", n: int | None = None
+    x: jax.Array,
+    w: jax.Array,
+    layer: jax.Array,
+    impl: str = "xla",
+    n: int | None = None,
+    rows: jax.Array | None = None,
 ) -> jax.Array:
     """x [T, K] @ layer `layer` (an int32 scalar, traced) of w, laid out for `impl` by
-    `pack_layer_weight`: [T, N]. The "native" layout pads N, so it needs `n`, the true N."""
+    `pack_layer_weight`: [T, N]. The "native" layout pads N, so it needs `n`, the true N.
+
+    `rows` (an int32 scalar, traced; default T) is how many leading rows of x are wanted: a
+    step's real tokens, the rest being its bucket's padding. "native" computes only those and
+    writes zeros past them; XLA's dot computes every row, so the caller must not read past
+    `rows` either way."""
     _check_impl(impl)
     if impl == "xla":
         if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
@@ -72,7 +82,8 @@ def layer_matmul(
     if load_native_kernels() is None:  # registers the kernel's FFI target
         raise ValueError("matmul impl 'native' needs the native CPU kernels (see the log)")
     kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))
-    return kernel(x, w, jnp.asarray(layer, jnp.int32))
+    rows = x.shape[0] if rows is None else rows
+    return kernel(x, w, jnp.asarray(layer, jnp.int32), jnp.asarray(rows, jnp.int32))
 
 
 def _check_impl(impl: str) -> None:

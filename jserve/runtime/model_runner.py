@@ -59,8 +59,16 @@ def _model_step(
         impl=attn_impl,
         heads=heads,
     )
+    # Padding follows the real rows on both axes (cu_q_lens's pads hold the real token count).
+    real_rows = (inputs.cu_q_lens[-1], inputs.num_seqs[0])
     logits, kv_cache = model(
-        inputs.token_ids, inputs.positions, kv_cache, meta, inputs.logits_indices, matmul_impl
+        inputs.token_ids,
+        inputs.positions,
+        kv_cache,
+        meta,
+        inputs.logits_indices,
+        matmul_impl,
+        real_rows,
     )
     if heads is not None:
         logits = _gathered_logits(logits, heads)

@@ -3,7 +3,8 @@
 The native kernel, on the weight as `pack_layer_weight` lays it out, is held to the same
 reference as XLA's dot: odd shapes (columns not a multiple of the 16-column panel, rows not a
 multiple of the register block, K of one), every step size from one token to past a row chunk,
-every layer of the stack, and NaN in every other layer, which must never reach the output.
+every layer of the stack, and NaN in every other layer, which must never reach the output; and
+a step's padding rows, which it skips.
 """
 
 from __future__ import annotations
@@ -55,6 +56,19 @@ def test_native_past_a_row_chunk_and_panel_groups(tokens):
     x, w = _case(tokens, 1536, 40 * PANEL + 5, layers=2)
     got = _run("native", x, w, 1)
     np.testing.assert_allclose(got, _expected(x, w, 1), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize(("tokens", "rows"), [(64, 57), (300, 131), (8, 0), (9, 9)])
+def test_native_computes_the_real_rows_and_zeros_the_padding(tokens, rows):
+    """`rows` real tokens of a padded bucket: the padding rows of x hold NaN here, which no
+    computed row may read; they come out as zeros, the real ones as the product."""
+    x, w = _case(tokens, 1536, 40 * PANEL + 5, layers=2)
+    x[rows:] = np.nan
+    packed = pack_layer_weight(jnp.asarray(w), "native")
+    fn = jax.jit(lambda x, p, r: layer_matmul(x, p, jnp.int32(1), "native", w.shape[2], r))
+    got = np.asarray(fn(jnp.asarray(x), packed, jnp.int32(rows)))
+    np.testing.assert_allclose(got[:rows], _expected(x[:rows], w, 1), rtol=1e-4, atol=1e-3)
+    assert not got[rows:].any()
 
 
 def test_native_reads_only_its_layer_and_columns():

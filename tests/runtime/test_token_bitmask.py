@@ -49,7 +49,7 @@ def test_bitmask_matches_llguidance_numpy_reference(density):
 
 
 def _rows(bitmask: np.ndarray, constrained: list[bool], temperature: float) -> list[SamplingRow]:
-    params = SamplingParams(temperature=temperature, max_tokens=8)
+    params = SamplingParams(temperature=temperature, max_tokens=8, logprobs=0)
     return [
         SamplingRow(params, None, (), [1] * i, (), bitmask[i] if c else None)  # fresh draws
         for i, c in enumerate(constrained)

@@ -3,7 +3,8 @@
 //
 // x is [T, K]; w is [L, P, K, 16]: layer l's [K, N] weight cut into P = ceil(N / 16) panels of
 // 16 columns, each panel's K rows of 16 floats contiguous (zero columns pad the last panel); y is
-// [T, N]. Packing happens once, at load time (jserve.pallas.layer_matmul.pack_layer_weight), so:
+// [T, N], of which only the first `rows` rows are computed (the rest, a step's padding, are 0).
+// Packing happens once, at load time (jserve.pallas.layer_matmul.pack_layer_weight), so:
 // - a panel is one contiguous stream: the kernel reads the weight where it lies at `layer`'s
 //   offset, in order, with no copy of the layer out of the stack and no per-step packing (a
 //   general GEMM packs its operand on every call, which at a few tokens is a second pass over
@@ -135,7 +136,7 @@ void rows_of_panel(const Problem& p, int64_t j, int64_t t0, int64_t t1, const fl
 
 ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::F32> w, ffi::Buffer<ffi::S32> layer,
-                            ffi::Result<ffi::Buffer<ffi::F32>> y) {
+                            ffi::Buffer<ffi::S32> rows, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   const auto xd = x.dimensions();
   const auto wd = w.dimensions();
   const auto yd = y->dimensions();
@@ -148,13 +149,15 @@ ffi::Error PackedMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t l = layer.typed_data()[0];
   if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("packed matmul: layer out of range");
   Problem p;
-  p.t = xd[0];
+  // Rows past `rows` (a step's padding) are not computed: they are written as zeros.
+  p.t = std::clamp<int64_t>(rows.typed_data()[0], 0, xd[0]);
   p.k = xd[1];
   p.n = yd[1];
   p.panels = wd[1];
   p.x = x.typed_data();
   p.w = w.typed_data() + l * p.panels * p.k * kPanel;
   p.y = y->typed_data();
+  std::fill(p.y + p.t * p.n, p.y + xd[0] * p.n, 0.0f);
   if (p.t == 0) return ffi::Error::Success();
   const int64_t chunk_rows =
       std::max<int64_t>(kRows, kChunkBytes / (p.k * int64_t{sizeof(float)}) / kRows * kRows);
@@ -182,4 +185,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JservePackedMatmulF32, PackedMatmulImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // x
                                   .Arg<ffi::Buffer<ffi::F32>>()  // w, packed
                                   .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // rows: leading rows of x computed
                                   .Ret<ffi::Buffer<ffi::F32>>());  // y
