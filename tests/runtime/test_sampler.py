@@ -226,8 +226,8 @@ def test_plain_greedy_batch_gives_the_tokens_a_processed_batch_gives(sampler):
     x[:, 1234] = x.max() + 1  # every row's maximum; row 3 bans it below
     x[5, [17, 9999]] = x.max() + 2  # a tie: the first index wins
     plain = [row(SamplingParams(temperature=0)) for _ in range(6)]
-    penalised = row(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1234]))
-    processed = [*plain[:3], penalised, row(SamplingParams(temperature=0.7, seed=1)), *plain[5:]]
+    banned = row(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[1234]))
+    processed = [*plain[:3], banned, row(SamplingParams(temperature=0.7, seed=1)), *plain[5:]]
     got_plain = sampler.sample(jnp.asarray(x), plain).tokens
     got_processed = sampler.sample(jnp.asarray(x), processed).tokens
     assert got_plain[:6].tolist() == [1234] * 5 + [17]
