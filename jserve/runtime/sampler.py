@@ -15,9 +15,10 @@ Per row (x = the model's raw logits):
    with the row's two host-made uniforms.
 
 One executable per sequence bucket: features a batch does not use (penalties, grammar masks,
-random rows, filters, logprobs) are skipped by `lax.cond` on a batch-wide flag, never by a
-static variant, so nothing multiplies the compile count. Rows not using a feature hold neutral
-values, so a row's token and logprobs are the same whichever branches its batch ran.
+random rows, filters, logprobs) are skipped by `lax.switch` / `lax.cond` on batch-wide flags,
+never by a static variant, so nothing multiplies the compile count. Rows not using a feature
+hold neutral values, so a row's token and logprobs are the same whichever branches its batch
+ran. No branch returns [S, V] logits: on XLA:CPU that costs a copy even when nothing changed.
 
 No full-vocabulary sort (on a CPU it costs tens of times a sampler call: bench/RESULTS.md,
 "Sampler", has the figures and how to re-measure them). Top-k and top-p
@@ -80,24 +81,36 @@ def apply_token_bitmask(logits: jax.Array, bitmask: jax.Array) -> jax.Array:
     return jnp.where(allowed, logits, -jnp.inf)
 
 
+def _blocks(x: jax.Array, block: int) -> jax.Array:
+    """x [S, V] as [S, ceil(V / block), block], padded with -inf."""
+    s, v = x.shape
+    num_blocks = -(-v // block)
+    if num_blocks * block != v:
+        x = jnp.pad(x, ((0, 0), (0, num_blocks * block - v)), constant_values=-jnp.inf)
+    return x.reshape(s, num_blocks, block)
+
+
+def _block_max(x: jax.Array, block: int) -> jax.Array:
+    """Each block's max, [S, ceil(V / block)]. A row's max taken this way reads the row once;
+    a plain max over [S, V] made XLA:CPU write the max broadcast to [S, V] for its consumers."""
+    return jnp.max(_blocks(x, block), -1)
+
+
 def first_argmax(x: jax.Array) -> jax.Array:
     """Index of the first maximum per row, [S] int32 (a row holding NaN still gets an id < V).
 
     Blocked, so the [S, V] row is read once: each block's max, the row's max, the first
-    block reaching it, then the first index inside that one block. The plain form (an [S, V]
-    comparison against the broadcast row max, then a min over an iota) made XLA:CPU
-    materialize the broadcast, and XLA's own argmax is several times slower still.
+    block reaching it, then the first index inside that one block. XLA's own argmax is
+    several times slower.
     """
-    s, v = x.shape
-    blocks = -(-v // _ARGMAX_BLOCK)
-    if blocks * _ARGMAX_BLOCK != v:
-        x = jnp.pad(x, ((0, 0), (0, blocks * _ARGMAX_BLOCK - v)), constant_values=-jnp.inf)
-    x = x.reshape(s, blocks, _ARGMAX_BLOCK)
-    block_max = jnp.max(x, -1)  # [S, blocks]
+    v = x.shape[1]
+    blocks = _blocks(x, _ARGMAX_BLOCK)
+    block_max = jnp.max(blocks, -1)  # [S, blocks]
     row_max = jnp.max(block_max, -1, keepdims=True)
     block_ids = jax.lax.broadcasted_iota(jnp.int32, block_max.shape, 1)
-    first = jnp.min(jnp.where(block_max == row_max, block_ids, blocks - 1), -1)  # [S]
-    block = jnp.take_along_axis(x, first[:, None, None], 1)[:, 0]  # [S, _ARGMAX_BLOCK]
+    last = block_max.shape[1] - 1
+    first = jnp.min(jnp.where(block_max == row_max, block_ids, last), -1)  # [S]
+    block = jnp.take_along_axis(blocks, first[:, None, None], 1)[:, 0]  # [S, _ARGMAX_BLOCK]
     lane = jax.lax.broadcasted_iota(jnp.int32, block.shape, 1)
     within = jnp.min(jnp.where(block == row_max, lane, _ARGMAX_BLOCK), -1)
     return jnp.minimum(first * _ARGMAX_BLOCK + within, v - 1)
@@ -146,11 +159,9 @@ def _largest(z: jax.Array) -> jax.Array:
     searched, which is cheaper than lax.top_k over the whole row (bench/RESULTS.md, "Sampler").
     """
     s, v = z.shape
-    num_blocks = -(-v // _CANDIDATE_BLOCK)
-    if num_blocks <= TOP_CANDIDATES:
+    if -(-v // _CANDIDATE_BLOCK) <= TOP_CANDIDATES:
         return jax.lax.top_k(z, min(TOP_CANDIDATES, v))[0]
-    z = jnp.pad(z, ((0, 0), (0, num_blocks * _CANDIDATE_BLOCK - v)), constant_values=-jnp.inf)
-    blocks = z.reshape(s, num_blocks, _CANDIDATE_BLOCK)
+    blocks = _blocks(z, _CANDIDATE_BLOCK)
     _, best = jax.lax.top_k(jnp.max(blocks, -1), TOP_CANDIDATES)
     searched = jnp.take_along_axis(blocks, best[:, :, None], 1).reshape(s, -1)
     return jax.lax.top_k(searched, TOP_CANDIDATES)[0]
@@ -203,23 +214,62 @@ def _topk_topp_cuts(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Arr
     return jax.lax.fori_loop(0, jnp.sum(needs_exact), fix, cut)
 
 
+class KeptSet(NamedTuple):
+    """Which scaled logits z = x / temperature a row keeps: z - zmax >= log_min_p and z >= cut.
+
+    Per-row values [S], so the [S, V] mask is formed only inside the fusions that read it.
+    Greedy rows have temperature 1 and keep everything (their draw is discarded).
+    """
+
+    temperature: jax.Array
+    zmax: jax.Array  # the row's largest z, always kept
+    log_min_p: jax.Array  # log(0) = -inf keeps all
+    cut: jax.Array  # top-k / top-p cut-off, -inf when neither is set
+
+    def weights(self, x: jax.Array) -> jax.Array:
+        """exp(z - zmax) of the kept logits of x [S, ..., B] (raw logits), 0 elsewhere."""
+
+        def col(a: jax.Array) -> jax.Array:
+            return a.reshape(a.shape + (1,) * (x.ndim - 1))
+
+        z = x / col(self.temperature)
+        relative = z - col(self.zmax)
+        kept = (relative >= col(self.log_min_p)) & (z >= col(self.cut))
+        return jnp.where(kept, jnp.exp(relative), 0.0)
+
+
+def kept_set(logits: jax.Array, t: SamplingTensors) -> KeptSet:
+    """The min-p / top-k / top-p set of every row of `logits` [S, V] at its temperature."""
+    random_rows = t.temperature > 0
+    temperature = jnp.where(random_rows, t.temperature, 1.0)
+    # Division is monotonic, so the largest z is the largest logit divided: read from the raw
+    # logits without forming z.
+    zmax = jnp.max(_block_max(logits, _ARGMAX_BLOCK), -1) / temperature
+    log_min_p = jnp.log(t.min_p)
+    top_k = jnp.where(random_rows, t.top_k, 0)
+    top_p = jnp.where(random_rows, t.top_p, 1.0)
+
+    def cuts() -> jax.Array:  # z is formed only in this branch
+        z = logits / temperature[:, None]
+        z = jnp.where(z - zmax[:, None] >= log_min_p[:, None], z, -jnp.inf)
+        return _topk_topp_cuts(z, top_k, top_p)
+
+    cut = jax.lax.cond(
+        jnp.any((top_k > 0) | (top_p < 1)),
+        cuts,
+        lambda: jnp.full(logits.shape[0], -jnp.inf, logits.dtype),
+    )
+    return KeptSet(temperature, zmax, log_min_p, cut)
+
+
 def filter_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """Temperature-scaled logits, -inf outside the min-p / top-k / top-p set, [S, V].
 
-    Greedy rows are scaled by 1 and not filtered (their draw is discarded).
+    The [S, V] form of `kept_set`, for inspection; sampling never forms it.
     """
-    random_rows = t.temperature > 0
-    z = logits / jnp.where(random_rows, t.temperature, 1.0)[:, None]
-    relative = z - jnp.max(z, -1, keepdims=True)
-    z = jnp.where(relative >= jnp.log(t.min_p)[:, None], z, -jnp.inf)  # log(0) keeps all
-    top_k = jnp.where(random_rows, t.top_k, 0)
-    top_p = jnp.where(random_rows, t.top_p, 1.0)
-    cut = jax.lax.cond(
-        jnp.any((top_k > 0) | (top_p < 1)),
-        lambda: _topk_topp_cuts(z, top_k, top_p),
-        lambda: jnp.full(z.shape[0], -jnp.inf, z.dtype),
-    )
-    return jnp.where(z >= cut[:, None], z, -jnp.inf)
+    kept = kept_set(logits, t)
+    z = logits / kept.temperature[:, None]
+    return jnp.where(kept.weights(logits) > 0, z, -jnp.inf)
 
 
 # --- drawing ---------------------------------------------------------------------------------
@@ -236,15 +286,17 @@ def _inverse_cdf(cumulative: jax.Array, u: jax.Array) -> jax.Array:
     return jnp.minimum(index, last_positive)
 
 
-def draw(z: jax.Array, uniforms: jax.Array) -> jax.Array:
-    """One sample of softmax(z) per row from two uniforms [S, 2]: a block, then a token, [S]."""
-    s, v = z.shape
-    weight = jnp.exp(z - jnp.max(z, -1, keepdims=True))
-    num_blocks = -(-v // _BLOCK)
-    weight = jnp.pad(weight, ((0, 0), (0, num_blocks * _BLOCK - v)))
-    blocks = weight.reshape(s, num_blocks, _BLOCK)
-    block = _inverse_cdf(jnp.cumsum(jnp.sum(blocks, -1), -1), uniforms[:, 0])
-    inner = jnp.take_along_axis(blocks, block[:, None, None], 1)[:, 0]
+def draw(logits: jax.Array, kept: KeptSet, uniforms: jax.Array) -> jax.Array:
+    """One sample per row of the kept set's softmax from two uniforms [S, 2]: a block, then a
+    token inside it, [S].
+
+    The weights are summed block by block straight from the raw logits, and only the chosen
+    block's are formed again: no [S, V] intermediate is written (on XLA:CPU each one is a
+    fresh buffer, and at 64 rows their page faults cost more than the arithmetic).
+    """
+    blocks = _blocks(logits, _BLOCK)
+    block = _inverse_cdf(jnp.cumsum(jnp.sum(kept.weights(blocks), -1), -1), uniforms[:, 0])
+    inner = kept.weights(jnp.take_along_axis(blocks, block[:, None, None], 1))[:, 0]
     offset = _inverse_cdf(jnp.cumsum(inner, -1), uniforms[:, 1])
     return (block * _BLOCK + offset).astype(jnp.int32)
 
@@ -289,20 +341,13 @@ def _any_bitmask(t: SamplingTensors) -> jax.Array:
     return jnp.any(t.token_bitmask != -1)
 
 
-def _processed_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Tokens [S] of a batch using any of penalties, grammar masks and random rows."""
-    penalised = jax.lax.cond(
-        _any_penalty(t, logits.shape[1]), lambda: apply_penalties(logits, t), lambda: logits
-    )
-    penalised = jax.lax.cond(
-        _any_bitmask(t),
-        lambda: apply_token_bitmask(penalised, t.token_bitmask),
-        lambda: penalised,
-    )
-    greedy = first_argmax(penalised)
+def _tokens(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """Tokens [S] of `logits` after penalties and masks: greedy rows' first argmax, random
+    rows' draw from their kept set."""
+    greedy = first_argmax(logits)
     return jax.lax.cond(
         jnp.any(t.temperature > 0),
-        lambda: jnp.where(t.temperature > 0, draw(filter_logits(penalised, t), t.uniforms), greedy),
+        lambda: jnp.where(t.temperature > 0, draw(logits, kept_set(logits, t), t.uniforms), greedy),
         lambda: greedy,
     )
 
@@ -311,13 +356,24 @@ def _processed_sample(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     """Sample one token per row of `logits` [S, V] float32 under `t` (S rows, same bucket).
 
-    A batch of plain greedy rows (the common case of offline and benchmark runs) takes the
-    first argmax of the raw logits directly: a `lax.cond` whose branch returns [S, V] costs a
-    copy of the logits on XLA:CPU even when that branch changes nothing.
+    One `lax.switch` picks the batch's case and every branch returns tokens only: a branch
+    that returned [S, V] logits (penalised or not) would cost a copy of them on XLA:CPU even
+    when it changed nothing. A batch of plain greedy rows (offline and benchmark runs) takes
+    the first argmax of the raw logits directly.
     """
-    processed = _any_penalty(t, logits.shape[1]) | _any_bitmask(t) | jnp.any(t.temperature > 0)
-    tokens = jax.lax.cond(
-        processed, lambda: _processed_sample(logits, t), lambda: first_argmax(logits)
+    penalty, bitmask = _any_penalty(t, logits.shape[1]), _any_bitmask(t)
+    random = jnp.any(t.temperature > 0)
+    # Penalised batches also take the bitmask, which leaves rows without one unchanged: one
+    # branch fewer to compile for every bucket, at the price of an elementwise pass.
+    case = jnp.select([penalty, bitmask, random], [3, 2, 1], 0)
+    tokens = jax.lax.switch(
+        case,
+        [
+            lambda: first_argmax(logits),
+            lambda: _tokens(logits, t),
+            lambda: _tokens(apply_token_bitmask(logits, t.token_bitmask), t),
+            lambda: _tokens(apply_token_bitmask(apply_penalties(logits, t), t.token_bitmask), t),
+        ],
     )
     return _logprobs(logits, tokens, t)
 

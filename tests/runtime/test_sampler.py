@@ -16,6 +16,7 @@ import pytest
 from jserve.runtime.compilation import compilation_count, forbid_compilation
 from jserve.runtime.sampler import (
     TOP_CANDIDATES,
+    KeptSet,
     Sampler,
     _largest,
     apply_penalties,
@@ -334,7 +335,9 @@ def test_draw_never_returns_a_masked_token_at_extreme_uniforms():
     z[:, 256:258] = 0.0  # kept tokens at a block's start, the rest of the row masked
     z[2:, 999] = 0.0  # and the very last token
     u = np.array([[0, 0], [1 - 2**-24, 1 - 2**-24], [0, 1 - 2**-24], [1 - 2**-24, 0]])
-    got = np.asarray(jax.jit(draw)(z, u.astype(np.float32)))
+    none = np.full(4, -np.inf, np.float32)
+    kept = KeptSet(np.ones(4, np.float32), z.max(-1), none, none)  # keep every finite z
+    got = np.asarray(jax.jit(draw)(z, kept, u.astype(np.float32)))
     assert np.isfinite(z[np.arange(4), got]).all(), got
 
 
