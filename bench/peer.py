@@ -2,10 +2,13 @@
 
     python bench/peer.py --vllm-python $PEER/vllm-venv/bin/python \\
         --vllm-model $PEER/smollm2-hf              # offline: three workloads
+    python bench/peer.py ... --rounds 3            # offline three times, engines alternating
     python bench/peer.py ... --mode online         # both servers (or: both)
     python bench/peer.py --smoke                   # jserve only, seconds (CI)
 
-Offline (bench/peer_driver.py runs each engine in its own interpreter, jserve first, then vLLM):
+Offline (bench/peer_driver.py runs each engine in its own interpreter, jserve first, then vLLM;
+with --rounds N that pair runs N times and a last table gives each round's ratio and their
+median, since a single round moves with the machine's state):
 - random: 64 requests, prompts 16-512 and outputs 8-256 tokens (uniform, seeded);
 - shared-prefix: 32 requests of one 384-token prefix plus 32 own tokens, 64 output tokens each;
 - batch-1: one 32-token prompt, 128 output tokens (reported as ms per output token).
@@ -79,8 +82,10 @@ def make_workloads(smoke: bool, seed: int = 0) -> list[dict]:
     ]
 
 
-def run_driver(engine: str, python: str, model: str | None, paths: list[Path], args) -> dict:
-    out = args.out / f"peer_{engine}.json"
+def run_driver(
+    engine: str, python: str, model: str | None, paths: list[Path], args, suffix: str = ""
+) -> dict:
+    out = args.out / f"peer_{engine}{suffix}.json"
     cmd = [python, str(HERE / "peer_driver.py"), "--engine", engine, "--out", str(out),
            "--workloads", *map(str, paths), "--max-num-seqs", str(args.max_num_seqs),
            "--max-load", str(args.max_load)]  # fmt: skip
@@ -146,6 +151,25 @@ def offline_table(results: dict[str, dict], max_load: float) -> tuple[str, list[
     return "\n".join(lines), rows
 
 
+def rounds_table(rows: list[dict]) -> str:
+    """Per workload: each round's ratio (engines alternated round by round) and their median."""
+    lines = ["| workload | jserve / vLLM by round | median | jserve wall s | vLLM wall s |",
+             "|---|---|---|---|---|"]  # fmt: skip
+    for workload in dict.fromkeys(row["workload"] for row in rows):
+        mine = [row for row in rows if row["workload"] == workload]
+        ratios = [row["ratio"] for row in mine if "ratio" in row]
+        median = f"**{np.median(ratios):.2f}x** ({len(ratios)} of {len(mine)})" if ratios else "-"
+
+        def walls(engine: str, mine: list[dict] = mine) -> str:
+            return ", ".join(f"{row[engine]['wall_s']:.2f}" for row in mine if engine in row)
+
+        lines.append(
+            f"| {workload} | " + ", ".join(f"{r:.2f}" for r in ratios)
+            + f" | {median} | {walls('jserve')} | {walls('vllm')} |"
+        )  # fmt: skip
+    return "\n".join(lines)
+
+
 def run_online(args) -> dict:
     """Both servers in turn under bench/serve.py: all at once, then at a Poisson rate."""
     servers = {"jserve": jserve_command(["--max-num-seqs", "32", "--served-model-name", "m"])}
@@ -205,11 +229,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help="default: each engine's own")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="offline: run both engines this many times, alternating, and "
+                        "report each round's ratio and their median")  # fmt: skip
     parser.add_argument("--max-load", type=float, default=1.0)
     parser.add_argument("--out", type=Path, default=Path("bench/out"))
     args = parser.parse_args(argv)
     if not args.smoke and not (args.vllm_python and args.vllm_model):
         parser.error("give --vllm-python and --vllm-model (see bench/peer_vllm.md), or --smoke")
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.smoke:  # small buckets compile in seconds; no peer, so no quietness to judge
         args.vllm_python, args.mode = None, "offline"
         args.max_num_seqs, args.max_num_batched_tokens = 8, 64
@@ -227,15 +256,23 @@ def main(argv: list[str] | None = None) -> int:
             path = args.out / f"peer_workload_{workload['name']}.json"
             path.write_text(json.dumps(workload))
             paths.append(path)
-        results = {"jserve": run_driver("jserve", sys.executable, None, paths, args)}
-        if args.vllm_python:
-            results["vllm"] = run_driver("vllm", args.vllm_python, args.vllm_model, paths, args)
-        table, rows = offline_table(results, args.max_load)
-        report["offline"] = rows
-        report["engines"] = {
-            e: {k: v for k, v in r.items() if k != "runs"} for e, r in results.items()
-        }
-        print("\n## Offline\n\n" + table)
+        report["offline"], report["engines"] = [], {}
+        for i in range(args.rounds):
+            suffix = f"_round{i + 1}" if args.rounds > 1 else ""
+            results = {"jserve": run_driver("jserve", sys.executable, None, paths, args, suffix)}
+            if args.vllm_python:
+                results["vllm"] = run_driver(
+                    "vllm", args.vllm_python, args.vllm_model, paths, args, suffix
+                )
+            table, rows = offline_table(results, args.max_load)
+            report["offline"] += [{"round": i + 1, **row} for row in rows]
+            report["engines"] = {
+                e: {k: v for k, v in r.items() if k != "runs"} for e, r in results.items()
+            }
+            title = f", round {i + 1} of {args.rounds}" if args.rounds > 1 else ""
+            print(f"\n## Offline{title}\n\n" + table, flush=True)
+        if args.rounds > 1:
+            print("\n## Offline, all rounds\n\n" + rounds_table(report["offline"]))
     if args.mode in ("online", "both"):
         online = run_online(args)
         report["online"] = {name: r["summary"] for name, r in online.items()}

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peer import FIRST_TEXT_ID, VOCAB_SIZE
+from peer import FIRST_TEXT_ID, VOCAB_SIZE, rounds_table
 
 BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
@@ -37,3 +37,22 @@ def test_peer_smoke_runs_every_workload_exactly(tmp_path):
     assert [row["workload"] for row in report["offline"]] == ["random", "shared-prefix", "batch-1"]
     assert report["offline"][2]["jserve"]["ms_per_output_token"] > 0
     assert "| batch-1 |" in result.stdout
+
+
+def test_rounds_table_gives_each_rounds_ratio_and_their_median():
+    def row(round_, workload, jserve_s, vllm_s, quiet=True):
+        r = {"round": round_, "workload": workload, "jserve": {"wall_s": jserve_s},
+             "vllm": {"wall_s": vllm_s}}  # fmt: skip
+        return {**r, "ratio": vllm_s / jserve_s} if quiet else r
+
+    rows = [
+        row(1, "random", 50.0, 60.0), row(1, "batch-1", 3.0, 4.0),
+        row(2, "random", 50.0, 45.0), row(2, "batch-1", 3.0, 3.0, quiet=False),
+        row(3, "random", 40.0, 50.0), row(3, "batch-1", 3.0, 3.3),
+    ]  # fmt: skip
+    lines = rounds_table(rows).splitlines()
+    random, batch = lines[2].split(" | "), lines[3].split(" | ")
+    assert random[0] == "| random" and random[1] == "1.20, 0.90, 1.25"
+    assert random[2] == "**1.20x** (3 of 3)"  # the median, not the mean
+    assert random[3:] == ["50.00, 50.00, 40.00", "60.00, 45.00, 50.00 |"]
+    assert batch[1] == "1.33, 1.10" and batch[2] == "**1.22x** (2 of 3)"  # a loud round left out
