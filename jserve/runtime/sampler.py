@@ -152,32 +152,68 @@ def _smallest_passing(z: jax.Array, weight: jax.Array | int, limit: jax.Array) -
     return _from_order_key(hi)
 
 
-def _largest(z: jax.Array) -> jax.Array:
+def _largest(x: jax.Array) -> jax.Array:
     """The TOP_CANDIDATES largest values per row, descending, [S, C] (C <= V).
 
     The blocks holding them are among the C blocks with the largest maxima, so only those are
     searched, which is cheaper than lax.top_k over the whole row (bench/RESULTS.md, "Sampler").
     """
-    s, v = z.shape
+    s, v = x.shape
     if -(-v // _CANDIDATE_BLOCK) <= TOP_CANDIDATES:
-        return jax.lax.top_k(z, min(TOP_CANDIDATES, v))[0]
-    blocks = _blocks(z, _CANDIDATE_BLOCK)
+        return jax.lax.top_k(x, min(TOP_CANDIDATES, v))[0]
+    blocks = _blocks(x, _CANDIDATE_BLOCK)
     _, best = jax.lax.top_k(jnp.max(blocks, -1), TOP_CANDIDATES)
     searched = jnp.take_along_axis(blocks, best[:, :, None], 1).reshape(s, -1)
     return jax.lax.top_k(searched, TOP_CANDIDATES)[0]
 
 
+class KeptSet(NamedTuple):
+    """Which scaled logits z = x / temperature a row keeps: z - zmax >= log_min_p and z >= cut.
+
+    Per-row values [S], applied to raw logits inside the fusions that read them, so no [S, V]
+    mask or scaled copy is written (on XLA:CPU each is a fresh buffer, and at 64 rows their page
+    faults cost more than the arithmetic). Greedy rows have temperature 1 and keep everything
+    (their draw is discarded).
+    """
+
+    temperature: jax.Array
+    zmax: jax.Array  # the row's largest z, always kept
+    log_min_p: jax.Array  # log(0) = -inf keeps all
+    cut: jax.Array  # top-k / top-p cut-off, -inf when neither is set
+
+    def _column(self, a: jax.Array, x: jax.Array) -> jax.Array:
+        return a.reshape(a.shape + (1,) * (x.ndim - 1))
+
+    def after_min_p(self, x: jax.Array) -> jax.Array:
+        """z of raw logits x [S, ...], -inf where min-p drops it (the cut is not applied)."""
+        z = x / self._column(self.temperature, x)
+        kept = z - self._column(self.zmax, x) >= self._column(self.log_min_p, x)
+        return jnp.where(kept, z, -jnp.inf)
+
+    def weights(self, x: jax.Array) -> jax.Array:
+        """exp(z - zmax) of the kept logits of x [S, ...] (raw logits), 0 elsewhere."""
+        z = x / self._column(self.temperature, x)
+        relative = z - self._column(self.zmax, x)
+        kept = (relative >= self._column(self.log_min_p, x)) & (z >= self._column(self.cut, x))
+        return jnp.where(kept, jnp.exp(relative), 0.0)
+
+
 def _fast_cuts(
-    z: jax.Array, top_k: jax.Array, top_p: jax.Array
+    logits: jax.Array, kept: KeptSet, top_k: jax.Array, top_p: jax.Array
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Cut-offs from the TOP_CANDIDATES largest z: (top-k cut, both cuts, rows needing exact)."""
-    candidates = _largest(z)  # [S, C] descending
+    """Cut-offs from the TOP_CANDIDATES largest z: (top-k cut, both cuts, rows needing exact).
+
+    Division by a row's temperature keeps the order of its logits, so the largest z are the
+    largest raw logits divided, and min-p, which keeps the top of that order, masks a tail.
+    """
+    candidates = kept.after_min_p(_largest(logits))  # [S, C] descending
     c = candidates.shape[1]
     kth = jnp.take_along_axis(candidates, jnp.clip(top_k - 1, 0, c - 1)[:, None], 1)
     topk_cut = jnp.where(top_k > 0, kth[:, 0], -jnp.inf)
-    after_topk = jnp.where(z >= topk_cut[:, None], z, -jnp.inf)
-    lse = jax.nn.logsumexp(after_topk, -1, keepdims=True)
-    mass = jnp.exp(jnp.where(candidates >= topk_cut[:, None], candidates, -jnp.inf) - lse)
+    # log-sum-exp of the z left after min-p and top-k, summed block by block from the logits
+    left = kept._replace(cut=topk_cut).weights(_blocks(logits, _BLOCK))
+    lse = kept.zmax + jnp.log(jnp.sum(jnp.sum(left, -1), -1))
+    mass = jnp.exp(jnp.where(candidates >= topk_cut[:, None], candidates, -jnp.inf) - lse[:, None])
     cumulative = jnp.cumsum(mass, -1)
     num_kept = jnp.sum(cumulative - mass < top_p[:, None], -1)  # >= 1: nothing precedes the top
     topp_cut = jnp.take_along_axis(candidates, (num_kept - 1)[:, None], 1)[:, 0]
@@ -202,40 +238,19 @@ def _exact_cut(z: jax.Array, top_k: jax.Array, top_p: jax.Array, topk_cut: jax.A
     return jnp.maximum(topk_cut, topp_cut)
 
 
-def _topk_topp_cuts(z: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+def _topk_topp_cuts(
+    logits: jax.Array, kept: KeptSet, top_k: jax.Array, top_p: jax.Array
+) -> jax.Array:
     """Per-row cut: fast for most rows, then a loop over only the rows that need exact."""
-    topk_cut, cut, needs_exact = _fast_cuts(z, top_k, top_p)
-    rows = jnp.nonzero(needs_exact, size=z.shape[0], fill_value=0)[0]
+    topk_cut, cut, needs_exact = _fast_cuts(logits, kept, top_k, top_p)
+    rows = jnp.nonzero(needs_exact, size=logits.shape[0], fill_value=0)[0]
 
     def fix(j: int, cut: jax.Array) -> jax.Array:
         i = rows[j]
-        return cut.at[i].set(_exact_cut(z[i], top_k[i], top_p[i], topk_cut[i]))
+        z = jax.tree.map(lambda a: a[i, None], kept).after_min_p(logits[i, None])[0]
+        return cut.at[i].set(_exact_cut(z, top_k[i], top_p[i], topk_cut[i]))
 
     return jax.lax.fori_loop(0, jnp.sum(needs_exact), fix, cut)
-
-
-class KeptSet(NamedTuple):
-    """Which scaled logits z = x / temperature a row keeps: z - zmax >= log_min_p and z >= cut.
-
-    Per-row values [S], so the [S, V] mask is formed only inside the fusions that read it.
-    Greedy rows have temperature 1 and keep everything (their draw is discarded).
-    """
-
-    temperature: jax.Array
-    zmax: jax.Array  # the row's largest z, always kept
-    log_min_p: jax.Array  # log(0) = -inf keeps all
-    cut: jax.Array  # top-k / top-p cut-off, -inf when neither is set
-
-    def weights(self, x: jax.Array) -> jax.Array:
-        """exp(z - zmax) of the kept logits of x [S, ..., B] (raw logits), 0 elsewhere."""
-
-        def col(a: jax.Array) -> jax.Array:
-            return a.reshape(a.shape + (1,) * (x.ndim - 1))
-
-        z = x / col(self.temperature)
-        relative = z - col(self.zmax)
-        kept = (relative >= col(self.log_min_p)) & (z >= col(self.cut))
-        return jnp.where(kept, jnp.exp(relative), 0.0)
 
 
 def kept_set(logits: jax.Array, t: SamplingTensors) -> KeptSet:
@@ -245,21 +260,16 @@ def kept_set(logits: jax.Array, t: SamplingTensors) -> KeptSet:
     # Division is monotonic, so the largest z is the largest logit divided: read from the raw
     # logits without forming z.
     zmax = jnp.max(_block_max(logits, _ARGMAX_BLOCK), -1) / temperature
-    log_min_p = jnp.log(t.min_p)
+    no_cut = jnp.full(logits.shape[0], -jnp.inf, logits.dtype)
+    kept = KeptSet(temperature, zmax, jnp.log(t.min_p), no_cut)
     top_k = jnp.where(random_rows, t.top_k, 0)
     top_p = jnp.where(random_rows, t.top_p, 1.0)
-
-    def cuts() -> jax.Array:  # z is formed only in this branch
-        z = logits / temperature[:, None]
-        z = jnp.where(z - zmax[:, None] >= log_min_p[:, None], z, -jnp.inf)
-        return _topk_topp_cuts(z, top_k, top_p)
-
     cut = jax.lax.cond(
         jnp.any((top_k > 0) | (top_p < 1)),
-        cuts,
-        lambda: jnp.full(logits.shape[0], -jnp.inf, logits.dtype),
+        lambda: _topk_topp_cuts(logits, kept, top_k, top_p),
+        lambda: no_cut,
     )
-    return KeptSet(temperature, zmax, log_min_p, cut)
+    return kept._replace(cut=cut)
 
 
 def filter_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
@@ -288,12 +298,8 @@ def _inverse_cdf(cumulative: jax.Array, u: jax.Array) -> jax.Array:
 
 def draw(logits: jax.Array, kept: KeptSet, uniforms: jax.Array) -> jax.Array:
     """One sample per row of the kept set's softmax from two uniforms [S, 2]: a block, then a
-    token inside it, [S].
-
-    The weights are summed block by block straight from the raw logits, and only the chosen
-    block's are formed again: no [S, V] intermediate is written (on XLA:CPU each one is a
-    fresh buffer, and at 64 rows their page faults cost more than the arithmetic).
-    """
+    token inside it, [S]. The weights are summed block by block from the raw logits, and only
+    the chosen block's are formed again."""
     blocks = _blocks(logits, _BLOCK)
     block = _inverse_cdf(jnp.cumsum(jnp.sum(kept.weights(blocks), -1), -1), uniforms[:, 0])
     inner = kept.weights(jnp.take_along_axis(blocks, block[:, None, None], 1))[:, 0]
