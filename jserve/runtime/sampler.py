@@ -190,12 +190,22 @@ class KeptSet(NamedTuple):
         kept = z - self._column(self.zmax, x) >= self._column(self.log_min_p, x)
         return jnp.where(kept, z, -jnp.inf)
 
-    def weights(self, x: jax.Array) -> jax.Array:
-        """exp(z - zmax) of the kept logits of x [S, ...] (raw logits), 0 elsewhere."""
+    def _kept(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """(z, z - zmax, kept mask) of raw logits x [S, ...]."""
         z = x / self._column(self.temperature, x)
         relative = z - self._column(self.zmax, x)
         kept = (relative >= self._column(self.log_min_p, x)) & (z >= self._column(self.cut, x))
+        return z, relative, kept
+
+    def weights(self, x: jax.Array) -> jax.Array:
+        """exp(z - zmax) of the kept logits of x [S, ...] (raw logits), 0 elsewhere."""
+        _, relative, kept = self._kept(x)
         return jnp.where(kept, jnp.exp(relative), 0.0)
+
+    def scaled(self, x: jax.Array) -> jax.Array:
+        """z of the kept logits of x [S, ...] (raw logits), -inf elsewhere."""
+        z, _, kept = self._kept(x)
+        return jnp.where(kept, z, -jnp.inf)
 
 
 def _fast_cuts(
@@ -277,9 +287,7 @@ def filter_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
 
     The [S, V] form of `kept_set`, for inspection; sampling never forms it.
     """
-    kept = kept_set(logits, t)
-    z = logits / kept.temperature[:, None]
-    return jnp.where(kept.weights(logits) > 0, z, -jnp.inf)
+    return kept_set(logits, t).scaled(logits)
 
 
 # --- drawing ---------------------------------------------------------------------------------

@@ -179,6 +179,16 @@ def test_filter_masks_match_reference_on_fast_and_exact_paths():
     np.testing.assert_array_equal(again[[0, 1, 3, 4]], got[[0, 1, 3, 4]])
 
 
+def test_filter_keeps_tokens_whose_softmax_weight_underflows():
+    x = np.zeros((2, V), np.float32)
+    x[:, 7] = 200.0  # every other token's exp(z - zmax) is 0 in float32, yet it is kept
+    builder = SamplingTensorBuilder((2,), V, MAX_MODEL_LEN)
+    rows = [row(SamplingParams(temperature=1.0)), row(SamplingParams(temperature=0.5, top_k=3))]
+    got = np.asarray(jax.jit(filter_logits)(x, builder.build(rows, 2)))
+    np.testing.assert_array_equal(got[0], x[0])  # no filter: every token, scaled by 1
+    assert np.isfinite(got[1]).sum() == V  # top_k 3 with ties at 0: all tied tokens stay
+
+
 def test_candidate_search_returns_the_largest_values_even_with_ties():
     rng = np.random.default_rng(3)
     for v in (V, 64 * TOP_CANDIDATES + 1, 300):
