@@ -184,12 +184,6 @@ class KeptSet(NamedTuple):
     def _column(self, a: jax.Array, x: jax.Array) -> jax.Array:
         return a.reshape(a.shape + (1,) * (x.ndim - 1))
 
-    def after_min_p(self, x: jax.Array) -> jax.Array:
-        """z of raw logits x [S, ...], -inf where min-p drops it (the cut is not applied)."""
-        z = x / self._column(self.temperature, x)
-        kept = z - self._column(self.zmax, x) >= self._column(self.log_min_p, x)
-        return jnp.where(kept, z, -jnp.inf)
-
     def _kept(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """(z, z - zmax, kept mask) of raw logits x [S, ...]."""
         z = x / self._column(self.temperature, x)
@@ -213,10 +207,11 @@ def _fast_cuts(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Cut-offs from the TOP_CANDIDATES largest z: (top-k cut, both cuts, rows needing exact).
 
-    Division by a row's temperature keeps the order of its logits, so the largest z are the
-    largest raw logits divided, and min-p, which keeps the top of that order, masks a tail.
+    `kept` has no cut yet. Division by a row's temperature keeps the order of its logits, so
+    the largest z are the largest raw logits divided, and min-p, which keeps the top of that
+    order, masks a tail.
     """
-    candidates = kept.after_min_p(_largest(logits))  # [S, C] descending
+    candidates = kept.scaled(_largest(logits))  # [S, C] descending
     c = candidates.shape[1]
     kth = jnp.take_along_axis(candidates, jnp.clip(top_k - 1, 0, c - 1)[:, None], 1)
     topk_cut = jnp.where(top_k > 0, kth[:, 0], -jnp.inf)
@@ -251,13 +246,14 @@ def _exact_cut(z: jax.Array, top_k: jax.Array, top_p: jax.Array, topk_cut: jax.A
 def _topk_topp_cuts(
     logits: jax.Array, kept: KeptSet, top_k: jax.Array, top_p: jax.Array
 ) -> jax.Array:
-    """Per-row cut: fast for most rows, then a loop over only the rows that need exact."""
+    """Per-row cut (`kept` has none yet): fast for most rows, then a loop over only the rows
+    that need exact."""
     topk_cut, cut, needs_exact = _fast_cuts(logits, kept, top_k, top_p)
     rows = jnp.nonzero(needs_exact, size=logits.shape[0], fill_value=0)[0]
 
     def fix(j: int, cut: jax.Array) -> jax.Array:
         i = rows[j]
-        z = jax.tree.map(lambda a: a[i, None], kept).after_min_p(logits[i, None])[0]
+        z = jax.tree.map(lambda a: a[i, None], kept).scaled(logits[i, None])[0]
         return cut.at[i].set(_exact_cut(z, top_k[i], top_p[i], topk_cut[i]))
 
     return jax.lax.fori_loop(0, jnp.sum(needs_exact), fix, cut)
