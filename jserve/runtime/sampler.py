@@ -90,10 +90,10 @@ def _blocks(x: jax.Array, block: int) -> jax.Array:
     return x.reshape(s, num_blocks, block)
 
 
-def _block_max(x: jax.Array, block: int) -> jax.Array:
-    """Each block's max, [S, ceil(V / block)]. A row's max taken this way reads the row once;
-    a plain max over [S, V] made XLA:CPU write the max broadcast to [S, V] for its consumers."""
-    return jnp.max(_blocks(x, block), -1)
+def _row_max(x: jax.Array) -> jax.Array:
+    """Each row's max [S], taken block by block: this reads the row once, where a plain max over
+    [S, V] made XLA:CPU write the max broadcast to [S, V] for its consumers."""
+    return jnp.max(jnp.max(_blocks(x, _ARGMAX_BLOCK), -1), -1)
 
 
 def first_argmax(x: jax.Array) -> jax.Array:
@@ -265,7 +265,7 @@ def kept_set(logits: jax.Array, t: SamplingTensors) -> KeptSet:
     temperature = jnp.where(random_rows, t.temperature, 1.0)
     # Division is monotonic, so the largest z is the largest logit divided: read from the raw
     # logits without forming z.
-    zmax = jnp.max(_block_max(logits, _ARGMAX_BLOCK), -1) / temperature
+    zmax = _row_max(logits) / temperature
     no_cut = jnp.full(logits.shape[0], -jnp.inf, logits.dtype)
     kept = KeptSet(temperature, zmax, jnp.log(t.min_p), no_cut)
     top_k = jnp.where(random_rows, t.top_k, 0)
