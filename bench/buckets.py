@@ -163,6 +163,9 @@ class StepLog:
 
     def build(self, plan: StepPlan) -> StepInputs:
         inputs = self._build(plan)
+        n = int(inputs.num_seqs[0])
+        q_lens = np.diff(inputs.cu_q_lens[: n + 1].astype(np.int64))
+        kv_lens = inputs.kv_lens[:n].astype(np.int64)
         self.steps.append(
             {
                 "T": inputs.num_tokens,
@@ -170,6 +173,10 @@ class StepLog:
                 "tokens": plan.num_batched_tokens,
                 "seqs": len(plan.seqs),
                 "kind": step_kind(plan.num_decodes, len(plan.seqs)),
+                # (query token, cached position) pairs the causal attention scores: a sequence's
+                # q new tokens after kv - q cached ones see kv - q + 1 ... kv positions
+                "attended": int(np.sum(q_lens * (kv_lens - q_lens) + q_lens * (q_lens + 1) // 2)),
+                "context": int(kv_lens.sum()),  # cached positions the step's sequences read
             }
         )
         return inputs
