@@ -9,7 +9,9 @@ computes (its bucket's padding is not work):
   every sequence of the step once (K and V of all layers).
 Steps are grouped by kind and token bucket; the table gives their wall time, their floor, the
 floor's share of the wall time and the FLOP rate reached. Peak and bandwidth are the machine's:
-measure them (an FMA loop on every core, a large sum or copy) and pass them.
+measure them and pass them. For the peak, an FMA loop on every core gives the cores' bound and
+the best GEMM rate at the model's shapes the bound a real kernel has; for the bandwidth, a large
+sum or copy.
 
     python bench/roofline.py --workload shared-prefix --peak-gflops 230 --bandwidth-gbs 30
     python bench/roofline.py --workload random --max-num-seqs 64
