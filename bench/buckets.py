@@ -188,6 +188,17 @@ class StepLog:
         return logits
 
 
+def logged_steps(engine: LLMEngine) -> list[dict]:
+    """Step the engine until its queued requests are done: StepLog's record of every step, with
+    the step's whole wall time (`wall_s`) next to the runner's."""
+    log = StepLog(engine)
+    while engine.has_unfinished_requests():
+        start = time.perf_counter()
+        engine.step()
+        log.steps[-1]["wall_s"] = time.perf_counter() - start
+    return log.steps
+
+
 def workload_padding(engine: LLMEngine, args) -> dict:
     """Run bench/offline.py's workload; padding shares and where the step time went."""
     preset = offline.SMOKE if args.smoke else offline.FULL
@@ -196,13 +207,8 @@ def workload_padding(engine: LLMEngine, args) -> dict:
         pool, args.num_requests, preset["prompt_len"], preset["output_len"], args.seed
     )
     offline.add_requests(engine, workload)
-    log = StepLog(engine)
     print(f"running {args.num_requests} requests ...", file=sys.stderr, flush=True)
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        log.steps[-1]["wall_s"] = time.perf_counter() - start
-    steps = log.steps
+    steps = logged_steps(engine)
     by_bucket = defaultdict(lambda: {"steps": 0, "computed": 0, "real": 0, "wall_s": 0.0})
     for step in steps:
         b = by_bucket[(step["T"], step["S"])]

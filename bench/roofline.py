@@ -26,12 +26,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 from collections import defaultdict
 from pathlib import Path
 
-from buckets import StepLog
-from offline import greedy
+from buckets import logged_steps
+from offline import Workload, add_requests, greedy
 from peer import make_workloads
 
 from jserve.engine import LLMEngine
@@ -50,14 +49,11 @@ def projection_flops_per_token(config: ModelConfig) -> int:
 
 def step_cost(config: ModelConfig, step: dict) -> tuple[int, int]:
     """(FLOPs, bytes) of one StepLog step, as the module docstring counts them."""
+    projections = projection_flops_per_token(config)
     head = 2 * config.hidden_size * config.vocab_size
     attention = 4 * config.num_layers * config.num_heads * config.head_dim
-    flops = (
-        step["tokens"] * projection_flops_per_token(config)
-        + step["seqs"] * head
-        + step["attended"] * attention
-    )
-    weights = FLOAT32_BYTES * (projection_flops_per_token(config) + head) // 2
+    flops = step["tokens"] * projections + step["seqs"] * head + step["attended"] * attention
+    weights = FLOAT32_BYTES * (projections + head) // 2
     kv = 2 * FLOAT32_BYTES * config.num_layers * config.num_kv_heads * config.head_dim
     return flops, weights + step["context"] * kv
 
@@ -113,19 +109,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
-def run(engine: LLMEngine, workload: dict) -> list[dict]:
-    """Queue every request of a peer workload at once and step the engine until it is done."""
-    for i, request in enumerate(workload["requests"]):
-        prompt = {"prompt_token_ids": request["prompt_token_ids"]}
-        engine.add_request(str(i), prompt, greedy(request["max_tokens"]))
-    log = StepLog(engine)
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        log.steps[-1]["wall_s"] = time.perf_counter() - start
-    return log.steps
-
-
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_arguments(parser)
@@ -150,7 +133,10 @@ def main(argv: list[str] | None = None) -> None:
     while engine.has_unfinished_requests():
         engine.step()
     load_before = os.getloadavg()[0]
-    steps = run(engine, workload)
+    requests = workload["requests"]
+    prompts = [r["prompt_token_ids"] for r in requests]
+    add_requests(engine, Workload(prompts, [r["max_tokens"] for r in requests]))  # all at once
+    steps = logged_steps(engine)
     load_after = os.getloadavg()[0]
     peak, bandwidth = args.peak_gflops * 1e9, args.bandwidth_gbs * 1e9
     groups = roofline_table(engine.model_config, steps, peak, bandwidth)
