@@ -2,8 +2,8 @@
 
 The native kernel, on the weight as `pack_layer_weight` lays it out, is held to the same
 reference as XLA's dot: odd shapes (columns not a multiple of the 16-column panel, rows not a
-multiple of the register block, K of one), every step size from one token to past a row chunk,
-every layer of the stack, and NaN in every other layer, which must never reach the output; and
+multiple of the register block, a register block of two panels whose second is padded, K of
+one), every step size from one token to past a row chunk, every layer of the stack, and NaN in every other layer, which must never reach the output; and
 a step's padding rows, which it skips.
 """
 
@@ -41,7 +41,8 @@ def _run(impl: str, x: np.ndarray, w: np.ndarray, layer: int) -> np.ndarray:
 
 @pytest.mark.parametrize("impl", ["xla", "native"])
 @pytest.mark.parametrize("tokens", [1, 2, 3, 7, 8, 9, 17, 40])
-@pytest.mark.parametrize(("k", "n"), [(576, 960), (64, 8), (13, 37), (7, 3), (1, 16)])
+# (24, 30): two panels, the second padded, which a two-panel register block takes together.
+@pytest.mark.parametrize(("k", "n"), [(576, 960), (64, 8), (13, 37), (24, 30), (7, 3), (1, 16)])
 def test_matches_float64_product_of_the_layer(impl, tokens, k, n):
     x, w = _case(tokens, k, n)
     for layer in range(w.shape[0]):
