@@ -92,28 +92,82 @@ inline __m256 sum_lanes8(const __m256* a) {
                        _mm256_permute2f128_ps(s0123, s4567, 0x31));
 }
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+// Query rows that share each K and V load in the vector loops below: their accumulators (8 per
+// row) and operands must fit the vector registers (32 with AVX-512VL, 16 with AVX2 alone). A
+// decode unit's rows are the query heads of one KV head (3 for SmolLM2): with one row per load
+// the loops issued a load per FMA. Three rows per load made SmolLM2's attention 1.04-1.08x
+// faster on decode batches and 1.16-1.19x on prefill and mixed ones (interleaved, same bits).
+#if defined(__AVX512VL__)
+constexpr int64_t kSharedRows = 3;
+#else
+constexpr int64_t kSharedRows = 1;
+#endif
+
+// sc[g * ld + j + r] = q_g . k_{j+r} for g < R, r < 8: eight dot products per row accumulate
+// lane-wise, then one transposing reduction turns their eight vectors into one vector of eight
+// scores (a horizontal sum per position would cost more than its dot product at d = 64).
+template <int R>
+inline void scores_8(const float* qs, const float* k0, float* sc, int64_t d, int64_t ld) {
+  __m256 a[R][8];
+  for (int g = 0; g < R; ++g)
+    for (int r = 0; r < 8; ++r) a[g][r] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; i += 8) {
+    __m256 qv[R];
+    for (int g = 0; g < R; ++g) qv[g] = _mm256_loadu_ps(qs + g * d + i);
+    for (int r = 0; r < 8; ++r) {
+      const __m256 kv = _mm256_loadu_ps(k0 + r * d + i);
+      for (int g = 0; g < R; ++g) a[g][r] = _mm256_fmadd_ps(qv[g], kv, a[g][r]);
+    }
+  }
+  for (int g = 0; g < R; ++g) _mm256_storeu_ps(sc + g * ld, sum_lanes8(a[g]));
+}
+
+// acc[g, c:c + 64] += sum over j0 <= j < j1 of sc[g * ld + j] * v_j[c:c + 64] for g < R: the
+// output columns stay in registers across the page's positions.
+template <int R>
+inline void values_64(const float* sc, const float* vp, float* acc, int64_t d, int64_t ld,
+                      int64_t c, int64_t j0, int64_t j1) {
+  __m256 a[R][8];
+  for (int g = 0; g < R; ++g)
+    for (int r = 0; r < 8; ++r) a[g][r] = _mm256_loadu_ps(acc + g * d + c + 8 * r);
+  for (int64_t j = j0; j < j1; ++j) {
+    __m256 w[R];
+    for (int g = 0; g < R; ++g) w[g] = _mm256_broadcast_ss(sc + g * ld + j);
+    const float* vj = vp + j * d + c;
+    for (int r = 0; r < 8; ++r) {
+      const __m256 vv = _mm256_loadu_ps(vj + 8 * r);
+      for (int g = 0; g < R; ++g) a[g][r] = _mm256_fmadd_ps(w[g], vv, a[g][r]);
+    }
+  }
+  for (int g = 0; g < R; ++g)
+    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(acc + g * d + c + 8 * r, a[g][r]);
+}
+
+// f(g, n) over the rows [0, group) in blocks of n = kSharedRows rows, then what is left.
+template <typename F>
+inline void for_row_blocks(int64_t group, F f) {
+  int64_t g = 0;
+  for (; g + kSharedRows <= group; g += kSharedRows) f(g, kSharedRows);
+  if (g < group) f(g, group - g);
+}
+#endif
+
 // sc[g * ld + j] = q_g . k_j for the query rows g < group and the positions j0 <= j < j1 of one
 // page (k: its [bs, d] rows; ld: sc's row stride).
 inline void page_scores(const float* qs, const float* kp, float* sc, int64_t group, int64_t d,
                         int64_t ld, int64_t j0, int64_t j1) {
   int64_t j = j0;
 #if defined(__AVX2__) && defined(__FMA__)
-  // Eight positions at a time: eight dot products accumulate lane-wise, then one transposing
-  // reduction turns their eight vectors into one vector of eight scores (a horizontal sum per
-  // position would cost more than its dot product at d = 64).
   if (d % 8 == 0) {
     for (; j + 8 <= j1; j += 8) {
-      const float* k0 = kp + j * d;
-      for (int64_t g = 0; g < group; ++g) {
-        const float* qg = qs + g * d;
-        __m256 a[8];
-        for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
-        for (int64_t i = 0; i < d; i += 8) {
-          const __m256 qv = _mm256_loadu_ps(qg + i);
-          for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + r * d + i), a[r]);
-        }
-        _mm256_storeu_ps(sc + g * ld + j, sum_lanes8(a));
-      }
+      for_row_blocks(group, [&](int64_t g, int64_t n) {
+        const float* q = qs + g * d;
+        float* s = sc + g * ld + j;
+        if (n == 3) return scores_8<3>(q, kp + j * d, s, d, ld);
+        if (n == 2) return scores_8<2>(q, kp + j * d, s, d, ld);
+        for (int64_t h = 0; h < n; ++h) scores_8<1>(q + h * d, kp + j * d, s + h * ld, d, ld);
+      });
     }
   }
 #endif
@@ -132,23 +186,20 @@ inline void page_scores(const float* qs, const float* kp, float* sc, int64_t gro
 inline void page_values(const float* sc, const float* vp, float* acc, int64_t group, int64_t d,
                         int64_t ld, int64_t j0, int64_t j1) {
 #if defined(__AVX2__) && defined(__FMA__)
-  // Per query head, 64 output columns at a time stay in eight registers across the page's
-  // positions (the scalar loop below reloads and stores them for every position).
   if (d % 64 == 0) {
-    for (int64_t g = 0; g < group; ++g) {
-      float* ag = acc + g * d;
-      const float* sg = sc + g * ld;
+    for_row_blocks(group, [&](int64_t g, int64_t n) {
+      const float* s = sc + g * ld;
+      float* a = acc + g * d;
       for (int64_t c = 0; c < d; c += 64) {
-        __m256 a[8];
-        for (int r = 0; r < 8; ++r) a[r] = _mm256_loadu_ps(ag + c + 8 * r);
-        for (int64_t j = j0; j < j1; ++j) {
-          const __m256 w = _mm256_broadcast_ss(sg + j);
-          const float* vj = vp + j * d + c;
-          for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vj + 8 * r), a[r]);
+        if (n == 3) {
+          values_64<3>(s, vp, a, d, ld, c, j0, j1);
+        } else if (n == 2) {
+          values_64<2>(s, vp, a, d, ld, c, j0, j1);
+        } else {
+          for (int64_t h = 0; h < n; ++h) values_64<1>(s + h * ld, vp, a + h * d, d, ld, c, j0, j1);
         }
-        for (int r = 0; r < 8; ++r) _mm256_storeu_ps(ag + c + 8 * r, a[r]);
       }
-    }
+    });
     return;
   }
 #endif
