@@ -1,0 +1,142 @@
+"""A decode step of the real engine against its matmul-only stack: the issue's step target.
+
+The step is `ModelRunner.run` on one bucket filled with decode rows, each sequence with its own
+pages at the given context (bench/buckets.py's `representative_inputs`), timed up to its logits.
+The matmul-only stack is the same step's products and nothing else: the four projections of
+every layer at the step's token count under `lax.scan` (weights of the model's shapes, laid out
+for the engine's matmul implementation) and the lm_head at one row per sequence. Both are timed
+in alternation, in one process, so a change in the machine's state moves both; the report gives
+the median of the rounds and the step's share of the matmul-only rate (stack / step).
+
+    python bench/decode_step.py                          # 32 decodes at context 512
+    python bench/decode_step.py --seqs 64 --context 400 --rounds 7
+    python bench/decode_step.py --smoke                  # tiny, for CI
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from buckets import representative_inputs
+
+from jserve.engine import LLMEngine
+from jserve.engine_args import add_engine_arguments, engine_args_from_namespace
+from jserve.models.config import ModelConfig
+from jserve.pallas.layer_matmul import layer_matmul, pack_layer_weight
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(K, N) of each layer projection as the model fuses them (Q/K/V and gate/up fused)."""
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    i = config.intermediate_size
+    return {"wqkv": (h, q + 2 * kv), "wo": (q, h), "w_gate_up": (h, 2 * i), "w_down": (i, h)}
+
+
+def matmul_stack(config: ModelConfig, impl: str, tokens: int, seqs: int, seed: int = 0):
+    """A jitted fn() running the step's products once, and the arrays it reads."""
+    rng = np.random.default_rng(seed)
+    layers = config.num_layers
+
+    def weight(k: int, n: int, num: int) -> jax.Array:
+        w = rng.standard_normal((num, k, n), np.float32) * k**-0.5
+        return pack_layer_weight(jnp.asarray(w), impl)
+
+    shapes = projection_shapes(config)
+    weights = {name: weight(k, n, layers) for name, (k, n) in shapes.items()}
+    inputs = {
+        name: jnp.asarray(rng.standard_normal((tokens, k), np.float32))
+        for name, (k, _) in shapes.items()
+    }
+    head = weight(config.hidden_size, config.vocab_size, 1)
+    rows = jnp.asarray(rng.standard_normal((seqs, config.hidden_size), np.float32))
+
+    @jax.jit
+    def run(weights, inputs, head, rows):
+        def one(total, layer):
+            for name, (_, n) in shapes.items():
+                total = total + layer_matmul(inputs[name], weights[name], layer, impl, n)[0, 0]
+            return total, None
+
+        total = jax.lax.scan(one, jnp.float32(0), jnp.arange(layers, dtype=jnp.int32))[0]
+        logits = layer_matmul(rows, head, jnp.int32(0), impl, config.vocab_size)
+        return total + logits[0, 0]
+
+    return lambda: run(weights, inputs, head, rows)
+
+
+def median_ms(fn, calls: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(calls):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_engine_arguments(parser)
+    parser.add_argument("--seqs", type=int, default=32, help="decode rows (= token bucket)")
+    parser.add_argument("--context", type=int, default=512, help="cached positions per row")
+    parser.add_argument("--rounds", type=int, default=5, help="alternations of step and stack")
+    parser.add_argument("--calls", type=int, default=9, help="timed calls per round (median)")
+    parser.add_argument("--smoke", action="store_true", help="tiny buckets, one round")
+    parser.add_argument("--json", help="also write the report here")
+    if parser.parse_known_args(argv)[0].smoke:  # small buckets compile in seconds
+        parser.set_defaults(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256)
+        parser.set_defaults(seqs=8, context=64, rounds=1, calls=2)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    engine = LLMEngine(engine_args_from_namespace(args))
+    buckets = engine.inputs_builder.token_buckets
+    if args.seqs not in buckets:
+        raise SystemExit(f"--seqs {args.seqs} is not one of the token buckets {buckets}")
+    inputs, _ = representative_inputs(engine, "decode", args.seqs, args.seqs, args.context)
+    stack = matmul_stack(engine.model_config, engine.runner.matmul_impl, args.seqs, args.seqs)
+    load_before = os.getloadavg()[0]
+    step_ms, stack_ms = [], []
+    for _ in range(args.rounds):
+        step_ms.append(median_ms(lambda: engine.runner.run(inputs), args.calls))
+        stack_ms.append(median_ms(stack, args.calls))
+    load_after = os.getloadavg()[0]
+    shares = [m / s for m, s in zip(stack_ms, step_ms, strict=True)]
+    report = {
+        "seqs": args.seqs,
+        "context": args.context,
+        "matmul_impl": engine.runner.matmul_impl,
+        "step_ms": step_ms,
+        "stack_ms": stack_ms,
+        "median_step_ms": statistics.median(step_ms),
+        "median_stack_ms": statistics.median(stack_ms),
+        "share_of_matmul_rate": statistics.median(stack_ms) / statistics.median(step_ms),
+        "share_range": [min(shares), max(shares)],
+        "loadavg_1min": {"before": load_before, "after": load_after},
+    }
+    print(
+        f"{args.seqs} decodes at context {args.context} ({report['matmul_impl']} matmuls), "
+        f"{args.rounds} rounds: step {report['median_step_ms']:.1f} ms "
+        f"({min(step_ms):.1f}-{max(step_ms):.1f}), matmul-only stack "
+        f"{report['median_stack_ms']:.1f} ms ({min(stack_ms):.1f}-{max(stack_ms):.1f}): the step "
+        f"runs at {report['share_of_matmul_rate']:.0%} of the matmul-only rate "
+        f"({min(shares):.0%}-{max(shares):.0%}); 1-minute load {load_before:.2f} -> "
+        f"{load_after:.2f}"
+    )
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
