@@ -3,8 +3,9 @@
 The native kernel, on the weight as `pack_layer_weight` lays it out, is held to the same
 reference as XLA's dot: odd shapes (columns not a multiple of the 16-column panel, rows not a
 multiple of the register block, a register block of two panels whose second is padded, K of
-one), every step size from one token to past a row chunk, every layer of the stack, and NaN in every other layer, which must never reach the output; and
-a step's padding rows, which it skips.
+one), every step size from one token to past a row chunk, every layer of the stack, and NaN
+in every other layer, which must never reach the output; and a step's padding rows, which it
+skips.
 """
 
 from __future__ import annotations
