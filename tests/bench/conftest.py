@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -21,3 +23,20 @@ def mock_server(tmp_path):
         mock_command(["--mock-token-delay", "0.005"]), tmp_path / "mock.log", start_timeout=60
     ) as server:
         yield server
+
+
+@pytest.fixture
+def smoke_report(tmp_path):
+    """run(script, *args): runs `bench/<script> --smoke *args --json FILE` in a fresh interpreter
+    and returns (its JSON report, its CompletedProcess); a failed run fails the test."""
+
+    def run(script: str, *args: str) -> tuple[dict, subprocess.CompletedProcess]:
+        out = tmp_path / f"{Path(script).stem}.json"
+        result = subprocess.run(
+            [sys.executable, str(BENCH_DIR / script), "--smoke", *args, "--json", str(out)],
+            capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        return json.loads(out.read_text()), result
+
+    return run

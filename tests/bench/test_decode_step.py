@@ -3,18 +3,12 @@ adds up."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import gguf
 from decode_step import projection_shapes
 
 from jserve.loaders.gguf_file import config_from_gguf
 from jserve.loaders.model_source import default_model_path
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 FUSED = {
     "wqkv": ("attn_q", "attn_k", "attn_v"),
     "wo": ("attn_output",),
@@ -33,15 +27,8 @@ def test_stack_shapes_are_the_gguf_layer_weights_fused():
     assert projection_shapes(config)["wqkv"][0] == config.hidden_size
 
 
-def test_smoke_report_adds_up(tmp_path):
-    out = tmp_path / "step.json"
-    result = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "decode_step.py"), "--smoke", "--rounds", "2",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-2000:]
-    report = json.loads(out.read_text())
+def test_smoke_report_adds_up(smoke_report):
+    report, result = smoke_report("decode_step.py", "--rounds", "2")
     assert len(report["step_ms"]) == len(report["stack_ms"]) == 2
     assert all(ms > 0 for ms in report["step_ms"] + report["stack_ms"])
     share = report["median_stack_ms"] / report["median_step_ms"]

@@ -2,11 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
-
 import gguf
 import pytest
 from peer import make_workloads
@@ -15,7 +10,6 @@ from roofline import projection_flops_per_token, roofline_table, step_cost
 from jserve.loaders.gguf_file import config_from_gguf
 from jserve.loaders.model_source import default_model_path
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
@@ -66,15 +60,8 @@ def test_table_floor_is_the_slower_of_compute_and_memory(smollm2):
     assert rows["prefill T=512"]["compute_bound"] == 1
 
 
-def test_smoke_counts_add_up_to_the_requests_closed_forms(tmp_path):
-    out = tmp_path / "roofline.json"
-    result = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "roofline.py"), "--smoke", "--workload", "batch-1",
-         "--json", str(out)],
-        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+def test_smoke_counts_add_up_to_the_requests_closed_forms(smoke_report):
+    report, result = smoke_report("roofline.py", "--workload", "batch-1")
     (request,) = next(w for w in make_workloads(True) if w["name"] == "batch-1")["requests"]
     prompt, outputs = len(request["prompt_token_ids"]), request["max_tokens"]
     fed = prompt + outputs - 1  # the last output token is never fed back
