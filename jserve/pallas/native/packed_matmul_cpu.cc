@@ -61,8 +61,8 @@ struct Problem {
   int64_t t, k, n, panels;
 };
 
-// out[r, 0:16] = x[r, :] @ panel for r < MR (out has row stride ldo); with `next`, the K rows
-// of the next panel are prefetched into L2 on the way.
+// out[r, 0:16 NP] = x[r, :] @ the NP panels from `panel` for r < MR (out has row stride ldo);
+// with `next`, the K rows of the NP panels from `next` are prefetched into L2 on the way.
 #if defined(__AVX512F__)
 // The accumulators are named variables, not an array: GCC keeps a vector array on the stack and
 // stores it back on every k. Each lane computes its column exactly as the AVX2 block below does
