@@ -19,13 +19,14 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from buckets import representative_inputs
+from kernels import median_seconds
+from roofline import projection_shapes
 
 from jserve.engine import LLMEngine
 from jserve.engine_args import add_engine_arguments, engine_args_from_namespace
@@ -33,16 +34,8 @@ from jserve.models.config import ModelConfig
 from jserve.pallas.layer_matmul import layer_matmul, pack_layer_weight
 
 
-def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """(K, N) of each layer projection as the model fuses them (Q/K/V and gate/up fused)."""
-    h, q = config.hidden_size, config.num_heads * config.head_dim
-    kv = config.num_kv_heads * config.head_dim
-    i = config.intermediate_size
-    return {"wqkv": (h, q + 2 * kv), "wo": (q, h), "w_gate_up": (h, 2 * i), "w_down": (i, h)}
-
-
 def matmul_stack(config: ModelConfig, impl: str, tokens: int, seqs: int, seed: int = 0):
-    """A jitted fn() running the step's products once, and the arrays it reads."""
+    """fn(): the step's products once, jitted, on random arrays of the step's shapes."""
     rng = np.random.default_rng(seed)
     layers = config.num_layers
 
@@ -74,13 +67,8 @@ def matmul_stack(config: ModelConfig, impl: str, tokens: int, seqs: int, seed: i
 
 
 def median_ms(fn, calls: int) -> float:
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(calls):
-        start = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """Median wall ms of fn() over `calls` calls, after one warm-up call."""
+    return median_seconds(fn, (), calls, warmup=1)[0] * 1e3
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -40,10 +40,17 @@ from jserve.models.config import ModelConfig
 FLOAT32_BYTES = 4
 
 
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(K, N) of each layer projection as the model fuses them (Q/K/V and gate/up fused)."""
+    h, q = config.hidden_size, config.num_heads * config.head_dim
+    kv = config.num_kv_heads * config.head_dim
+    i = config.intermediate_size
+    return {"wqkv": (h, q + 2 * kv), "wo": (q, h), "w_gate_up": (h, 2 * i), "w_down": (i, h)}
+
+
 def projection_flops_per_token(config: ModelConfig) -> int:
     """2 x the weight elements of the layers' Q/K/V, output, gate/up and down projections."""
-    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, config.num_kv_heads
-    per_layer = h * (q + 2 * kv * config.head_dim) + q * h + 3 * h * config.intermediate_size
+    per_layer = sum(k * n for k, n in projection_shapes(config).values())
     return 2 * config.num_layers * per_layer
 
 

@@ -1,10 +1,10 @@
-"""bench/decode_step.py: its matmul-only stack holds the model's own projections, and its report
-adds up."""
+"""bench/decode_step.py: its matmul-only stack holds the model's own projections (roofline's
+`projection_shapes`), and its report adds up."""
 
 from __future__ import annotations
 
 import gguf
-from decode_step import projection_shapes
+from roofline import projection_shapes
 
 from jserve.loaders.gguf_file import config_from_gguf
 from jserve.loaders.model_source import default_model_path
