@@ -38,7 +38,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kBlockRows = 32;    // query tokens of a prefill chunk per unit
-constexpr int64_t kPrefetchPages = 2;  // pages requested ahead of the one being computed
+constexpr int64_t kPrefetchPages = 4;  // pages requested ahead of the one being computed
 constexpr int64_t kTilePages = 4;      // pages per online-softmax step
 constexpr int64_t kFloatsPerLine = 16; // 64-byte cache lines
 
@@ -271,13 +271,15 @@ void run_unit(const Problem& p, const Unit& u) {
     for (int64_t page = tile; page < tile_end; ++page) {
       const float* kp = p.k + layer_offset + table[page] * page_stride;
       // Pages are scattered in the pool, so the hardware prefetcher cannot run ahead across
-      // them: ask for the next pages' K and V while this one is computed, into L2 (hint 2),
-      // which holds many more outstanding requests than L1 does.
+      // them: ask for the next pages' K and V while this one is computed. Each page is asked
+      // for again at every page until it is reached: on an AMD Zen 5 asking once per page (at
+      // 2-6 pages ahead) was as slow as not asking at all, and asking again into L1 (hint 3)
+      // at up to 4 pages ahead read a 32 x 512 decode's K/V 1.2-1.3x faster than into L2 at 2.
       for (int64_t ahead = 1; ahead <= kPrefetchPages && page + ahead <= last_page; ++ahead) {
         const int64_t next = layer_offset + table[page + ahead] * page_stride;
         for (int64_t b = 0; b < bs * d; b += kFloatsPerLine) {
-          __builtin_prefetch(p.k + next + b, 0, 2);
-          __builtin_prefetch(p.v + next + b, 0, 2);
+          __builtin_prefetch(p.k + next + b, 0, 3);
+          __builtin_prefetch(p.v + next + b, 0, 3);
         }
       }
       const auto [j0, j1] = seen(page);
