@@ -27,6 +27,7 @@ from jserve.models.config import ModelConfig
 from jserve.models.llama import MODEL_AXIS, lay_out_weights
 from jserve.pallas import kv_cache_shape
 from jserve.pallas.layer_matmul import choose_matmul_impl
+from jserve.runtime.huge_pages import advise_huge_pages
 from jserve.runtime.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,11 @@ class ModelRunner:
         self._executables: dict[tuple[int, int], Any] = {}
 
     def reset_kv_cache(self) -> None:
-        """A fresh (zero) KV pool, e.g. after a failed step consumed the donated one."""
+        """A fresh (zero) KV pool, e.g. after a failed step consumed the donated one. Steps
+        donate it and get it back in the same buffers, so its huge pages (asked for here)
+        last."""
         self.kv_cache = (self._zeros(), self._zeros())
+        advise_huge_pages(self.kv_cache)
 
     def precompile(
         self,
