@@ -7,18 +7,26 @@ every layer at the step's token count under `lax.scan` (weights of the model's s
 for the engine's matmul implementation) and the lm_head at one row per sequence. Both are timed
 in alternation, in one process, so a change in the machine's state moves both; the report gives
 the median of the rounds and the step's share of the matmul-only rate (stack / step).
+With --profile, the step's calls are also traced (jax.profiler) and reduced to a table: the ms
+a step spends in the matmuls, attention, gathers and scatters, the other XLA ops, and the rest
+of its wall time (dispatch and host), by the op names of the bucket's own optimized HLO.
 
     python bench/decode_step.py                          # 32 decodes at context 512
     python bench/decode_step.py --seqs 64 --context 400 --rounds 7
+    python bench/decode_step.py --profile                # and where the step's time goes
     python bench/decode_step.py --smoke                  # tiny, for CI
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
+import re
 import statistics
+import tempfile
+import time
 from pathlib import Path
 
 import jax
@@ -66,6 +74,58 @@ def matmul_stack(config: ModelConfig, impl: str, tokens: int, seqs: int, seed: i
     return lambda: run(weights, inputs, head, rows)
 
 
+# A profile row of each native kernel, by its FFI target; the other ops go by their names.
+TARGET_ROWS = {"jserve_packed_matmul_f32": "matmuls", "jserve_ragged_attention_f32": "attention"}
+CONTAINERS = {"while", "conditional", "call"}  # ops whose time is their inner ops' time
+PROFILE_ROWS = ("matmuls", "attention", "gathers and scatters", "other XLA ops")
+
+
+def op_rows(hlo: str) -> dict[str, str]:
+    """Each instruction of an optimized HLO module -> its profile row (containers left out)."""
+    rows = {}
+    line = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+) = .*? ([a-z][\w-]*)\((.*)$", re.M)
+    for name, opcode, rest in line.findall(hlo):
+        if opcode in CONTAINERS:
+            continue
+        target = re.search(r'custom_call_target="([^"]+)"', rest)
+        if target and target.group(1) in TARGET_ROWS:
+            rows[name] = TARGET_ROWS[target.group(1)]
+        elif re.search(r"scatter|gather|dynamic-slice|dynamic-update-slice", name + opcode):
+            rows[name] = "gathers and scatters"
+        else:
+            rows[name] = "other XLA ops"
+    return rows
+
+
+def profile_step(fn, hlo: str, calls: int) -> dict[str, float]:
+    """ms per call of fn() in each profile row, from a jax.profiler trace of `calls` calls, and
+    "dispatch and host": the calls' wall time that no op of the module accounts for."""
+    from jax.profiler import ProfileData
+
+    rows = op_rows(hlo)
+    module = re.search(r"^HloModule (\S+?),", hlo, re.M).group(1)
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as trace_dir:
+        with jax.profiler.trace(trace_dir):
+            start = time.perf_counter()
+            for _ in range(calls):
+                jax.block_until_ready(fn())
+            wall_ms = (time.perf_counter() - start) * 1e3 / calls
+        (path,) = glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True)
+        data = ProfileData.from_file(path)
+    ms = dict.fromkeys(PROFILE_ROWS, 0.0)
+    for plane in data.planes:
+        for events in plane.lines:
+            for event in events.events:
+                stats = dict(event.stats)
+                row = rows.get(stats.get("hlo_op"))
+                if row is not None and stats.get("hlo_module") == module:
+                    ms[row] += event.duration_ns / 1e6 / calls
+    ms["dispatch and host"] = wall_ms - sum(ms.values())
+    ms["wall"] = wall_ms
+    return ms
+
+
 def median_ms(fn, calls: int) -> float:
     """Median wall ms of fn() over `calls` calls, after one warm-up call."""
     return median_seconds(fn, (), calls, warmup=1)[0] * 1e3
@@ -78,6 +138,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--context", type=int, default=512, help="cached positions per row")
     parser.add_argument("--rounds", type=int, default=5, help="alternations of step and stack")
     parser.add_argument("--calls", type=int, default=9, help="timed calls per round (median)")
+    parser.add_argument("--profile", action="store_true", help="also trace the step's ops")
     parser.add_argument("--smoke", action="store_true", help="tiny buckets, one round")
     parser.add_argument("--json", help="also write the report here")
     if parser.parse_known_args(argv)[0].smoke:  # small buckets compile in seconds
@@ -122,6 +183,13 @@ def main(argv: list[str] | None = None) -> None:
         f"({min(shares):.0%}-{max(shares):.0%}); 1-minute load {load_before:.2f} -> "
         f"{load_after:.2f}"
     )
+    if args.profile:
+        hlo = engine.runner.hlo_text(args.seqs, args.seqs)
+        profile = profile_step(lambda: engine.runner.run(inputs), hlo, args.calls)
+        report["profile_ms"] = profile
+        print("| where a step's time goes | ms | share |\n|---|---:|---:|")
+        for row, ms in profile.items():
+            print(f"| {row} | {ms:.1f} | {ms / profile['wall']:.0%} |")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
 

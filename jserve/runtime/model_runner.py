@@ -153,6 +153,10 @@ class ModelRunner:
         device of the mesh, which holds a full copy."""
         return jax.sharding.SingleDeviceSharding(self.mesh.local_devices[0])
 
+    def hlo_text(self, tokens: int, seqs: int) -> str:
+        """The optimized HLO of a bucket's executable: what a profile's op names refer to."""
+        return self._executables[(tokens, seqs)].as_text()
+
     def run(self, inputs: StepInputs) -> jax.Array:
         """Run one step; returns logits [S, V] (on one device) and keeps the new KV pool."""
         exe = self._executables.get((inputs.num_tokens, inputs.max_seqs))

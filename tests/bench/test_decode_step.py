@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import re
+
 import gguf
 from roofline import projection_shapes
 
@@ -36,3 +38,42 @@ def test_smoke_report_adds_up(smoke_report):
     low, high = report["share_range"]
     assert low <= high
     assert "runs at" in result.stdout
+
+
+def test_op_rows_sort_a_real_module():
+    import jax
+    import jax.numpy as jnp
+    from decode_step import op_rows
+
+    from jserve.pallas.layer_matmul import choose_matmul_impl, layer_matmul, pack_layer_weight
+
+    impl = choose_matmul_impl(dtype=jnp.float32)
+    w = pack_layer_weight(jnp.ones((2, 8, 16), jnp.float32), impl)
+
+    def f(x, w, pool, slots):
+        def layer(pool, i):
+            y = layer_matmul(x, w, i, impl, 16)
+            return pool.at[slots].set(y[:, :4]), None
+
+        return jax.lax.scan(layer, pool, jnp.arange(2, dtype=jnp.int32))[0]
+
+    args = (jnp.ones((3, 8)), w, jnp.zeros((10, 4)), jnp.array([1, 5, 7], jnp.int32))
+    hlo = jax.jit(f).lower(*args).compile().as_text()
+    rows = op_rows(hlo)
+    opcodes = dict(re.findall(r"^\s*(?:ROOT\s+)?%?(\S+) = .*? ([a-z][\w-]*)\(", hlo, re.M))
+    assert "while" in opcodes.values()
+    assert all(opcodes[name] != "while" for name in rows)
+    scatters = [name for name, op in opcodes.items() if "scatter" in name + op]
+    assert scatters and all(rows[name] == "gathers and scatters" for name in scatters)
+    if impl == "native":
+        calls = [name for name, op in opcodes.items() if op == "custom-call"]
+        assert calls and all(rows[name] == "matmuls" for name in calls)
+
+
+def test_smoke_profile_accounts_for_the_wall_time(smoke_report):
+    report, result = smoke_report("decode_step.py", "--rounds", "1", "--profile")
+    profile = report["profile_ms"]
+    assert profile["matmuls"] > 0 and profile["attention"] > 0
+    ops = sum(profile[row] for row in ("matmuls", "attention", "gathers and scatters"))
+    assert ops + profile["other XLA ops"] <= 1.05 * profile["wall"]
+    assert "| attention |" in result.stdout
