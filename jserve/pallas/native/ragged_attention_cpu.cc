@@ -272,14 +272,17 @@ void run_unit(const Problem& p, const Unit& u) {
       const float* kp = p.k + layer_offset + table[page] * page_stride;
       // Pages are scattered in the pool, so the hardware prefetcher cannot run ahead across
       // them: ask for the next pages' K and V while this one is computed. Each page is asked
-      // for again at every page until it is reached: on an AMD Zen 5 asking once per page (at
-      // 2-6 pages ahead) was as slow as not asking at all, and asking again into L1 (hint 3)
-      // at up to 4 pages ahead read a 32 x 512 decode's K/V 1.2-1.3x faster than into L2 at 2.
+      // for again at every page until it is reached: asking once per page (at 2-6 pages
+      // ahead) was as slow as not asking at all. They go to L2 (hint 2), not L1: 4 pages of a
+      // SmolLM2 head's K and V are 32 KiB, a whole L1 on many cores, and into L1 a 32 x 512
+      // decode's 30 layers took 57-59 ms on an AMD Zen 4 against 30-32 ms into L2 (2 pages
+      // ahead: 34-39 ms; 6: 35 ms). On a Zen 5, with a 48 KiB L1, into L1 was 1.2-1.3x faster
+      // than into L2 at 2 pages ahead.
       for (int64_t ahead = 1; ahead <= kPrefetchPages && page + ahead <= last_page; ++ahead) {
         const int64_t next = layer_offset + table[page + ahead] * page_stride;
         for (int64_t b = 0; b < bs * d; b += kFloatsPerLine) {
-          __builtin_prefetch(p.k + next + b, 0, 3);
-          __builtin_prefetch(p.v + next + b, 0, 3);
+          __builtin_prefetch(p.k + next + b, 0, 2);
+          __builtin_prefetch(p.v + next + b, 0, 2);
         }
       }
       const auto [j0, j1] = seen(page);
