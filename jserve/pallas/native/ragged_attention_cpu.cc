@@ -275,7 +275,7 @@ void run_unit(const Problem& p, const Unit& u) {
       // for again at every page until it is reached: asking once per page (at 2-6 pages
       // ahead) was as slow as not asking at all. They go to L2 (hint 2), not L1: 4 pages of a
       // SmolLM2 head's K and V are 32 KiB, a whole L1 on many cores, and into L1 a 32 x 512
-      // decode's 30 layers took 57-59 ms on an AMD Zen 4 against 30-32 ms into L2 (2 pages
+      // decode's 30 layers took 57-66 ms on an AMD Zen 4 against 30-32 ms into L2 (2 pages
       // ahead: 34-39 ms; 6: 35 ms). On a Zen 5, with a 48 KiB L1, into L1 was 1.2-1.3x faster
       // than into L2 at 2 pages ahead.
       for (int64_t ahead = 1; ahead <= kPrefetchPages && page + ahead <= last_page; ++ahead) {
