@@ -37,10 +37,10 @@ import numpy as np
 import offline
 from jax import monitoring
 
+from jserve.config.engine_args import add_engine_arguments, engine_args_from_namespace
 from jserve.core.block_manager import SINK_BLOCK_ID
 from jserve.core.plan import ScheduledSeq, StepPlan
-from jserve.engine import LLMEngine
-from jserve.engine_args import add_engine_arguments, engine_args_from_namespace
+from jserve.engine.llm_engine import LLMEngine
 from jserve.loaders.model_source import load_model
 from jserve.runtime.compilation import forbid_compilation
 from jserve.runtime.step_inputs import StepInputBuilder, StepInputs

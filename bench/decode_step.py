@@ -36,8 +36,8 @@ from buckets import representative_inputs
 from kernels import median_seconds
 from roofline import projection_shapes
 
-from jserve.engine import LLMEngine
-from jserve.engine_args import add_engine_arguments, engine_args_from_namespace
+from jserve.config.engine_args import add_engine_arguments, engine_args_from_namespace
+from jserve.engine.llm_engine import LLMEngine
 from jserve.models.config import ModelConfig
 from jserve.pallas.layer_matmul import layer_matmul, pack_layer_weight
 

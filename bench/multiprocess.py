@@ -30,7 +30,7 @@ ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=512, num_
 def _child(process_id: int, port: int, processes: int, requests: int, output_len: int) -> int:
     import numpy as np
 
-    from jserve.engine_args import EngineArgs
+    from jserve.config.engine_args import EngineArgs
     from jserve.sampling_params import SamplingParams
 
     args = EngineArgs(
@@ -38,10 +38,10 @@ def _child(process_id: int, port: int, processes: int, requests: int, output_len
         num_processes=processes, process_id=process_id,
     )  # fmt: skip
     if process_id > 0:
-        from jserve.follower import run_follower
+        from jserve.engine.follower import run_follower
 
         return run_follower(args)
-    from jserve.engine import LLMEngine
+    from jserve.engine.llm_engine import LLMEngine
 
     engine = LLMEngine(args)
     channel = engine.runner.channel

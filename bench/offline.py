@@ -29,8 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jserve.engine import LLMEngine
-from jserve.engine_args import EngineArgs
+from jserve.config.engine_args import EngineArgs
+from jserve.engine.llm_engine import LLMEngine
 from jserve.layers.norm import rms_norm
 from jserve.layers.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from jserve.loaders.model_source import LoadedModel, load_model

@@ -33,8 +33,8 @@ from buckets import logged_steps
 from offline import Workload, add_requests, greedy
 from peer import make_workloads
 
-from jserve.engine import LLMEngine
-from jserve.engine_args import add_engine_arguments, engine_args_from_namespace
+from jserve.config.engine_args import add_engine_arguments, engine_args_from_namespace
+from jserve.engine.llm_engine import LLMEngine
 from jserve.models.config import ModelConfig
 
 FLOAT32_BYTES = 4

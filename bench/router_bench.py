@@ -3,9 +3,9 @@
 1. Start the preset's replicas once, in parallel (each on a free port, each publishing its
    KV-cache events on its own ZMQ ports), and keep them for every side.
 2. For each policy: start its router (smg, or vllm-router for kv_aware) through the fleet's
-   own command builder (server.fleet.router_command), build the workload with this side's seed,
-   run it through the router, stop the router. The prefix-cache hit rate is the sum over the
-   replicas of the `jserve:prefix_cache_hits_total` / `..._queries_total` deltas.
+   own command builder (jserve.server.fleet.router_command), build the workload with this
+   side's seed, run it through the router, stop the router. The prefix-cache hit rate is the
+   sum over the replicas of the `jserve:prefix_cache_hits_total` / `..._queries_total` deltas.
    Each side gets its own system prompts (same lengths and tenant order, other words), so one
    side's cached blocks can never be another side's hits; stale blocks are evictable, so
    they take no room.
@@ -41,7 +41,7 @@ from server_process import ServerProcess, jserve_command, mock_command
 from server_stats import scrape
 from workloads import TextMaker
 
-from server.fleet import router_command
+from jserve.server.fleet import router_command
 
 HIT, QUERY = "jserve:prefix_cache_hits_total", "jserve:prefix_cache_queries_total"
 

@@ -16,10 +16,10 @@ import random
 import statistics
 import time
 
-from jserve.config import CacheConfig, SchedulerConfig
+from jserve.config.scheduler import CacheConfig, SchedulerConfig
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
-from jserve.stopping import StopConditions
+from jserve.core.stopping import StopConditions
 
 EOS = 2
 SYSTEM_PROMPT = list(range(100, 164))  # 64 shared tokens

@@ -21,12 +21,12 @@ _LISTENING = re.compile(r"listening on http://([\d.]+):(\d+)")
 
 
 def jserve_command(server_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-            *server_args]  # fmt: skip
+    return [sys.executable, "-m", "jserve.server.cli", "serve", "--host", "127.0.0.1",
+            "--port", "0", *server_args]  # fmt: skip
 
 
 def mock_command(server_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "server", "--mock", "--host", "127.0.0.1", "--port", "0",
+    return [sys.executable, "-m", "jserve.server", "--mock", "--host", "127.0.0.1", "--port", "0",
             *server_args]  # fmt: skip
 
 

@@ -39,15 +39,15 @@ from serve_client import RequestRecord
 from serve_metrics import format_summary, summarize, summarize_by_group
 from workloads import LengthDist
 
-from jserve.config import LANES, CacheConfig, SchedulerConfig
+from jserve.config.scheduler import LANES, CacheConfig, SchedulerConfig
 from jserve.core.buckets import engine_buckets, make_seq_buckets, make_token_buckets, step_buckets
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
 from jserve.core.step_costs import StepCosts, load_bucket_report
+from jserve.core.stopping import StopConditions
 from jserve.core.tenants import TenantPolicy
 from jserve.errors import RequestRejected
-from jserve.stopping import StopConditions
 
 DEFAULT_REPORT = Path(__file__).resolve().parent / "results" / "buckets_cpu.json"
 FILLER_TOKEN = 7
@@ -498,8 +498,8 @@ SMOLLM2_KV_BYTES_PER_TOKEN = 30 * 3 * 64 * 2 * 4
 def _served_config(command: str) -> tuple[SchedulerConfig, int, int]:
     """(scheduler config, KV blocks, block size) of a `jserve serve` command line, through
     jserve's own parser so defaults cannot drift."""
-    from jserve.engine_args import engine_args_from_namespace
-    from server.cli import build_parser as serve_parser
+    from jserve.config.engine_args import engine_args_from_namespace
+    from jserve.server.cli import build_parser as serve_parser
 
     words = command.split()
     ns = serve_parser().parse_args(words[words.index("serve") :])

@@ -24,8 +24,8 @@ import time
 
 import jsonschema
 
-from jserve.engine import LLMEngine
-from jserve.engine_args import EngineArgs
+from jserve.config.engine_args import EngineArgs
+from jserve.engine.llm_engine import LLMEngine
 from jserve.loaders.model_source import load_model
 from jserve.runtime.compilation import forbid_compilation
 from jserve.sampling_params import SamplingParams, StructuredOutputsParams

@@ -11,7 +11,7 @@ __all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
 
 def __getattr__(name: str):
     if name == "LLM":
-        from jserve.llm import LLM
+        from jserve.engine.llm import LLM
 
         return LLM
     raise AttributeError(f"module 'jserve' has no attribute {name!r}")

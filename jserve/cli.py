@@ -6,14 +6,14 @@ import argparse
 import logging
 import sys
 
-from jserve.engine_args import add_engine_arguments
+from jserve.config.engine_args import add_engine_arguments
 
 log = logging.getLogger("jserve")
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from jserve.engine import LLMEngine
-    from jserve.engine_args import engine_args_from_namespace
+    from jserve.config.engine_args import engine_args_from_namespace
+    from jserve.engine.llm_engine import LLMEngine
     from jserve.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -21,7 +21,7 @@ def _generate(args: argparse.Namespace) -> int:
     )
     engine_args = engine_args_from_namespace(args)
     if engine_args.process_id > 0:  # a multi-process run's other processes only follow
-        from jserve.follower import run_follower
+        from jserve.engine.follower import run_follower
 
         return run_follower(engine_args)
     engine = LLMEngine(engine_args)
@@ -54,7 +54,7 @@ def _convert(args: argparse.Namespace) -> int:
 def add_library_commands(sub: argparse._SubParsersAction) -> None:
     """Add `generate` and `convert`: the commands that need the engine but no server.
 
-    The `jserve` program itself (with `serve`) is assembled by `server.cli`, so this library
+    The `jserve` program itself (with `serve`) is assembled by `jserve.server.cli`, so this library
     never imports the app built on top of it.
     """
     gen = sub.add_parser("generate", help="stream one completion of PROMPT to standard output")

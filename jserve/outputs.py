@@ -2,9 +2,19 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
-from jserve.stopping import FinishReason
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence ended (jserve.core.stopping decides STOP and LENGTH); the values are the
+    strings outputs and HTTP bodies carry."""
+
+    STOP = "stop"  # a stop token or stop string
+    LENGTH = "length"  # max_tokens (or the context limit) reached
+    ABORT = "abort"  # the caller or the client ended it
+    TIMEOUT = "timeout"  # unfinished at its deadline
+    ERROR = "error"  # the engine failed it (its host-side step work raised, or a device step)
 
 
 @dataclass

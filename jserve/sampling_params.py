@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jserve.validation import INT64_MAX, INT64_MIN, check_float, check_int, show
+from jserve.config.validation import INT64_MAX, INT64_MIN, check_float, check_int, show
 
 MAX_LOGPROBS = 20
 

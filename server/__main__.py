@@ -1,4 +1,4 @@
-"""`python -m server --mock`: the server on the hand-computable mock engine (demos, tests).
+"""`python -m jserve.server --mock`: the server on the hand-computable mock engine (demos, tests).
 
 The real model is served by `jserve serve`.
 """
@@ -9,12 +9,12 @@ import argparse
 import asyncio
 import sys
 
-from server.cli import add_serve_arguments, serve_main
-from server.mock_engine import MockEngine
+from jserve.server.cli import add_serve_arguments, serve_main
+from jserve.server.mock_engine import MockEngine
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m server", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m jserve.server", description=__doc__)
     parser.add_argument("--mock", action="store_true", required=True, help="serve the mock engine")
     parser.add_argument("--mock-token-delay", type=float, default=0.02, help="seconds per token")
     parser.add_argument(

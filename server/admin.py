@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from server.api_errors import APIError
-from server.state import STATE, read_json_object
+from jserve.server.api_errors import APIError
+from jserve.server.state import STATE, read_json_object
 
 
 def _check_allowed(request: web.Request) -> None:

@@ -7,7 +7,7 @@ loading (run_server starts the engine in the background and installs it with `se
 Middlewares, outermost first:
 1. errors: APIError, aiohttp's HTTP errors (404, 405, 413) and any unexpected exception become
    OpenAI-style JSON bodies; nothing escapes as an HTML page or a dropped connection. (Requests
-   aiohttp cannot even parse never reach a middleware: server.connections answers those.)
+   aiohttp cannot even parse never reach a middleware: jserve.server.connections answers those.)
 2. admission: while draining for shutdown every endpoint but /health and /metrics answers 503;
    with an API key set, every endpoint but /health and /metrics needs `Authorization: Bearer`.
 """
@@ -22,23 +22,23 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from jserve.config.validation import check_token_ids
 from jserve.core.tenants import TenantLabels
 from jserve.errors import EngineDeadError
-from jserve.validation import check_token_ids
-from server.admin import add_admin_routes
-from server.api_errors import APIError
-from server.engine_client import EngineClient
-from server.generation import chat_completions, completions
-from server.metrics import ServerMetrics
-from server.protocol import BOOL, parse_messages, render_chat, typed_field
-from server.state import (
+from jserve.server.admin import add_admin_routes
+from jserve.server.api_errors import APIError
+from jserve.server.engine_client import EngineClient
+from jserve.server.generation import chat_completions, completions
+from jserve.server.metrics import ServerMetrics
+from jserve.server.protocol import BOOL, parse_messages, render_chat, typed_field
+from jserve.server.state import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_STREAM_IDLE_TIMEOUT,
     STATE,
     ServerState,
     read_json_object,
 )
-from server.worker_api import add_worker_routes
+from jserve.server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The `jserve` program: `serve` (this package) plus the library's `generate` and `convert`.
 
 The app sits on top of the library, so the program is assembled here: `jserve.cli` knows
-nothing of the server. `python -m server.cli ...` is the same program as `jserve ...`.
+nothing of the server. `python -m jserve.server.cli ...` is the same program as `jserve ...`.
 """
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ import logging
 import sys
 
 from jserve.cli import add_library_commands, run_command
+from jserve.config.engine_args import add_engine_arguments
 from jserve.core.tenants import TenantLabels, load_tenant_policy
-from jserve.engine_args import add_engine_arguments
-from server.app import DEFAULT_MAX_BODY_BYTES
-from server.connections import (
+from jserve.server.app import DEFAULT_MAX_BODY_BYTES
+from jserve.server.connections import (
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_KEEPALIVE_TIMEOUT,
     DEFAULT_MAX_HALF_OPEN,
 )
-from server.fleet import add_fleet_arguments, run_fleet
-from server.runner import EngineFactory, run_server
-from server.state import DEFAULT_BODY_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
+from jserve.server.fleet import add_fleet_arguments, run_fleet
+from jserve.server.runner import EngineFactory, run_server
+from jserve.server.state import DEFAULT_BODY_TIMEOUT, DEFAULT_STREAM_IDLE_TIMEOUT
 
 DEFAULT_MAX_TENANT_LABELS = 32
 
@@ -142,12 +142,12 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from jserve.async_engine import AsyncLLMEngine
-    from jserve.engine_args import engine_args_from_namespace
+    from jserve.config.engine_args import engine_args_from_namespace
+    from jserve.engine.async_engine import AsyncLLMEngine
 
     engine_args = engine_args_from_namespace(args)
     if engine_args.process_id > 0:  # a multi-process run's other processes serve no HTTP
-        from jserve.follower import run_follower
+        from jserve.engine.follower import run_follower
 
         _configure_logging()
         return run_follower(engine_args)

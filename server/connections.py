@@ -31,7 +31,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import ContentEncodingError, HttpProcessingError, LineTooLong
 from aiohttp.web_protocol import RequestPayloadError
 
-from server.api_errors import APIError
+from jserve.server.api_errors import APIError
 
 logger = logging.getLogger(__name__)
 

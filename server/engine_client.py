@@ -33,7 +33,7 @@ class EngineClient(Protocol):
     `generate` yields cumulative RequestOutputs (per CompletionOutput: `text` extends the
     previous text, `token_ids` and `logprobs` grow); the last one has `finished=True`. It raises
     `jserve.errors.RequestRejected` at the first iteration when the request is not admitted,
-    `lane` is one of jserve.config.LANES, `tenant` names who it is served for,
+    `lane` is one of jserve.config.scheduler.LANES, `tenant` names who it is served for,
     and `jserve.errors.EngineDeadError` when the engine dies. A request not finished `timeout`
     seconds after `generate` was called, waiting or running, finishes with finish_reason
     "timeout" and keeps the tokens it generated (jserve.core.deadlines states the rule).
@@ -49,7 +49,7 @@ class EngineClient(Protocol):
     state: str  # "starting" | "ready" | "dead" | "stopping"
     dead_reason: str | None
     num_restarts: int  # in-process restarts after failed steps (each failed its requests)
-    # Fixed sizes a router reads (server.worker_api): sequences run at once, the KV pool in
+    # Fixed sizes a router reads (jserve.server.worker_api): sequences run at once, the KV pool in
     # tokens (usable blocks x block size), tokens per block, devices the model is sharded over.
     max_num_seqs: int
     kv_cache_tokens: int

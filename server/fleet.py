@@ -4,10 +4,10 @@ jserve has no router of its own: the fleet runs smg (the Shepherd Model Gateway)
 `kv_aware` policy, vllm-router, both installed by `pip install 'jserve[fleet]'`.
 
 Walkthrough:
-1. Start every replica (`python -m server.cli serve`) on its own loopback port, each logging to
-   `<log-dir>/replica-<i>.log`; with `kv_aware`, each also publishes its KV-cache events on its
-   own ZMQ ports (jserve.kv_events). Wait until every replica's /health answers 200; a replica
-   that exits first fails the start (its log is named).
+1. Start every replica (`python -m jserve.server.cli serve`) on its own loopback port, each
+   logging to `<log-dir>/replica-<i>.log`; with `kv_aware`, each also publishes its KV-cache
+   events on its own ZMQ ports (jserve.kv_events.publisher). Wait until every replica's /health
+   answers 200; a replica that exits first fails the start (its log is named).
 2. Start the router on `--port` with the chosen policy, the replicas' URLs (and their event
    endpoints for vllm-router), the API key passed through (smg checks clients' keys and sends
    the key to the replicas; vllm-router forwards the client's header, which the replicas
@@ -18,7 +18,7 @@ Walkthrough:
    router's health checks take it back when it answers. A replica whose /health stops
    answering is reported. If the router exits, the fleet stops (exit 1).
 4. SIGTERM or SIGINT: stop the router first (no new requests), then SIGTERM every replica (each
-   drains its in-flight requests, see server.runner), SIGKILL what is left after
+   drains its in-flight requests, see jserve.server.runner), SIGKILL what is left after
    `--shutdown-timeout`, exit 0.
 """
 
@@ -57,7 +57,7 @@ HEALTH_INTERVAL_S = 2  # the routers' probe interval, and the fleet's own
 SESSION_AFFINITY_TTL_S = 600
 _HOST = "127.0.0.1"
 # The program each replica runs, before its flags (tests swap in the mock server).
-REPLICA_PROGRAM = [sys.executable, "-m", "server.cli", "serve"]
+REPLICA_PROGRAM = [sys.executable, "-m", "jserve.server.cli", "serve"]
 
 
 def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:

@@ -28,18 +28,18 @@ from aiohttp import web
 
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.outputs import RequestOutput
-from server.api_errors import APIError, rejection_to_api_error
-from server.engine_client import EngineClient
-from server.metrics import RequestTracker, ServerMetrics
-from server.openai_format import ChoiceCursor, ResponseBuilder
-from server.protocol import (
+from jserve.server.api_errors import APIError, rejection_to_api_error
+from jserve.server.engine_client import EngineClient
+from jserve.server.metrics import RequestTracker, ServerMetrics
+from jserve.server.openai_format import ChoiceCursor, ResponseBuilder
+from jserve.server.protocol import (
     ParsedRequest,
     encode_prompt,
     parse_chat,
     parse_completion,
     request_tenant,
 )
-from server.state import STATE, ServerState, read_json_object
+from jserve.server.state import STATE, ServerState, read_json_object
 
 logger = logging.getLogger(__name__)
 

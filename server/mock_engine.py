@@ -5,7 +5,7 @@
 - Generation: choice j of a request with prompt ids P emits, at step k, token P[(j + k) % len(P)]
   (the prompt repeated, choice j starting j characters in). Sampling settings other than n,
   max_tokens, min_tokens, stop, stop_token_ids and logprobs are accepted and ignored.
-- Stopping: the engine's own rules (jserve.stopping: stop ids, max_tokens, stop strings from
+- Stopping: the engine's own rules (jserve.core.stopping: stop ids, max_tokens, stop strings from
   min_tokens on, held-back text); there is no EOS.
 - Logprobs: the sampled token has -0.5; with logprobs=k the alternatives are the next k-1 ids
   after it, with -1.5, -2.5, ...
@@ -26,14 +26,21 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from jserve.config import LANES, CacheConfig, SchedulerConfig
+from jserve.config.scheduler import LANES, CacheConfig, SchedulerConfig
 from jserve.core.control import apply_changes, current_settings
 from jserve.core.scheduler import Scheduler
+from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT, TenantPolicy
 from jserve.errors import EngineDeadError, RequestRejected
-from jserve.outputs import CompletionOutput, EngineStats, Logprob, RequestMetrics, RequestOutput
+from jserve.outputs import (
+    CompletionOutput,
+    EngineStats,
+    FinishReason,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+)
 from jserve.sampling_params import SamplingParams
-from jserve.stopping import FinishReason, StopConditions
 
 
 class CharTokenizer:

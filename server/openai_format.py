@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from jserve.outputs import CompletionOutput, Logprob, RequestOutput
-from server.engine_client import TokenizerLike
-from server.tools import ToolRequest, split_tool_calls, streamable_content_end
+from jserve.server.engine_client import TokenizerLike
+from jserve.server.tools import ToolRequest, split_tool_calls, streamable_content_end
 
 
 def usage(output: RequestOutput) -> dict[str, int]:

@@ -6,7 +6,7 @@ logit_bias, best_of != n, tools on completions) are refused rather than ignored.
 constraints (response_format, structured_outputs, guided_*) are parsed by
 server/structured_outputs.py, tools and tool_choice by server/tools.py.
 
-jserve's own fields: `lane` (one of jserve.config.LANES, default "interactive") picks the
+jserve's own fields: `lane` (one of jserve.config.scheduler.LANES, default "interactive") picks the
 scheduling lane, and `timeout` (seconds) sets the request's deadline (jserve.core.deadlines;
 a deadline the engine estimates it cannot meet is refused at once with 429). The tenant a
 request is served for (fair share, caps, metrics: jserve.core.tenants) is the `X-Tenant`
@@ -20,14 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from jserve.config import LANES
+from jserve.config.scheduler import LANES
+from jserve.config.validation import FLOAT32_MAX, check_float, check_int, check_token_ids
 from jserve.core.tenants import DEFAULT_TENANT, check_tenant_name
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
-from jserve.validation import FLOAT32_MAX, check_float, check_int, check_token_ids
-from server.api_errors import APIError
-from server.engine_client import TokenizerLike
-from server.structured_outputs import parse_structured_outputs
-from server.tools import ToolRequest, calls_as_text, parse_tools, with_tool_prompt
+from jserve.server.api_errors import APIError
+from jserve.server.engine_client import TokenizerLike
+from jserve.server.structured_outputs import parse_structured_outputs
+from jserve.server.tools import ToolRequest, calls_as_text, parse_tools, with_tool_prompt
 
 INT = "an integer"
 NUMBER = "a number"
@@ -135,7 +135,7 @@ def _sampling_params(kwargs: dict[str, Any]) -> SamplingParams:
 
 
 def _checked(check: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:
-    """A jserve.validation check whose ValueError becomes a 400 naming the field."""
+    """A jserve.config.validation check whose ValueError becomes a 400 naming the field."""
     try:
         return check(name, *args, **kwargs)
     except ValueError as exc:

@@ -2,7 +2,7 @@
 
 Walkthrough:
 1. Bind the socket at once, with no engine: /health answers 503 "starting" while the engine
-   factory loads and compiles the model. Connections go through server.connections' guarded
+   factory loads and compiles the model. Connections go through jserve.server.connections' guarded
    handler (header and keep-alive timeouts, half-open cap, JSON for aiohttp's own errors).
 2. When the factory returns, install the engine: /health turns 200 "ready". If the factory
    raises, log why and exit 1 (a server that can never serve should not linger). If the engine
@@ -27,15 +27,15 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 
 from jserve.core.tenants import TenantLabels
-from server.app import DEFAULT_MAX_BODY_BYTES, create_app
-from server.connections import (
+from jserve.server.app import DEFAULT_MAX_BODY_BYTES, create_app
+from jserve.server.connections import (
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_KEEPALIVE_TIMEOUT,
     DEFAULT_MAX_HALF_OPEN,
     handler_factory,
 )
-from server.engine_client import EngineClient
-from server.state import (
+from jserve.server.engine_client import EngineClient
+from jserve.server.state import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_STREAM_IDLE_TIMEOUT,
     STATE,

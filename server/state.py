@@ -11,9 +11,9 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
-from server.api_errors import APIError
-from server.engine_client import EngineClient
-from server.metrics import ServerMetrics
+from jserve.server.api_errors import APIError
+from jserve.server.engine_client import EngineClient
+from jserve.server.metrics import ServerMetrics
 
 DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may take to send a request body
 DEFAULT_STREAM_IDLE_TIMEOUT = 120.0  # seconds a stream's client may stop reading

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from jserve.sampling_params import STRUCTURED_KINDS, StructuredOutputsParams
-from server.api_errors import APIError
+from jserve.server.api_errors import APIError
 
 _GUIDED = {
     "guided_json": "json",

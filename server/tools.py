@@ -26,9 +26,9 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from jserve.core.stopping import check_stop_strings
 from jserve.sampling_params import StructuredOutputsParams
-from jserve.stopping import check_stop_strings
-from server.api_errors import APIError
+from jserve.server.api_errors import APIError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_BLOCK = re.compile(

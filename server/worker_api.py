@@ -30,8 +30,8 @@ from aiohttp import web
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from jserve.outputs import EngineStats
-from server.engine_client import EngineClient
-from server.state import STATE, ServerState
+from jserve.server.engine_client import EngineClient
+from jserve.server.state import STATE, ServerState
 
 try:
     VERSION = metadata.version("jserve")
@@ -178,7 +178,7 @@ class VllmLoadGauges:
 
 
 def add_worker_routes(app: web.Application) -> None:
-    """Register the router-facing endpoints on the app (server.app.create_app calls this)."""
+    """Register the router-facing endpoints on the app (jserve.server.app.create_app calls this)."""
     app[_THROUGHPUT] = _Throughput()
     app[STATE].metrics.registry.register(VllmLoadGauges(app[STATE]))
     app.router.add_get("/version", _version)

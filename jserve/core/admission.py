@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from jserve.config import LANES, SchedulerConfig
+from jserve.config.scheduler import LANES, SchedulerConfig
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request
 from jserve.core.step_costs import StepCosts

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from array import array
 
-from jserve.core.kv_cache_events import (
+from jserve.core.prefix_cache import PrefixCache, hash_block_tokens
+from jserve.core.request import Request
+from jserve.kv_events.records import (
     BlocksRemoved,
     BlocksStored,
     KVCacheEvent,
     external_block_hash,
 )
-from jserve.core.prefix_cache import PrefixCache, hash_block_tokens
-from jserve.core.request import Request
 
 SINK_BLOCK_ID = 0
 
@@ -130,7 +130,7 @@ class BlockManager:
         request.num_hashed_blocks = 0
 
     def record_kv_events(self) -> None:
-        """From now on, log every change of the prefix cache (see jserve.core.kv_cache_events)."""
+        """From now on, log every change of the prefix cache (see jserve.kv_events.records)."""
         if self.prefix_cache is not None and self._kv_events is None:
             self._kv_events = []
 

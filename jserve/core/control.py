@@ -1,7 +1,7 @@
 """Run-time control of the scheduler: read and change its budgets, caps, shares, watermarks
 and tenant weights within what was precompiled, and switch the decision log.
 
-The admin endpoint (server.admin) calls `apply_changes` between steps (on the engine's step
+The admin endpoint (jserve.server.admin) calls `apply_changes` between steps (on the engine's step
 thread). Every change is validated first (a ValueError says what to fix and changes nothing),
 then logged at INFO with its old and new value, so a post-mortem can line up behaviour changes
 with operator actions. The decision log (`DECISIONS`, a logger) records at DEBUG why each

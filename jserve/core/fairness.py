@@ -32,7 +32,7 @@ tests/core/test_scheduler_state_machine.py checks it on random workloads.
 
 from __future__ import annotations
 
-from jserve.config import LANES
+from jserve.config.scheduler import LANES
 from jserve.core.request import Request
 from jserve.core.tenants import TenantPolicy
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from array import array
 from dataclasses import dataclass, field
 
-from jserve.stopping import FinishReason
+from jserve.outputs import FinishReason
 
 
 @dataclass(slots=True)

@@ -34,7 +34,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from operator import attrgetter
 
-from jserve.config import LANES, SchedulerConfig
+from jserve.config.scheduler import LANES, SchedulerConfig
 from jserve.core.block_manager import BlockManager
 from jserve.core.fairness import FairShare, service_of
 from jserve.core.plan import ScheduledSeq, StepPlan

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from jserve.config import LANES
+from jserve.config.scheduler import LANES
 from jserve.core.request import Request
 
 

@@ -7,9 +7,10 @@ import time
 from array import array
 from collections.abc import Sequence
 
-from jserve.config import LANES
+from jserve.config.scheduler import LANES
+from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT
-from jserve.stopping import FinishReason, StopConditions
+from jserve.outputs import FinishReason
 
 LANE_RANK = {lane: rank for rank, lane in enumerate(LANES)}
 
@@ -31,13 +32,13 @@ class Request:
     shows the p99 it costs). The last known token is computed in
     the step that samples the next one, so a decoding request has exactly one uncomputed token.
 
-    `stop` holds its stop rules (`max_tokens` among them; see jserve.stopping). A request the
+    `stop` holds its stop rules (`max_tokens` among them; see jserve.core.stopping). A request the
     scheduler rejected is FINISHED with no finish reason. `deadline` is absolute, on the
     `time.monotonic()` clock (what it means: `jserve.core.deadlines`). `tenant` names who
     it is served for (fair share and caps: `jserve.core.fairness`). Siblings of an `n > 1`
     request share a `group_id` and the same prompt. Request ids must be unique among
     unfinished requests: the engine checks that once, for its users' ids, and derives these
-    ids from them (jserve.engine.child_ids).
+    ids from them (jserve.engine.llm_engine.child_ids).
     """
 
     __slots__ = (

@@ -11,7 +11,7 @@ One iteration, as the engine drives it:
    a caller are not reported back to it; `StepPlan.finished` lists only those the scheduler
    ended by itself.
 3. `update_from_output()` advances progress, appends sampled tokens, caches newly filled blocks
-   and finishes requests on a stop token or max_tokens (the rules: jserve.stopping), returning
+   and finishes requests on a stop token or max_tokens (the rules: jserve.core.stopping), returning
    those it finished.
 `schedule()` and `update_from_output()` strictly alternate. Nothing here is thread-safe: call
 every method from the thread that drives the steps (e.g. the engine's event loop).
@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 
-from jserve.config import CacheConfig, SchedulerConfig
+from jserve.config.scheduler import CacheConfig, SchedulerConfig
 from jserve.core.admission import (
     check_deadline,
     check_kv_usage,
@@ -42,7 +42,7 @@ from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
 from jserve.core.step_costs import StepCosts
 from jserve.core.tenants import TenantPolicy
-from jserve.stopping import FinishReason
+from jserve.outputs import FinishReason
 
 _rank = attrgetter("rank")
 # The decision log: why each request was admitted, deferred, preempted or rejected (DEBUG;
@@ -275,7 +275,7 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         """Record that `plan` ran; `sampled` maps request id -> new token for seqs with
         `sample`. Returns the requests this finished (a stop token or max_tokens, decided by
-        jserve.stopping; the caller applies the stop-string rule and calls finish_request)."""
+        jserve.core.stopping; the caller applies the stop-string rule and calls finish_request)."""
         requests = self._requests
         running = RequestStatus.RUNNING
         charge = self.fair.charge

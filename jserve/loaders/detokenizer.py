@@ -1,4 +1,4 @@
-"""Streaming text from token ids: incremental detokenization (stop strings: jserve.stopping).
+"""Streaming text from token ids: incremental detokenization (stop strings: jserve.core.stopping).
 
 Why a window and two offsets (the scheme vLLM and TGI use): one token can carry part of a UTF-8
 character (byte-level BPE splits "😀" into three tokens), and some decoders change the first token

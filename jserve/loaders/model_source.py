@@ -16,7 +16,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from jserve.cache_dir import default_cache_dir
+from jserve.config.cache_dir import default_cache_dir
 from jserve.loaders.checkpoint_dir import is_checkpoint_dir, restore_params, save_checkpoint
 from jserve.loaders.gguf_file import config_from_gguf, open_gguf, params_from_gguf
 from jserve.loaders.hf_params import Params

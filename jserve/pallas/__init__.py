@@ -1,4 +1,6 @@
-"""Kernels: the paged KV pool layout, its write, ragged paged attention, and the layers' matmul.
+"""Layer: kernels (jax only, nothing else of jserve).
+
+The paged KV pool layout, its write, ragged paged attention, and the layers' matmul.
 
 `ragged_paged_attention` dispatches by backend to one implementation module, each with the same
 anatomy: ragged_reference (jnp), ragged_xla (plain XLA loops), ragged_native (a native C++

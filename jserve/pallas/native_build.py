@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 import jaxlib
 
-from jserve.cache_dir import default_cache_dir
+from jserve.config.cache_dir import default_cache_dir
 
 log = logging.getLogger(__name__)
 

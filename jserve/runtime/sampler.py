@@ -7,7 +7,7 @@ row index and in any bucket.
 Per row (x = the model's raw logits):
 1. logprobs of x (vLLM's default "raw" logprobs), whatever the processing below does;
 2. penalties: repetition over prompt and output ids, presence and frequency over output ids;
-   each row's banned ids (the min_tokens ban, decided by jserve.stopping) are set to -inf;
+   each row's banned ids (the min_tokens ban, decided by jserve.core.stopping) are set to -inf;
    tokens outside a constrained row's grammar bitmask (jserve.structured) are set to -inf;
 3. greedy rows take the first argmax of the penalised logits;
 4. random rows divide by the temperature, keep the tokens passing min-p, top-k and top-p (in

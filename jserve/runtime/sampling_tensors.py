@@ -60,7 +60,7 @@ class SamplingRow(NamedTuple):
     seed: int | None  # None: a fresh random seed this step
     prompt_token_ids: Sequence[int]  # buffer-protocol objects (numpy, array.array) copy fastest
     output_token_ids: Sequence[int]  # its length is the step number folded into the seed
-    banned_ids: Sequence[int] = ()  # forced to -inf this step (jserve.stopping: min_tokens)
+    banned_ids: Sequence[int] = ()  # forced to -inf this step (jserve.core.stopping: min_tokens)
     # [W] int32 packed mask of the tokens a grammar allows next (jserve.structured); None: all
     allowed_tokens: np.ndarray | None = None
 

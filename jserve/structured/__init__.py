@@ -1,4 +1,4 @@
-"""Structured outputs: grammar-constrained decoding with llguidance.
+"""Layer: structured outputs: grammar-constrained decoding with llguidance.
 
 - `grammar.py` turns a request's StructuredOutputsParams into a compiled llguidance matcher
   (JSON schema, any JSON object, regex, choice, Lark/GBNF grammar), cached by constraint, and
@@ -8,5 +8,5 @@
   jserve.runtime.sampler), advances the matchers with the sampled tokens and keeps them exact
   across preemption.
 
-jserve.core never imports this package; the engine (jserve.engine) is its only user.
+jserve.core never imports this package; the engine (jserve.engine.llm_engine) is its only user.
 """

@@ -16,7 +16,7 @@ if str(BENCH_DIR) not in sys.path:
 
 @pytest.fixture
 def mock_server(tmp_path):
-    """A mock server (`python -m server --mock`) on a free loopback port; stopped afterwards."""
+    """A mock server (`python -m jserve.server --mock`) on a free loopback port, stopped after."""
     from server_process import ServerProcess, mock_command
 
     with ServerProcess(

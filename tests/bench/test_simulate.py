@@ -8,7 +8,7 @@ import pytest
 import simulate
 from simulate import MeasuredCost, RooflineCost, SimRequest, load_jsonl
 
-from jserve.config import SchedulerConfig
+from jserve.config.scheduler import SchedulerConfig
 from jserve.core.plan import ScheduledSeq, StepPlan
 from jserve.core.step_costs import StepCosts
 

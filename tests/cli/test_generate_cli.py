@@ -8,7 +8,7 @@ import sys
 
 def _jserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "server.cli", *args],
+        [sys.executable, "-m", "jserve.server.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

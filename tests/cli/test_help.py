@@ -8,10 +8,10 @@ import os
 import subprocess
 import sys
 
-from jserve.config import SchedulerConfig
-from jserve.engine_args import EngineArgs
-from jserve.settings import flag_name
-from server.cli import build_parser
+from jserve.config.engine_args import EngineArgs
+from jserve.config.scheduler import SchedulerConfig
+from jserve.config.settings import flag_name
+from jserve.server.cli import build_parser
 
 
 def _serve_parser() -> argparse.ArgumentParser:
@@ -44,7 +44,7 @@ def test_engine_flags_and_docstrings_come_from_one_text():
 
 def test_help_shows_each_subcommands_own_defaults():
     result = subprocess.run(
-        [sys.executable, "-m", "server.cli", "generate", "--help"],
+        [sys.executable, "-m", "jserve.server.cli", "generate", "--help"],
         capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "1000"},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from jserve.config import CacheConfig, SchedulerConfig
+from jserve.config.scheduler import CacheConfig, SchedulerConfig
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
 from jserve.core.step_costs import StepCosts
+from jserve.core.stopping import StopConditions
 from jserve.core.tenants import TenantPolicy
-from jserve.stopping import StopConditions
 
 EOS = 2
 FILLER = 7  # a sampled token that never stops anything

@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from jserve.config import CacheConfig, SchedulerConfig
-from jserve.engine_args import EngineArgs
+from jserve.config.engine_args import EngineArgs
+from jserve.config.scheduler import CacheConfig, SchedulerConfig
 from jserve.sampling_params import SamplingParams
 
 from .helpers import make_scheduler

@@ -6,14 +6,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jserve.core.block_manager import BlockManager
-from jserve.core.kv_cache_events import (
+from jserve.core.request import Request
+from jserve.kv_events.records import (
     AllBlocksCleared,
     BlocksRemoved,
     BlocksStored,
     KVCacheEvent,
     external_block_hash,
 )
-from jserve.core.request import Request
 
 BLOCK = 4
 

@@ -6,7 +6,7 @@ import logging
 
 from jserve.core.request import Request
 from jserve.core.scheduler import DECISIONS
-from jserve.stopping import StopConditions
+from jserve.core.stopping import StopConditions
 
 from .helpers import chunks, make_request, make_scheduler, run_until_idle, step
 

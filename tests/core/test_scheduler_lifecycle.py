@@ -6,7 +6,7 @@ import pytest
 
 from jserve.core.request import RequestStatus
 from jserve.errors import RequestRejected
-from jserve.stopping import FinishReason
+from jserve.outputs import FinishReason
 
 from .helpers import EOS, FILLER, chunks, make_request, make_scheduler, run_until_idle, step
 

@@ -24,14 +24,15 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from jserve.config import LANES, CacheConfig, SchedulerConfig
+from jserve.config.scheduler import LANES, CacheConfig, SchedulerConfig
 from jserve.core.block_manager import SINK_BLOCK_ID
 from jserve.core.fairness import service_gap_bound
 from jserve.core.request import Request, RequestStatus
 from jserve.core.scheduler import Scheduler
+from jserve.core.stopping import StopConditions
 from jserve.core.tenants import TenantPolicy
 from jserve.errors import RequestRejected
-from jserve.stopping import FinishReason, StopConditions
+from jserve.outputs import FinishReason
 
 EOS = 2
 SHARED_PREFIXES = [tuple(range(3, 3 + 40)), tuple(range(50, 50 + 40))]

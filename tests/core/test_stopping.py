@@ -1,11 +1,12 @@
-"""The stop rules (jserve.stopping) on hand-made cases, boundaries included."""
+"""The stop rules (jserve.core.stopping) on hand-made cases, boundaries included."""
 
 from __future__ import annotations
 
 import json
 
+from jserve.core.stopping import StopConditions
+from jserve.outputs import FinishReason
 from jserve.sampling_params import SamplingParams
-from jserve.stopping import FinishReason, StopConditions
 
 EOS = 2
 

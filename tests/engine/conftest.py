@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from jserve.engine import LLMEngine
-from jserve.engine_args import EngineArgs
+from jserve.config.engine_args import EngineArgs
+from jserve.engine.llm_engine import LLMEngine
 
 # Tight on purpose: a 64-token step forces chunked prefill of long prompts, and 48 blocks of 16
 # tokens (768 slots) cannot hold 8 sequences of up to ~430 tokens, forcing preemption.

@@ -13,7 +13,7 @@ import dataclasses
 
 import pytest
 
-from jserve.async_engine import MAX_FAILED_STEPS_IN_A_ROW, AsyncLLMEngine
+from jserve.engine.async_engine import MAX_FAILED_STEPS_IN_A_ROW, AsyncLLMEngine
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.sampling_params import SamplingParams
 from tests.engine.conftest import assert_no_blocks_held, make_engine, run_to_completion

@@ -8,7 +8,7 @@ from collections import Counter
 import msgspec
 import pytest
 
-from jserve.kv_events import KVEventBatch
+from jserve.kv_events.publisher import KVEventBatch
 from jserve.sampling_params import SamplingParams
 from tests.core.test_kv_cache_events import cache_contents
 from tests.engine.conftest import make_engine, run_to_completion

@@ -14,8 +14,8 @@ import pytest
 import zmq
 
 from jserve.core.block_manager import BlockManager
-from jserve.core.kv_cache_events import AllBlocksCleared, BlocksRemoved, BlocksStored
-from jserve.kv_events import END_SEQ, KVEventBatch, ZmqEventPublisher
+from jserve.kv_events.publisher import END_SEQ, KVEventBatch, ZmqEventPublisher
+from jserve.kv_events.records import AllBlocksCleared, BlocksRemoved, BlocksStored
 from tests.core.test_kv_cache_events import cache_contents, run_operations
 
 

@@ -6,9 +6,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jserve.core.stopping import check_stop_strings
 from jserve.loaders.detokenizer import IncrementalDetokenizer
 from jserve.loaders.gguf_tokenizer import byte_to_unicode
-from jserve.stopping import check_stop_strings
 
 REPLACEMENT = "\ufffd"
 

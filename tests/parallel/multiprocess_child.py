@@ -12,7 +12,7 @@ import json
 import logging
 import sys
 
-from jserve.engine_args import EngineArgs
+from jserve.config.engine_args import EngineArgs
 from tests.parallel.workload import ENGINE, run_workload
 
 
@@ -26,10 +26,10 @@ def main() -> int:
         num_processes=3, process_id=process_id,
     )  # fmt: skip
     if process_id > 0:
-        from jserve.follower import run_follower
+        from jserve.engine.follower import run_follower
 
         return run_follower(args)
-    from jserve.engine import LLMEngine
+    from jserve.engine.llm_engine import LLMEngine
     from jserve.runtime.compilation import forbid_compilation
 
     engine = LLMEngine(args)

@@ -88,8 +88,8 @@ def report(run) -> dict:
 
 
 def test_greedy_tokens_equal_one_process(report, tiny_dir):
-    from jserve.engine import LLMEngine
-    from jserve.engine_args import EngineArgs
+    from jserve.config.engine_args import EngineArgs
+    from jserve.engine.llm_engine import LLMEngine
 
     one = run_workload(LLMEngine(EngineArgs(**ENGINE, model=str(tiny_dir))))
     assert report["tokens"] == one["tokens"]
@@ -136,8 +136,8 @@ def test_a_killed_process_stops_the_others_with_a_clear_error(tiny_dir):
 def test_jserve_serve_over_three_processes_answers_and_drains_on_sigterm(tiny_dir):
     import urllib.request
 
-    from jserve.engine import LLMEngine
-    from jserve.engine_args import EngineArgs
+    from jserve.config.engine_args import EngineArgs
+    from jserve.engine.llm_engine import LLMEngine
     from jserve.sampling_params import SamplingParams
 
     coordinator, http = _free_port(), _free_port()
@@ -145,7 +145,9 @@ def test_jserve_serve_over_three_processes_answers_and_drains_on_sigterm(tiny_di
     sizes += ["--num-kv-blocks", "40", "--model", str(tiny_dir), "--port", str(http)]
     run = ["--tensor-parallel-size", "3", "--coordinator-address", f"127.0.0.1:{coordinator}"]
     run += ["--num-processes", "3"]
-    procs = _spawn(lambda i: ["-m", "server.cli", "serve", *sizes, *run, "--process-id", str(i)])
+    procs = _spawn(
+        lambda i: ["-m", "jserve.server.cli", "serve", *sizes, *run, "--process-id", str(i)]
+    )
     url = f"http://127.0.0.1:{http}"
     deadline = time.monotonic() + TIMEOUT
     while True:

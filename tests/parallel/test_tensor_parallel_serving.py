@@ -21,8 +21,8 @@ from jserve.runtime.params import check_tensor_parallel
 
 CHILD = r"""
 import json, jax
-from jserve.engine import LLMEngine
-from jserve.engine_args import EngineArgs
+from jserve.engine.llm_engine import LLMEngine
+from jserve.config.engine_args import EngineArgs
 from jserve.loaders.model_source import load_model
 from jserve.runtime.compilation import forbid_compilation
 from tests.parallel.workload import ENGINE, run_workload, tiny_model

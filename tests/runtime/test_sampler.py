@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jserve.core.stopping import StopConditions
 from jserve.runtime.compilation import compilation_count, forbid_compilation
 from jserve.runtime.sampler import (
     TOP_CANDIDATES,
@@ -26,7 +27,6 @@ from jserve.runtime.sampler import (
 )
 from jserve.runtime.sampling_tensors import SamplingRow, SamplingTensorBuilder, seeded_uniforms
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
-from jserve.stopping import StopConditions
 
 V = 10_000  # > 64 * TOP_CANDIDATES, so the blocked candidate search runs; not a multiple of 64
 BUCKETS = (4, 8, 16)

@@ -11,14 +11,14 @@ from collections.abc import AsyncIterator
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from server.app import create_app
-from server.connections import (
+from jserve.server.app import create_app
+from jserve.server.connections import (
     DEFAULT_HEADER_TIMEOUT,
     DEFAULT_KEEPALIVE_TIMEOUT,
     DEFAULT_MAX_HALF_OPEN,
 )
-from server.engine_client import EngineClient
-from server.runner import start_listening
+from jserve.server.engine_client import EngineClient
+from jserve.server.runner import start_listening
 
 
 @contextlib.asynccontextmanager

@@ -8,7 +8,7 @@ import time
 import aiohttp
 from server_harness import echo_text, metric, metric_sum, parse_sse, serve
 
-from server.mock_engine import MockEngine
+from jserve.server.mock_engine import MockEngine
 
 COMPLETIONS = "/v1/completions"
 

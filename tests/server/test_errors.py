@@ -8,10 +8,10 @@ import asyncio
 import pytest
 from server_harness import metric, parse_sse, serve, stream_events
 
+from jserve.config.validation import INT32_MAX
 from jserve.errors import RequestRejected
-from jserve.validation import INT32_MAX
-from server.mock_engine import MockEngine
-from server.state import STATE, set_engine
+from jserve.server.mock_engine import MockEngine
+from jserve.server.state import STATE, set_engine
 
 HI = [{"role": "user", "content": "Hi"}]
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"

@@ -17,16 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from server.cli import build_parser
-from server.fleet import plan_fleet, router_command
+from jserve.server.cli import build_parser
+from jserve.server.fleet import plan_fleet, router_command
 
 ROOT = Path(__file__).resolve().parents[2]
 # The fleet program with the mock server as its replicas' program.
 LAUNCHER = """
 import sys
-import server.fleet as fleet
-fleet.REPLICA_PROGRAM = [sys.executable, "-m", "server", "--mock", "--mock-token-delay", "0.01"]
-from server.cli import main
+import jserve.server.fleet as fleet
+fleet.REPLICA_PROGRAM = [
+    sys.executable, "-m", "jserve.server", "--mock", "--mock-token-delay", "0.01"
+]
+from jserve.server.cli import main
 sys.exit(main(["fleet", *sys.argv[1:]]))
 """
 

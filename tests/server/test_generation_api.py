@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from server_harness import chat_prompt, echo_text, serve, stream_events
 
-from server.mock_engine import MockEngine
+from jserve.server.mock_engine import MockEngine
 
 USER_HI = [{"role": "user", "content": "Hi"}]
 
@@ -116,7 +116,7 @@ async def test_stop_strings_cut_text_and_never_leak_while_streaming():
 
 async def test_stop_token_and_stop_string_count_from_min_tokens_as_in_the_engine():
     # Tokens a, b, c, a, b, ...: "b" (98) is the 2nd token, so min_tokens=2 lets it stop there
-    # (the engine's rule is "at least min_tokens", jserve.stopping); a stop string found before
+    # (the engine's rule is "at least min_tokens", jserve.core.stopping); a stop string found before
     # min_tokens is not searched again later.
     token = {"prompt": "abc", "max_tokens": 8, "min_tokens": 2, "stop_token_ids": [98]}
     text = {"prompt": "abc", "max_tokens": 8, "min_tokens": 3, "stop": ["ab"]}

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from server_harness import parse_response, raw_exchange, serve_guarded
 
-from server.mock_engine import CharTokenizer, MockEngine
-from server.state import STATE, ServerState, read_json_object
+from jserve.server.mock_engine import CharTokenizer, MockEngine
+from jserve.server.state import STATE, ServerState, read_json_object
 
 POST = (
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"

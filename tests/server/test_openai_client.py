@@ -9,7 +9,7 @@ import openai
 import pytest
 from server_harness import chat_prompt, echo_text, serve
 
-from server.mock_engine import MockEngine
+from jserve.server.mock_engine import MockEngine
 
 HI = [{"role": "user", "content": "Hi"}]
 

@@ -30,8 +30,8 @@ ENGINE_FLAGS = {"max_num_seqs": 32, "max_num_batched_tokens": 256, "max_model_le
 def server(default_model):  # default_model fills the conversion cache first
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "server.cli", "serve", "--port", "0", "--shutdown-timeout", "30",
-         *flags],
+        [sys.executable, "-m", "jserve.server.cli", "serve", "--port", "0",
+         "--shutdown-timeout", "30", *flags],
         cwd=REPO_ROOT, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     url = None
@@ -60,8 +60,8 @@ def client(server):
 @pytest.fixture(scope="module")
 def offline(default_model):
     """The same engine settings in-process: the server must give LLM.generate's greedy text."""
-    from jserve.engine import LLMEngine
-    from jserve.engine_args import EngineArgs
+    from jserve.config.engine_args import EngineArgs
+    from jserve.engine.llm_engine import LLMEngine
 
     return LLMEngine(EngineArgs(**ENGINE_FLAGS), loaded=default_model)
 

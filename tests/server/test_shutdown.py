@@ -1,4 +1,4 @@
-"""Start-up, SIGTERM and engine death of a real server process (`python -m server --mock`)."""
+"""Start-up, SIGTERM and engine death of a real server process (`python -m jserve.server`)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import openai
 import pytest
 from server_harness import echo_text, parse_sse
 
-from server.mock_engine import MockEngine
-from server.runner import run_server
+from jserve.server.mock_engine import MockEngine
+from jserve.server.runner import run_server
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -23,7 +23,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 async def _start(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
     """The server process and its base URL (it binds port 0 and logs the port it got)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "server", "--mock", "--port", "0", *flags,
+        sys.executable, "-m", "jserve.server", "--mock", "--port", "0", *flags,
         cwd=REPO_ROOT, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     while True:

@@ -13,8 +13,8 @@ from server_harness import metric, serve, serve_guarded
 
 from jserve.core.tenants import TenantLabels
 from jserve.errors import RequestRejected
-from server.generation import StreamIdle, _write
-from server.mock_engine import MockEngine
+from jserve.server.generation import StreamIdle, _write
+from jserve.server.mock_engine import MockEngine
 
 COMPLETIONS = "/v1/completions"
 AUTH = {"Authorization": "Bearer k"}

@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 from server_harness import serve, stream_events
 
-from jserve.async_engine import AsyncLLMEngine
-from server.protocol import parse_messages, render_chat
-from server.tools import ToolRequest
+from jserve.engine.async_engine import AsyncLLMEngine
+from jserve.server.protocol import parse_messages, render_chat
+from jserve.server.tools import ToolRequest
 from tests.engine.conftest import make_engine
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"

@@ -8,11 +8,10 @@ import json
 
 import pytest
 
-from jserve.outputs import CompletionOutput
-from jserve.stopping import FinishReason
+from jserve.outputs import CompletionOutput, FinishReason
+from jserve.server.openai_format import ChoiceCursor, ResponseBuilder
+from jserve.server.tools import ToolRequest, split_tool_calls
 from jserve.structured.grammar import GrammarCache
-from server.openai_format import ChoiceCursor, ResponseBuilder
-from server.tools import ToolRequest, split_tool_calls
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 TEXT = 'Let me check.\n<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'

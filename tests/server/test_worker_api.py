@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from server.mock_engine import MockEngine
-from server.worker_api import VERSION
+from jserve.server.mock_engine import MockEngine
+from jserve.server.worker_api import VERSION
 from tests.server.server_harness import metric, serve
 
 

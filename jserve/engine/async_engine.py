@@ -35,9 +35,9 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from jserve.config.engine_args import EngineArgs
 from jserve.core.tenants import DEFAULT_TENANT
-from jserve.engine import LLMEngine
-from jserve.engine_args import EngineArgs
+from jserve.engine.llm_engine import LLMEngine
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.outputs import EngineStats, RequestOutput
 from jserve.sampling_params import SamplingParams

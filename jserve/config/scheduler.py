@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jserve.settings import documented, setting
+from jserve.config.settings import documented, setting
 
 POLICIES = ("continuous", "static")
 # Order inside a lane: virtual-token-counter fair share between tenants, or arrival order.

@@ -2,8 +2,8 @@
 
 The block manager appends a record at the moment its prefix cache changes (a full block
 indexed, a cached block evicted), so the log describes exactly the blocks a lookup can hit.
-`jserve.kv_events` turns the records into vLLM's KV-event wire format and publishes them; this
-module stays plain data so the core never depends on a transport.
+`jserve.kv_events.publisher` turns the records into vLLM's KV-event wire format and publishes
+them; this module stays plain data so the core never depends on a transport.
 
 Block hashes are the cache's 128-bit keys cut to the low 64 bits of their big-endian value,
 the same conversion vLLM applies to its own keys before publishing them

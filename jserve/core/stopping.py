@@ -22,19 +22,11 @@ that outputs and HTTP bodies carry.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from jserve.outputs import FinishReason
 from jserve.sampling_params import SamplingParams
-
-
-class FinishReason(enum.StrEnum):
-    STOP = "stop"  # a stop token or stop string
-    LENGTH = "length"  # max_tokens (or the context limit) reached
-    ABORT = "abort"  # the caller or the client ended it
-    TIMEOUT = "timeout"  # unfinished at its deadline
-    ERROR = "error"  # the engine failed it (its host-side step work raised, or a device step)
 
 
 @dataclass(frozen=True, slots=True)

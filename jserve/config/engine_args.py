@@ -1,6 +1,6 @@
 """EngineArgs: every engine setting, with vLLM's names, and the command-line flags for them.
 
-Each setting is documented once, in its field's metadata (jserve.settings): the class
+Each setting is documented once, in its field's metadata (jserve.config.settings): the class
 docstring's Attributes and `jserve serve --help` are both generated from it. Settings the
 scheduler shares are declared in SchedulerConfig and taken from there, help and default
 included, and handed back by name (`scheduler_config`).
@@ -13,8 +13,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from jserve.config import POLICIES, SchedulerConfig
-from jserve.settings import add_flags, documented, setting
+from jserve.config.scheduler import POLICIES, SchedulerConfig
+from jserve.config.settings import add_flags, documented, setting
 
 _SCHEDULER_FIELDS = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
 

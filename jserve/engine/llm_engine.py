@@ -1,6 +1,6 @@
 """LLMEngine: the step loop that joins policy (jserve.core) and mechanism (jserve.runtime).
 
-Its parts are built by jserve.engine_setup; this module holds the loop and the bookkeeping of
+Its parts are built by jserve.engine.setup; this module holds the loop and the bookkeeping of
 requests (user request -> `n` scheduler requests, seeds, output states).
 
 `step()` reads as a sentence: schedule -> build inputs -> run -> sample -> postprocess.
@@ -8,7 +8,7 @@ requests (user request -> `n` scheduler requests, seeds, output states).
 - build inputs: reads the plan, writes only the input builder's staging buffers;
 - run / sample: changes only the runner's KV pool;
 - postprocess: appends tokens (through the scheduler), finishes requests (the rules:
-  jserve.stopping), and updates the per-request output states, which are the only thing
+  jserve.core.stopping), and updates the per-request output states, which are the only thing
   returned.
 """
 
@@ -25,21 +25,23 @@ from pathlib import Path
 
 import jax
 
-from jserve.config import CacheConfig
+from jserve.config.engine_args import EngineArgs
+from jserve.config.scheduler import CacheConfig
+from jserve.config.validation import check_int, check_token_ids
 from jserve.core.control import apply_changes, current_settings
-from jserve.core.kv_cache_events import AllBlocksCleared
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
 from jserve.core.step_costs import learned_report
+from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT
-from jserve.engine_args import EngineArgs
-from jserve.engine_setup import build_engine_parts, measure_step_costs
+from jserve.engine.output_processor import RequestState
+from jserve.engine.setup import build_engine_parts, measure_step_costs
 from jserve.errors import RequestRejected
-from jserve.kv_events import ZmqEventPublisher
+from jserve.kv_events.publisher import ZmqEventPublisher
+from jserve.kv_events.records import AllBlocksCleared
 from jserve.loaders.model_source import LoadedModel
-from jserve.output_processor import RequestState
-from jserve.outputs import EngineStats, RequestOutput
+from jserve.outputs import EngineStats, FinishReason, RequestOutput
 from jserve.runtime.compilation import (
     compilation_count,
     expect_compilation,
@@ -48,10 +50,8 @@ from jserve.runtime.compilation import (
 )
 from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.sampling_params import SamplingParams
-from jserve.stopping import FinishReason, StopConditions
 from jserve.structured.decoding import SequenceMatcher, StructuredDecoding
 from jserve.structured.grammar import GrammarError
-from jserve.validation import check_int, check_token_ids
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class _Child:
 class LLMEngine:
     @expect_compilation()  # building an engine compiles; serving with it must not
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
-        """Build the parts (jserve.engine_setup), then compile every step shape."""
+        """Build the parts (jserve.engine.setup), then compile every step shape."""
         t0 = time.perf_counter()
         self.args = args
         parts = build_engine_parts(args, loaded)

@@ -15,7 +15,7 @@ which NVIDIA Dynamo's, llm-d's and vllm-router's KV-aware routers consume:
 the routers give blocks on other media (CPU offload, disk) less credit.
 
 Walkthrough: the engine's step thread calls `publish` with the records the block manager
-logged (jserve.core.kv_cache_events); a daemon thread owns both sockets (ZMQ sockets are not
+logged (jserve.kv_events.records); a daemon thread owns both sockets (ZMQ sockets are not
 thread-safe), numbers and sends each batch, keeps the last `buffer_steps` for replay, and polls
 the replay socket between batches. `close` sends what is queued and stops.
 """
@@ -32,7 +32,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from jserve.core import kv_cache_events as records
+from jserve.kv_events import records
 
 log = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 
-from jserve.engine import LLMEngine
-from jserve.engine_args import EngineArgs
+from jserve.config.engine_args import EngineArgs
+from jserve.engine.llm_engine import LLMEngine
 from jserve.loaders.model_source import LoadedModel
 from jserve.runtime.compilation import expect_compilation
 from jserve.runtime.multihost import StepChannel, follow

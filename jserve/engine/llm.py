@@ -14,8 +14,8 @@ from typing import Any
 
 from tqdm import tqdm
 
-from jserve.engine import LLMEngine, Prompt
-from jserve.engine_args import EngineArgs
+from jserve.config.engine_args import EngineArgs
+from jserve.engine.llm_engine import LLMEngine, Prompt
 from jserve.outputs import RequestOutput
 from jserve.sampling_params import SamplingParams
 

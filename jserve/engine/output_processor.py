@@ -10,11 +10,11 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from jserve.core.stopping import StopConditions
 from jserve.loaders.detokenizer import IncrementalDetokenizer
 from jserve.loaders.tokenizer import Tokenizer
-from jserve.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from jserve.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
 from jserve.sampling_params import SamplingParams
-from jserve.stopping import FinishReason, StopConditions
 
 
 @dataclass
@@ -70,7 +70,7 @@ class RequestState:
         top_logprobs: list[tuple[int, float]] | None = None,
     ) -> str | None:
         """Record sample `index`'s new token; returns the stop string it completed, if any
-        (the rule: jserve.stopping).
+        (the rule: jserve.core.stopping).
 
         `top_logprobs` lists (token id, logprob) pairs, the sampled token first.
         """

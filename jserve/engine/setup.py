@@ -15,13 +15,13 @@ from dataclasses import dataclass
 
 import jax
 
-from jserve.cache_dir import default_cache_dir
-from jserve.config import CacheConfig
+from jserve.config.cache_dir import default_cache_dir
+from jserve.config.engine_args import EngineArgs
+from jserve.config.scheduler import CacheConfig
 from jserve.core.buckets import engine_buckets, step_buckets
 from jserve.core.scheduler import Scheduler
 from jserve.core.step_costs import StepCosts, check_target_itl, load_bucket_report
 from jserve.core.tenants import load_tenant_policy
-from jserve.engine_args import EngineArgs
 from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
