@@ -7,9 +7,13 @@ import math
 from aiohttp import web
 
 from jserve.errors import RequestRejected
+from jserve.server.responses import json_response
 
 # Seconds a client should wait before retrying a request refused for a full queue.
 RETRY_AFTER_SECONDS = 1
+# Longest error message (and `param`) sent: whatever they quote of the input, the body stays
+# small.
+MAX_MESSAGE_CHARS = 512
 
 _TYPE_BY_STATUS = {
     400: "invalid_request_error",
@@ -25,8 +29,15 @@ _TYPE_BY_STATUS = {
 }
 
 
+def _capped(text: str) -> str:
+    if len(text) <= MAX_MESSAGE_CHARS:
+        return text
+    return text[: MAX_MESSAGE_CHARS - 1] + "…"
+
+
 class APIError(Exception):
-    """An error that becomes an OpenAI-style JSON response."""
+    """An error that becomes an OpenAI-style JSON response. Its message and param are cut to
+    MAX_MESSAGE_CHARS; quote input in a message with jserve.config.validation.show."""
 
     def __init__(
         self,
@@ -38,11 +49,12 @@ class APIError(Exception):
         headers: dict[str, str] | None = None,
         close_connection: bool = False,
     ) -> None:
+        message = _capped(message)
         super().__init__(message)
         self.close_connection = close_connection  # the rest of the request cannot be read
         self.status = status
         self.message = message
-        self.param = param
+        self.param = None if param is None else _capped(param)
         self.code = code
         self.headers = headers or {}
 
@@ -57,7 +69,7 @@ class APIError(Exception):
         }
 
     def response(self) -> web.Response:
-        response = web.json_response(self.body(), status=self.status, headers=self.headers)
+        response = json_response(self.body(), status=self.status, headers=self.headers)
         if self.close_connection:
             response.force_close()
         return response

@@ -14,7 +14,6 @@ Middlewares, outermost first:
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import logging
 from collections.abc import Awaitable, Callable
@@ -22,7 +21,6 @@ from collections.abc import Awaitable, Callable
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from jserve.config.validation import check_token_ids
 from jserve.core.tenants import TenantLabels
 from jserve.errors import EngineDeadError
 from jserve.server.admin import add_admin_routes
@@ -30,14 +28,14 @@ from jserve.server.api_errors import APIError
 from jserve.server.engine_client import EngineClient
 from jserve.server.generation import chat_completions, completions
 from jserve.server.metrics import ServerMetrics
-from jserve.server.protocol import BOOL, parse_messages, render_chat, typed_field
+from jserve.server.responses import json_response
 from jserve.server.state import (
     DEFAULT_BODY_TIMEOUT,
     DEFAULT_STREAM_IDLE_TIMEOUT,
     STATE,
     ServerState,
-    read_json_object,
 )
+from jserve.server.tokenization import add_tokenization_routes
 from jserve.server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
@@ -97,7 +95,7 @@ async def _health(request: web.Request) -> web.Response:
     restarts = state.engine.num_restarts if state.engine is not None else 0
     if restarts:  # the engine failed a step and recovered: operators should know
         body["engine_restarts"] = restarts
-    return web.json_response(body, status=200 if health == "ready" else 503)
+    return json_response(body, status=200 if health == "ready" else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:
@@ -120,56 +118,7 @@ async def _models(request: web.Request) -> web.Response:
         "owned_by": "jserve",
         "max_model_len": engine.max_model_len,
     }
-    return web.json_response({"object": "list", "data": [model]})
-
-
-async def _tokenize(request: web.Request) -> web.Response:
-    """vLLM's /tokenize: {"prompt"} or {"messages"} -> {"count", "max_model_len", "tokens"}."""
-    state = request.app[STATE]
-    engine = state.ready_engine()
-    body = await read_json_object(request)
-    state.check_model(body.get("model"))
-    tokenizer = engine.tokenizer
-    # Tokenizing (and rendering a template) may take seconds: worker thread, not the loop.
-    if "messages" in body:
-        add_generation_prompt = typed_field(body, "add_generation_prompt", BOOL, True)
-        messages = parse_messages(body)
-
-        def encode() -> list[int]:
-            text = render_chat(tokenizer, messages, add_generation_prompt)
-            return tokenizer.encode(text, add_special_tokens=False)
-
-    elif isinstance(body.get("prompt"), str):
-        add_special = typed_field(body, "add_special_tokens", BOOL, True)
-
-        def encode() -> list[int]:
-            return tokenizer.encode(body["prompt"], add_special_tokens=add_special)
-
-    else:
-        raise APIError(400, "send 'prompt' (a string) or 'messages' (a list)", param="prompt")
-    tokens = await asyncio.to_thread(encode)
-    response = {"count": len(tokens), "max_model_len": engine.max_model_len, "tokens": tokens}
-    return web.json_response(response)
-
-
-async def _detokenize(request: web.Request) -> web.Response:
-    """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
-    state = request.app[STATE]
-    engine = state.ready_engine()
-    body = await read_json_object(request)
-    state.check_model(body.get("model"))
-    tokens = body.get("tokens")
-    if not isinstance(tokens, list):
-        raise APIError(400, "'tokens' must be a list of token ids", param="tokens")
-
-    def decode() -> str:  # a long list takes a while: worker thread, not the loop
-        return engine.tokenizer.decode(check_token_ids("tokens", tokens, engine.vocab_size))
-
-    try:
-        text = await asyncio.to_thread(decode)
-    except ValueError as exc:
-        raise APIError(400, str(exc), param="tokens") from exc
-    return web.json_response({"prompt": text})
+    return json_response({"object": "list", "data": [model]})
 
 
 def create_app(
@@ -199,8 +148,7 @@ def create_app(
     app.router.add_get("/v1/models", _models)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/tokenize", _tokenize)
-    app.router.add_post("/detokenize", _detokenize)
+    add_tokenization_routes(app)
     add_worker_routes(app)
     add_admin_routes(app)
     return app

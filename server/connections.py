@@ -18,7 +18,7 @@ Slow clients, in the order a connection meets them:
    restart it either). It is long (75 s, as nginx) on purpose: a client reusing a pooled
    connection just as the server closes it loses that request, so the server's idle limit must
    outlast clients' pools (httpx keeps idle connections 5 s, aiohttp 15 s).
-4. Body timeout: `read_json_object` answers 408 (and closes) when a body stalls.
+4. Body timeout: `read_body` answers 408 (and closes) when a body stalls.
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """/v1/completions and /v1/chat/completions: one engine request per HTTP request.
 
 Walkthrough of one request:
-1. Check the engine is ready, parse the body (400 on any bad field), check the model name,
-   then render and tokenize the prompt in a worker thread (megabytes of text take seconds;
-   the event loop must keep serving every other stream meanwhile).
+1. Check the engine is ready, decode the body into its protocol Struct and parse that (a 400
+   naming any bad field: server/decoding.py, server/protocol.py), check the model name, then
+   render and tokenize the prompt in a worker thread (megabytes of text take seconds; the
+   event loop must keep serving every other stream meanwhile).
 2. Start `engine.generate` and wait for its first output *before* answering, so a refusal
    (queue full, prompt too long) still gets its own status code (429, 400) instead of an error
    buried in a 200 stream.
@@ -19,7 +20,6 @@ Walkthrough of one request:
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -29,6 +29,7 @@ from aiohttp import web
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.outputs import RequestOutput
 from jserve.server.api_errors import APIError, rejection_to_api_error
+from jserve.server.decoding import decode_request
 from jserve.server.engine_client import EngineClient
 from jserve.server.metrics import RequestTracker, ServerMetrics
 from jserve.server.openai_format import ChoiceCursor, ResponseBuilder
@@ -39,7 +40,9 @@ from jserve.server.protocol import (
     parse_completion,
     request_tenant,
 )
-from jserve.server.state import STATE, ServerState, read_json_object
+from jserve.server.protocol_types import ChatRequest, CompletionRequest
+from jserve.server.responses import dump_json, json_response
+from jserve.server.state import STATE, ServerState, read_body
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +63,7 @@ async def _write(response: web.StreamResponse, data: bytes, idle_timeout: float 
 
 
 def _sse(payload: dict | str) -> bytes:
-    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    data = payload if isinstance(payload, str) else dump_json(payload)
     return f"data: {data}\n\n".encode()
 
 
@@ -189,16 +192,17 @@ async def _respond_once(
     failure = _failure(gen, request.app[STATE])
     if failure is not None:
         raise failure
-    return web.json_response(builder.full_response(last))
+    return json_response(builder.full_response(last))
 
 
 async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.ready_engine()
-    body = await read_json_object(request)
+    raw = await read_body(request)
     try:
-        tenant = request_tenant(request.headers.get("X-Tenant"), body)
-        parsed = parse_completion(body) if kind == "completion" else parse_chat(body)
+        body = decode_request(raw, CompletionRequest if kind == "completion" else ChatRequest)
+        tenant = request_tenant(request.headers.get("X-Tenant"), body.user)
+        parsed = parse_completion(body) if isinstance(body, CompletionRequest) else parse_chat(body)
     except APIError:
         state.metrics.request_rejected.labels("invalid").inc()
         raise

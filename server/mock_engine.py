@@ -1,7 +1,8 @@
 """A mock EngineClient whose output can be computed by hand, for server tests and demos.
 
 - Tokenizer: one token per character, token id = ord(char); the vocabulary is every code
-  point, [0, 0x110000).
+  point, [0, 0x110000). Decoding gives valid text, as a real tokenizer's does: an id that is
+  not a Unicode scalar value (a surrogate, or past U+10FFFF) decodes to U+FFFD.
 - Generation: choice j of a request with prompt ids P emits, at step k, token P[(j + k) % len(P)]
   (the prompt repeated, choice j starting j characters in). Sampling settings other than n,
   max_tokens, min_tokens, stop, stop_token_ids and logprobs are accepted and ignored.
@@ -11,7 +12,8 @@
   after it, with -1.5, -2.5, ...
 - A step loop emits one token per running choice every `token_delay` seconds; at most
   `max_num_seqs` requests run, at most `max_waiting` wait (more -> RequestRejected
-  "queue_full"). Fake KV usage counts blocks of `block_size` tokens of running requests.
+  "queue_full"); n above `max_n` is refused ("invalid"), as the engine's --max-n does. Fake
+  KV usage counts blocks of `block_size` tokens of running requests.
 - Tenants are recorded (`tenants`: request id -> tenant) but do not change scheduling;
   `control` reads and changes the settings of a real (idle) jserve.core scheduler, so the
   admin endpoint is tested against the real validation.
@@ -43,6 +45,10 @@ from jserve.outputs import (
 from jserve.sampling_params import SamplingParams
 
 
+def _is_scalar_value(code_point: int) -> bool:
+    return 0 <= code_point < 0xD800 or 0xE000 <= code_point < 0x110000
+
+
 class CharTokenizer:
     """One token per character; the chat template is "role: content" lines."""
 
@@ -50,7 +56,7 @@ class CharTokenizer:
         return [ord(c) for c in text]
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return "".join(chr(i) for i in ids)
+        return "".join(chr(i) if _is_scalar_value(i) else "\ufffd" for i in ids)
 
     def apply_chat_template(
         self,
@@ -88,6 +94,7 @@ class MockEngine:
         token_delay: float = 0.005,
         max_num_seqs: int = 64,
         max_waiting: int = 64,
+        max_n: int = 64,
         num_kv_blocks: int = 1024,
         block_size: int = 16,
     ) -> None:
@@ -101,6 +108,7 @@ class MockEngine:
         self.token_delay = token_delay
         self.max_num_seqs = max_num_seqs
         self.max_waiting = max_waiting
+        self.max_n = max_n
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.kv_cache_tokens = num_kv_blocks * block_size
@@ -131,6 +139,8 @@ class MockEngine:
             raise EngineDeadError(self.dead_reason)
         if self.state != "ready":
             raise RequestRejected("shutting_down", f"the engine is {self.state}")
+        if params.n > self.max_n:
+            raise RequestRejected("invalid", f"n must be at most {self.max_n}, got {params.n}")
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if max_tokens < 1 or len(ids) + max_tokens > self.max_model_len:
@@ -244,7 +254,10 @@ class MockEngine:
         if choice.logprobs is not None:
             width = max(1, params.logprobs or 0)
             choice.logprobs.append(
-                {token + r: Logprob(-0.5 - r, chr(token + r)) for r in range(width)}
+                {
+                    token + r: Logprob(-0.5 - r, self.tokenizer.decode([token + r]))
+                    for r in range(width)
+                }
             )
         num_tokens = len(choice.token_ids)
         full_text = self.tokenizer.decode(choice.token_ids)

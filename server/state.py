@@ -88,8 +88,8 @@ def _reject_non_finite(constant: str) -> float:
     raise ValueError(f"{constant} is not a JSON number")
 
 
-async def read_json_object(request: web.Request) -> dict:
-    """The request body as a JSON object, or a 4xx saying what is wrong with it.
+async def read_body(request: web.Request) -> bytes:
+    """The request body's bytes, or a 4xx saying why they could not be read.
 
     The body must arrive within the app's body timeout (408 otherwise: a stalled client must
     not hold a handler forever); its size limit is enforced while reading (413).
@@ -111,6 +111,12 @@ async def read_json_object(request: web.Request) -> dict:
             400, f"the request body could not be decoded: {type(cause).__name__}",
             code="bad_request_body", close_connection=True,
         ) from None  # fmt: skip
+    return raw
+
+
+async def read_json_object(request: web.Request) -> dict:
+    """The request body (read_body) as a JSON object, or a 4xx saying what is wrong with it."""
+    raw = await read_body(request)
     try:
         body = json.loads(raw, parse_constant=_reject_non_finite)
     except RecursionError:

@@ -1,5 +1,8 @@
 """OpenAI tool calling on chat: `tools` and `tool_choice` in, `tool_calls` out.
 
+The request side's shapes are Structs (server/protocol_types.py: Tool, ToolChoice); they
+become a `ToolRequest` in server/protocol.py.
+
 The model is asked to answer a call as Hermes-style blocks (the format most open chat models
 are tuned on, and vLLM's `hermes` parser):
 
@@ -28,7 +31,6 @@ from typing import Any
 
 from jserve.core.stopping import check_stop_strings
 from jserve.sampling_params import StructuredOutputsParams
-from jserve.server.api_errors import APIError
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_BLOCK = re.compile(
@@ -102,26 +104,13 @@ def with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]
     return [{"role": "system", "content": text}, *messages]
 
 
-def calls_as_text(content: str, calls: Any) -> str:
-    """An assistant turn's earlier `tool_calls` written back as blocks of the format above,
-    so the conversation reads to the model as it happened."""
-    if calls is None:
-        return content
-    if not isinstance(calls, list):
-        raise APIError(400, "'tool_calls' must be a list", param="messages")
-    blocks = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-            raise APIError(400, "every tool_calls[].function needs a 'name'", param="messages")
-        try:
-            arguments = json.loads(function.get("arguments") or "{}")
-        except (TypeError, json.JSONDecodeError):
-            raise APIError(
-                400, "tool_calls[].function.arguments must be a JSON string", param="messages"
-            ) from None
-        call_json = json.dumps({"name": function["name"], "arguments": arguments})
-        blocks.append(f"{CALL_OPEN}\n{call_json}\n{CALL_CLOSE}")
+def calls_as_text(content: str, calls: list[tuple[str, Any]]) -> str:
+    """An assistant turn's earlier tool calls, (name, decoded arguments) each, written back as
+    blocks of the format above, so the conversation reads to the model as it happened."""
+    blocks = [
+        f"{CALL_OPEN}\n{json.dumps({'name': name, 'arguments': arguments})}\n{CALL_CLOSE}"
+        for name, arguments in calls
+    ]
     return "\n".join([content, *blocks] if content else blocks)
 
 
@@ -157,71 +146,3 @@ def streamable_content_end(text: str) -> int:
     """How much of an unfinished output is safe to stream as content: up to a call block, or
     a partial `<tool_call>` at its end."""
     return check_stop_strings(text, [CALL_OPEN]).end
-
-
-def parse_tools(body: dict) -> ToolRequest | None:
-    """The request's tools and tool_choice; None when there are none (or tool_choice is
-    "none"). Raises APIError(400) naming what is wrong."""
-    tools = body.get("tools")
-    choice = body.get("tool_choice")
-    if body.get("functions") is not None:
-        raise APIError(
-            400, "'functions' is deprecated and not supported; send 'tools'", param="functions"
-        )
-    if tools is None:
-        if choice not in (None, "none"):
-            raise APIError(400, "'tool_choice' needs 'tools'", param="tool_choice")
-        return None
-    if not isinstance(tools, list) or not tools:
-        raise APIError(400, "'tools' must be a non-empty list", param="tools")
-    names = []
-    for i, tool in enumerate(tools):
-        function = tool.get("function") if isinstance(tool, dict) else None
-        if (
-            not isinstance(tool, dict)
-            or tool.get("type") != "function"
-            or not isinstance(function, dict)
-        ):
-            raise APIError(
-                400,
-                f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
-                param="tools",
-            )
-        if not isinstance(function.get("name"), str) or not function["name"]:
-            raise APIError(
-                400, f"tools[{i}].function.name must be a non-empty string", param="tools"
-            )
-        parameters = function.get("parameters")
-        if parameters is not None and not isinstance(parameters, dict):
-            raise APIError(
-                400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools"
-            )
-        names.append(function["name"])
-    parallel = body.get("parallel_tool_calls", True)
-    if not isinstance(parallel, bool):
-        raise APIError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
-    if choice is None or choice == "auto":
-        return ToolRequest(tools, "auto", parallel=parallel)
-    if choice == "none":
-        return None
-    if choice == "required":
-        return ToolRequest(tools, "required", parallel=parallel)
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
-    if (
-        not isinstance(choice, dict)
-        or choice.get("type") != "function"
-        or not isinstance(named, str)
-    ):
-        raise APIError(
-            400,
-            "'tool_choice' must be 'none', 'auto', 'required' or "
-            "{'type': 'function', 'function': {'name': ...}}",
-            param="tool_choice",
-        )
-    if named not in names:
-        raise APIError(
-            400,
-            f"'tool_choice' names {named!r}, which is not in 'tools' ({names})",
-            param="tool_choice",
-        )
-    return ToolRequest(tools, "named", named=named, parallel=parallel)

@@ -20,10 +20,14 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 _SHOWN_CHARS = 60  # a value quoted in an error is cut to this: never echo a whole body back
 
 
+def excerpt(text: str) -> str:
+    """`text`, cut short enough to quote in an error message."""
+    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+
+
 def show(value: object) -> str:
     """repr(value), cut short enough for an error message."""
-    text = repr(value)
-    return text if len(text) <= _SHOWN_CHARS else text[: _SHOWN_CHARS - 3] + "..."
+    return excerpt(repr(value))
 
 
 def is_int(value: object) -> bool:

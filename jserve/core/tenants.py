@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jserve.config.validation import show
+
 DEFAULT_TENANT = "default"
 MAX_TENANT_NAME = 256  # OpenAI clients send user ids of up to this length
 _TENANT_KEYS = frozenset({"weight", "max_running"})
@@ -29,10 +31,10 @@ def check_tenant_name(name: object) -> str:
     """`name` if it is a usable tenant name, else a ValueError saying what is wrong."""
     if not isinstance(name, str) or not 1 <= len(name) <= MAX_TENANT_NAME:
         raise ValueError(
-            f"a tenant name must be a string of 1 to {MAX_TENANT_NAME} characters, got {name!r}"
+            f"a tenant name must be a string of 1 to {MAX_TENANT_NAME} characters, got {show(name)}"
         )
     if not name.isprintable():
-        raise ValueError(f"tenant name {name!r} contains unprintable characters")
+        raise ValueError(f"tenant name {show(name)} contains unprintable characters")
     return name
 
 

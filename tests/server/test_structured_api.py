@@ -10,11 +10,13 @@ import re
 from collections.abc import AsyncIterator
 
 import jsonschema
+import msgspec
 import pytest
 from server_harness import serve, stream_events
 
 from jserve.engine.async_engine import AsyncLLMEngine
-from jserve.server.protocol import parse_messages, render_chat
+from jserve.server.protocol import chat_messages, render_chat
+from jserve.server.protocol_types import Message
 from jserve.server.tools import ToolRequest
 from tests.engine.conftest import make_engine
 
@@ -179,7 +181,8 @@ def test_tools_reach_a_template_without_tool_support_through_the_system_message(
              "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
     ]  # fmt: skip
-    rendered = render_chat(engine.tokenizer, parse_messages({"messages": history}), tools=tools)
+    messages = chat_messages(msgspec.convert(history, list[Message]))
+    rendered = render_chat(engine.tokenizer, messages, tools=tools)
     assert (
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
         in rendered
