@@ -113,6 +113,8 @@ async def test_response_format_and_guided_fields_constrain_the_output(engine):
         ({"guided_json": {"type": "array", "uniqueItems": True}}, "does not support"),
         ({"guided_regex": "(unclosed"}, "invalid regex"),
         ({"guided_grammar": "start: nowhere"}, "invalid grammar"),
+        ({"guided_regex": "a{1000000}"}, "invalid regex: lexer error: too many expressions"),
+        ({"guided_choice": [f"option {i}" for i in range(10_000)]}, "at most 1000 are served"),
     ],
 )  # fmt: skip
 async def test_constraints_that_cannot_be_served_are_400s(engine, body, words):
@@ -120,6 +122,7 @@ async def test_constraints_that_cannot_be_served_are_400s(engine, body, words):
         status, reply = await post(client, COMPLETIONS, {"prompt": "x", **body})
     assert status == 400, reply
     assert words in reply["error"]["message"], reply
+    assert len(reply["error"]["message"]) < 300 and "<state>" not in reply["error"]["message"]
 
 
 def _arguments(call: dict, tool: dict) -> dict:
