@@ -332,13 +332,13 @@ class LLMEngine:
             except Exception as e:  # detokenizing, a stop check or the grammar of it failed
                 self._fail(rid, f"{type(e).__name__}: {e}", changed)
                 continue
-            if rid in finished:
-                reason = finished[rid].finish_reason
-                stop = token if reason is FinishReason.STOP else None
-                self._finish_child(rid, reason, stop, changed)
-            elif stop_string is not None or complete:  # a complete grammar admits nothing more
-                self.scheduler.finish_request(rid, FinishReason.STOP)
-                self._finish_child(rid, FinishReason.STOP, stop_string, changed)
+            by_token = finished[rid].finish_reason if rid in finished else None
+            decision = child.state.stop.decide(token, by_token, stop_string, complete)
+            if decision is None:
+                continue
+            if by_token is None:  # the scheduler ended it already otherwise
+                self.scheduler.finish_request(rid, decision.reason)
+            self._finish_child(rid, decision.reason, decision.stop_reason, changed)
 
     def _fail(self, child_id: str, error: str, changed: dict) -> None:
         """End the request owning `child_id` with finish reason "error": a host-side part of
