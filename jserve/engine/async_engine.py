@@ -46,7 +46,6 @@ from jserve.engine.llm_engine import LLMEngine
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.outputs import EngineStats, RequestOutput
 from jserve.sampling_params import SamplingParams
-from jserve.structured.grammar import GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +129,7 @@ class AsyncLLMEngine:
         future = self.engine.structured.grammars.submit(params.structured_outputs)
         try:
             return await asyncio.wrap_future(future)
-        except GrammarError as e:
+        except ValueError as e:  # a GrammarError, or llguidance refusing its input
             raise RequestRejected("invalid", str(e)) from None
 
     async def abort(self, request_id: str) -> None:

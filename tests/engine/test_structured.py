@@ -253,7 +253,7 @@ def test_the_async_engine_compiles_before_queueing_and_never_on_the_step_thread(
             params = constrained(max_tokens=20, json=schema)
             outputs = [out async for out in aengine.generate(prompt, params, "good")]
             with pytest.raises(RequestRejected, match="invalid regex") as info:
-                async for _ in aengine.generate(prompt, constrained(regex="a{1000000}"), "bad"):
+                async for _ in aengine.generate(prompt, constrained(regex="b{1000000}"), "bad"):
                     pass
             return outputs, info.value
         finally:
