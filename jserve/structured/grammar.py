@@ -43,8 +43,7 @@ from jserve.loaders.tokenizer import Tokenizer
 from jserve.sampling_params import StructuredOutputsParams
 
 # Options of one choice constraint. Each option is one alternative of a single grammar rule,
-# and llguidance's parser refuses a rule with more than LIMITS.max_items_in_row alternatives
-# (at the first token, not at compile time).
+# and llguidance's parser refuses a rule with more alternatives than max_items_in_row (below).
 MAX_CHOICES = 1_000
 # Characters of a constraint's text (JSON schema, regex, Lark/GBNF grammar, or the choices as
 # a JSON list): compile time and memory grow with it.
@@ -157,7 +156,7 @@ def _probe(kind: str, template: llguidance.LLMatcher, stop_ids: frozenset[int]) 
 
 class GrammarCache:
     """Compiled constraints for one tokenizer, least recently used evicted past `capacity`
-    (failures included: the same bad constraint is refused again without compiling).
+    (refusals included: the same bad constraint is refused again without compiling).
 
     Thread-safe: `submit` is called on the server's event loop, `template` on the step
     thread, and the compiles run in the pool.
@@ -223,7 +222,14 @@ class GrammarCache:
                 entry.set_result(self._compile(*key))
             except BaseException as e:  # every waiter gets it; raised below for this caller
                 entry.set_exception(e)
+                if not isinstance(e, GrammarError):  # only a refusal is worth remembering
+                    self._forget(key, entry)
         return entry.result()
+
+    def _forget(self, key: tuple[str, str], entry: Future) -> None:
+        with self._lock:
+            if self._entries.get(key) is entry:
+                del self._entries[key]
 
     def _compile(self, kind: str, text: str) -> llguidance.LLMatcher:
         grammar = _llguidance_grammar(kind, text)

@@ -111,6 +111,23 @@ def test_concurrent_requests_for_one_constraint_compile_it_once(grammars, monkey
     assert len(compiles) == 2
 
 
+def test_an_unexpected_compile_failure_is_not_remembered(grammars, monkeypatch):
+    compile_, calls = grammars._compile, []
+
+    def fails_once(kind, text):
+        calls.append(kind)
+        if len(calls) == 1:
+            raise MemoryError("out of memory")
+        return compile_(kind, text)
+
+    monkeypatch.setattr(grammars, "_compile", fails_once)
+    spec = StructuredOutputsParams(json=nested(4))
+    with pytest.raises(MemoryError):
+        grammars.template(spec)
+    assert grammars.template(spec).is_error() is False  # compiled again, and it worked
+    assert len(calls) == 2
+
+
 def test_a_compile_in_the_pool_does_not_stall_the_calling_thread(grammars, monkeypatch):
     """llguidance releases the GIL while it compiles: a Python loop here keeps running. (If
     it held the GIL, the loop's longest pause would be about the whole compile.)"""
