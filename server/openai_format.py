@@ -3,7 +3,10 @@
 Engine outputs are cumulative; a `ChoiceCursor` remembers how much of one choice was already
 sent so each chunk carries only the new text, tokens and logprobs. A chat request with tools
 turns the output's call blocks into `tool_calls` (server/tools.py): streamed content stops
-where a block may start, and the calls come in the choice's last chunk.
+where a block may start, the calls come in the choice's last chunk, and no call markup is
+ever content, whether the output finished or was cut. finish_reason is "length" for a cut
+output (with the calls completed before the cut), else "tool_calls" when calls were made
+("stop" for a named function).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from jserve.outputs import CompletionOutput, Logprob, RequestOutput
+from jserve.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
 from jserve.server.engine_client import TokenizerLike
 from jserve.server.tools import ToolRequest, split_tool_calls, streamable_content_end
 
@@ -132,8 +135,8 @@ class ResponseBuilder:
             return len(out.text), []
         if not out.finished:
             return streamable_content_end(out.text), []
-        content, calls = split_tool_calls(out.text)
-        return (len(content), calls) if calls else (len(out.text), [])
+        content, calls = split_tool_calls(out.text, cut=out.finish_reason != FinishReason.STOP)
+        return len(content), calls if self.tools.parallel else calls[:1]
 
     def _finish_reason(self, out: CompletionOutput, calls: list) -> str | None:
         if calls and out.finish_reason == "stop" and self.tools is not None:

@@ -15,8 +15,12 @@ are tuned on, and vLLM's `hermes` parser):
   (`tool_prompt`), stating the format above.
 - `tool_choice` "auto": the output is free; the blocks found in it become `tool_calls` and the
   text before them the content. "required" or a named function: the output is constrained by
-  a grammar to one (or, with parallel_tool_calls, several) such blocks whose JSON matches a
-  tool's parameters schema, so it always parses. "none": tools are neither shown nor parsed.
+  a grammar to one (or, with parallel_tool_calls, up to MAX_PARALLEL_CALLS) such blocks whose
+  JSON matches a tool's parameters schema, so it always parses, and then ends (EOS is the
+  only token after the last block it allows). "none": tools are neither shown nor parsed.
+- Output (`split_tool_calls`): call markup never reaches the content. Blocks that parse are
+  calls; one cut by max_tokens (or malformed) is dropped, so the calls completed before a cut
+  are kept; with parallel_tool_calls false only the first call is returned.
 - Streaming (server/openai_format.py): content streams until a block may be starting; the
   calls are sent as `tool_calls` deltas when the choice finishes.
 """
@@ -33,8 +37,15 @@ from jserve.core.stopping import check_stop_strings
 from jserve.sampling_params import StructuredOutputsParams
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
+# Calls one "required" request may make with parallel_tool_calls (bounded: a small model at
+# temperature 0 repeats its call until max_tokens when the grammar lets it).
+MAX_PARALLEL_CALLS = 8
+# The call's JSON as the tool prompt shows it: ", " and ": " separators, no other whitespace.
+_CALL_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# One block: from its opening tag to its closing tag, the next block's opening tag, or the end.
 _CALL_BLOCK = re.compile(
-    re.escape(CALL_OPEN) + r"\s*(.*?)\s*(?:" + re.escape(CALL_CLOSE) + r"|$)", re.S
+    rf"{re.escape(CALL_OPEN)}\s*(.*?)\s*(?:{re.escape(CALL_CLOSE)}|(?={re.escape(CALL_OPEN)})|$)",
+    re.S,
 )
 
 
@@ -48,7 +59,15 @@ class ToolRequest:
     parallel: bool = True
 
     def constraint(self) -> StructuredOutputsParams | None:
-        """The grammar that makes "required" and named choices always parse; None for auto."""
+        """The grammar that makes "required" and named choices always parse and always end;
+        None for auto.
+
+        It ends after the calls it allows (EOS is the only token after the last closing tag):
+        one call for a named function or without parallel calls, else at most
+        MAX_PARALLEL_CALLS. The JSON has fixed separators (no free whitespace to pad with) and
+        each arguments object is closed unless its schema says otherwise (`closed_arguments`),
+        so a small model cannot loop inside a call either.
+        """
         if self.choice == "auto":
             return None
         functions = [t["function"] for t in self.tools]
@@ -60,15 +79,17 @@ class ToolRequest:
                     "type": "object",
                     "properties": {
                         "name": {"const": f["name"]},
-                        "arguments": f.get("parameters") or {"type": "object"},
+                        "arguments": closed_arguments(f.get("parameters")),
                     },
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
                 for f in functions
-            ]
+            ],
+            "x-guidance": _CALL_JSON,
         }
-        repeat = ' ("\\n" call)*' if self.parallel and self.named is None else ""
+        more = MAX_PARALLEL_CALLS - 1 if self.parallel and self.named is None else 0
+        repeat = f' ("\\n" call){{0,{more}}}' if more else ""
         lark = (
             f"start: call{repeat}\n"
             f"call: {json.dumps(CALL_OPEN + chr(10))} body {json.dumps(chr(10) + CALL_CLOSE)}\n"
@@ -80,6 +101,16 @@ class ToolRequest:
     def finish_reason(self) -> str:
         """OpenAI's finish reason when calls were made: "stop" for a named function."""
         return "stop" if self.named is not None else "tool_calls"
+
+
+def closed_arguments(parameters: dict[str, Any] | None) -> dict[str, Any]:
+    """A function's parameters schema with its top-level object closed: no properties beyond
+    those it lists unless it says otherwise (`additionalProperties` or `patternProperties`).
+    An open object lets a small model add keys until max_tokens."""
+    schema = dict(parameters or {"type": "object"})
+    if "additionalProperties" not in schema and "patternProperties" not in schema:
+        schema["additionalProperties"] = False
+    return schema
 
 
 def tool_prompt(tools: list[dict[str, Any]]) -> str:
@@ -114,32 +145,39 @@ def calls_as_text(content: str, calls: list[tuple[str, Any]]) -> str:
     return "\n".join([content, *blocks] if content else blocks)
 
 
-def split_tool_calls(text: str) -> tuple[str, list[dict[str, Any]]]:
-    """(content, OpenAI tool_calls) of a finished output; blocks that do not parse as a call
-    stay in the content."""
+def split_tool_calls(text: str, *, cut: bool = False) -> tuple[str, list[dict[str, Any]]]:
+    """(content, OpenAI tool_calls) of a finished output; `cut`: it ended for another reason
+    than a stop (max_tokens, a timeout, an abort).
+
+    No call markup reaches the content: it is the text before the first block (of a cut
+    output, also without a partial `<tool_call>` at its end). Each block whose JSON parses as
+    a call is a call, closing tag or not (a model may end right after the JSON); one that
+    does not parse (malformed, or cut before its JSON closed) is dropped.
+    """
     start = text.find(CALL_OPEN)
     if start == -1:
-        return text, []
-    calls = []
-    for match in _CALL_BLOCK.finditer(text, start):
-        try:
-            call = json.loads(match.group(1))
-        except json.JSONDecodeError:
-            return text, []
-        if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
-            return text, []
-        arguments = call.get("arguments", call.get("parameters", {}))
-        calls.append(
-            {
-                "id": f"call_{uuid.uuid4().hex[:24]}",
-                "type": "function",
-                "function": {
-                    "name": call["name"],
-                    "arguments": json.dumps(arguments, ensure_ascii=False),
-                },
-            }
-        )
-    return text[:start], calls
+        return (text[: streamable_content_end(text)] if cut else text), []
+    parsed = (_parse_call(match.group(1)) for match in _CALL_BLOCK.finditer(text, start))
+    return text[:start], [call for call in parsed if call is not None]
+
+
+def _parse_call(body: str) -> dict[str, Any] | None:
+    """The OpenAI tool call of one block's JSON, or None if it is not one."""
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError:
+        return None
+    if not (isinstance(call, dict) and isinstance(call.get("name"), str)):
+        return None
+    arguments = call.get("arguments", call.get("parameters", {}))
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {
+            "name": call["name"],
+            "arguments": json.dumps(arguments, ensure_ascii=False),
+        },
+    }
 
 
 def streamable_content_end(text: str) -> int:

@@ -7,13 +7,17 @@ A sequence finishes, checked after each generated token, in this order:
 2. `max_tokens` tokens -> LENGTH (an unset max_tokens was resolved to what max_model_len
    leaves, so this also covers the context limit);
 3. a stop string: one of `stop` occurs in the text, searched only from `min_tokens` tokens on
-   -> STOP, `stop_reason` is the string and the text ends right before it.
+   -> STOP, `stop_reason` is the string and the text ends right before it;
+4. a complete grammar: the request's output constraint admits no further token (only EOS)
+   -> STOP, `stop_reason` is None.
 Below `min_tokens` the sampler also bans EOS and the stop ids (`min_tokens_banned_ids`), as
 vLLM does, so a sequence cannot even sample them.
 
 Rules 1-2 need only token counts: the scheduler applies them in `update_from_output`. Rule 3
-needs detokenized text: the output processor applies it. Both call this module, and so does
-the server's mock engine, so every test runs against the same semantics.
+needs detokenized text: the output processor applies it. Rule 4 needs the grammar's state,
+which the engine's matcher holds. `StopConditions.decide` joins the four answers in this order
+and the engine applies what it returns. The server's mock engine calls this module too, so
+every test runs against the same semantics.
 
 Other finish reasons come from outside a sequence: ABORT (the caller or client gave up) and
 TIMEOUT (its deadline passed: jserve.core.deadlines). `FinishReason`'s values are the strings
@@ -71,6 +75,33 @@ class StopConditions:
     def banned_ids(self, num_output_tokens: int) -> tuple[int, ...]:
         """Ids the sampler must ban for the next token (none from min_tokens on)."""
         return self.min_tokens_banned_ids if num_output_tokens < self.min_tokens else ()
+
+    def decide(
+        self,
+        token_id: int,
+        by_token: FinishReason | None,
+        stop_string: str | None,
+        grammar_complete: bool,
+    ) -> StopDecision | None:
+        """Whether the sequence finishes with `token_id`, and how: rules 1-4 in order, from
+        `after_token`'s answer (`by_token`), `after_text`'s stop string, and whether the
+        request's grammar is complete (False for an unconstrained request)."""
+        if by_token is not None:
+            return StopDecision(by_token, token_id if by_token is FinishReason.STOP else None)
+        if stop_string is not None:
+            return StopDecision(FinishReason.STOP, stop_string)
+        if grammar_complete:
+            return StopDecision(FinishReason.STOP, None)
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class StopDecision:
+    """How a sequence finishes: its finish reason and `stop_reason` (the stop token id, the
+    stop string, or None)."""
+
+    reason: FinishReason
+    stop_reason: int | str | None
 
 
 @dataclass(frozen=True)

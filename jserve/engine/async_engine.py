@@ -2,7 +2,10 @@
 
 How a request flows (two threads, two kinds of queue):
 1. `generate()` runs on the event loop. It makes an asyncio.Queue for the request, registers
-   it, and puts an "add" command in the inbox (a thread-safe deque) and wakes the step thread.
+   it, awaits the request's grammar if it has an output constraint (compiled in the grammar
+   pool, jserve.structured.grammar: the step thread never compiles one, and a constraint that
+   cannot be served is refused here with RequestRejected "invalid"), then puts an "add"
+   command carrying it in the inbox (a thread-safe deque) and wakes the step thread.
 2. The step thread (one, started by `start()`) loops: it drains the inbox (adds, aborts) into
    the LLMEngine, runs `engine.step()` while there is work (a step also ends requests past
    their deadline: jserve.core.deadlines), and hands each RequestOutput to its request's
@@ -34,6 +37,8 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from typing import Any
+
+import llguidance
 
 from jserve.config.engine_args import EngineArgs
 from jserve.core.tenants import DEFAULT_TENANT
@@ -98,9 +103,11 @@ class AsyncLLMEngine:
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._send("add", (request_id, prompt, params, lane, deadline, tenant))
-        finished = False
+        finished = added = False
         try:
+            grammar = await self._compile_grammar(params)
+            self._send("add", (request_id, prompt, params, lane, deadline, tenant, grammar))
+            added = True
             while not finished:
                 item = await queue.get()
                 while not queue.empty() and not isinstance(item, BaseException):
@@ -111,8 +118,19 @@ class AsyncLLMEngine:
                 yield item
         finally:
             self._queues.pop(request_id, None)
-            if not finished:
+            if added and not finished:
                 self._send("abort", request_id)
+
+    async def _compile_grammar(self, params: SamplingParams) -> llguidance.LLMatcher | None:
+        """The request's output constraint, compiled in the grammar pool (never on the step
+        thread); a constraint that cannot be served is refused here, before it is queued."""
+        if params.structured_outputs is None:
+            return None
+        future = self.engine.structured.grammars.submit(params.structured_outputs)
+        try:
+            return await asyncio.wrap_future(future)
+        except ValueError as e:  # a GrammarError, or llguidance refusing its input
+            raise RequestRejected("invalid", str(e)) from None
 
     async def abort(self, request_id: str) -> None:
         self._send("abort", request_id)
@@ -166,11 +184,12 @@ class AsyncLLMEngine:
             if kind == "control":
                 self._control(*payload)
                 continue
-            request_id, prompt, params, lane, deadline, tenant = payload
+            request_id, prompt, params, lane, deadline, tenant, grammar = payload
             try:
                 engine.add_request(
-                    request_id, prompt, params, lane=lane, deadline=deadline, tenant=tenant
-                )
+                    request_id, prompt, params, lane=lane, deadline=deadline, tenant=tenant,
+                    grammar=grammar,
+                )  # fmt: skip
             except Exception as e:  # a bad request fails alone, never the step loop
                 if isinstance(e, ValueError) and not isinstance(e, RequestRejected):
                     e = RequestRejected("invalid", str(e))

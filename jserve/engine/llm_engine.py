@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import llguidance
 
 from jserve.config.engine_args import EngineArgs
 from jserve.config.scheduler import CacheConfig
@@ -150,12 +151,15 @@ class LLMEngine:
         deadline: float | None = None,
         arrival_time: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        grammar: llguidance.LLMatcher | None = None,
     ) -> None:
         """Queue a request; raises RequestRejected (reason + message) if it cannot be served.
 
         `deadline` (time.monotonic() clock) ends it with "timeout": see jserve.core.deadlines;
         a deadline the scheduler estimates it cannot meet is refused ("deadline"). `tenant`
-        is who it is served for (jserve.core.fairness).
+        is who it is served for (jserve.core.fairness). `grammar` is the request's output
+        constraint already compiled (`self.structured.grammars.submit`, off this thread);
+        without it a constrained request's grammar is compiled here, through the same cache.
         """
         params = params or SamplingParams()
         try:
@@ -175,7 +179,7 @@ class LLMEngine:
             self.sampler.check_banned_ids(stop.banned_ids(0))
         except ValueError as e:
             raise RequestRejected("invalid", str(e)) from None
-        matchers = self._matchers(params)
+        matchers = self._matchers(params, grammar)
         state = RequestState.create(request_id, text, ids, params, stop, self.tokenizer, arrival)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
         children = []
@@ -197,14 +201,21 @@ class LLMEngine:
         self._states[request_id] = state
         self._num_prompt_tokens += len(ids)
 
-    def _matchers(self, params: SamplingParams) -> list[SequenceMatcher | None]:
+    def _matchers(
+        self, params: SamplingParams, grammar: llguidance.LLMatcher | None
+    ) -> list[SequenceMatcher | None]:
         """One grammar matcher per sample of a constrained request (compiled once, cached)."""
         if params.structured_outputs is None:
             return [None] * params.n
         try:
-            return [self.structured.new_matcher(params.structured_outputs) for _ in range(params.n)]
+            template = (
+                grammar
+                if grammar is not None
+                else self.structured.grammars.template(params.structured_outputs)
+            )
         except GrammarError as e:
             raise RequestRejected("invalid", str(e)) from None
+        return [self.structured.new_matcher(template) for _ in range(params.n)]
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
@@ -321,13 +332,13 @@ class LLMEngine:
             except Exception as e:  # detokenizing, a stop check or the grammar of it failed
                 self._fail(rid, f"{type(e).__name__}: {e}", changed)
                 continue
-            if rid in finished:
-                reason = finished[rid].finish_reason
-                stop = token if reason is FinishReason.STOP else None
-                self._finish_child(rid, reason, stop, changed)
-            elif stop_string is not None or complete:  # a complete grammar admits nothing more
-                self.scheduler.finish_request(rid, FinishReason.STOP)
-                self._finish_child(rid, FinishReason.STOP, stop_string, changed)
+            by_token = finished[rid].finish_reason if rid in finished else None
+            decision = child.state.stop.decide(token, by_token, stop_string, complete)
+            if decision is None:
+                continue
+            if by_token is None:  # the scheduler ended it already otherwise
+                self.scheduler.finish_request(rid, decision.reason)
+            self._finish_child(rid, decision.reason, decision.stop_reason, changed)
 
     def _fail(self, child_id: str, error: str, changed: dict) -> None:
         """End the request owning `child_id` with finish reason "error": a host-side part of

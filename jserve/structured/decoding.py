@@ -11,6 +11,8 @@ Each step, for the constrained rows the sampler will draw from:
    forward pass runs.
 3. After sampling, `advance` feeds each sampled token to its matcher and reports whether the
    grammar is complete (the engine then ends the sequence: nothing more may follow).
+A matcher that fails (a grammar past its limits deeper into a sequence than the compile-time
+probe reaches, jserve.structured.grammar) fails only its own sequence, with a short message.
 
 The sampler (jserve.runtime.sampler.apply_token_bitmask) turns the bitmask into -inf logits on
 device; unconstrained rows carry all ones, so one executable serves any mix of rows.
@@ -27,8 +29,7 @@ import numpy as np
 
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.runtime.sampling_tensors import bitmask_width
-from jserve.sampling_params import StructuredOutputsParams
-from jserve.structured.grammar import GrammarCache, GrammarError
+from jserve.structured.grammar import GrammarCache, GrammarError, short_error
 
 
 class SequenceMatcher:
@@ -72,7 +73,7 @@ class SequenceMatcher:
         del self.tokens[common:]
         for token in output_token_ids[common:]:
             if not self.advance(int(token)):
-                raise GrammarError(f"the output is outside the grammar: {self.error}")
+                raise GrammarError(f"the output is outside the grammar: {short_error(self.error)}")
 
 
 class StructuredDecoding:
@@ -91,11 +92,11 @@ class StructuredDecoding:
         self.host_seconds = 0.0  # spent in matchers and masks: the grammar engine's share
         self.num_masked_steps = 0
 
-    def new_matcher(self, spec: StructuredOutputsParams) -> SequenceMatcher:
-        """A fresh matcher for one sequence. Raises GrammarError (invalid or unsupported)."""
+    def new_matcher(self, template: llguidance.LLMatcher) -> SequenceMatcher:
+        """A fresh matcher for one sequence, from a compiled constraint (GrammarCache)."""
         start = time.perf_counter()
         try:
-            return SequenceMatcher(self.grammars.template(spec))
+            return SequenceMatcher(template)
         finally:
             self.host_seconds += time.perf_counter() - start
 
@@ -116,7 +117,7 @@ class StructuredDecoding:
                 failed[i] = str(e)
                 continue
             if matcher.error is not None:
-                failed[i] = f"the grammar matcher failed: {matcher.error}"
+                failed[i] = f"the grammar matcher failed: {short_error(matcher.error)}"
             else:
                 ready.append((matcher.matcher, i))
         if ready:  # llguidance refuses an empty batch
@@ -130,12 +131,16 @@ class StructuredDecoding:
 
     def advance(self, matcher: SequenceMatcher, token: int) -> bool:
         """Feed the sampled token; True once the grammar is complete. Raises GrammarError if
-        the grammar rejects the token (the mask allowed it, so only a conflict with another
-        rule, e.g. min_tokens banning the only allowed EOS, gets here)."""
+        the grammar rejects the token: the mask allowed it, so only a conflict with another
+        rule (e.g. min_tokens banning the only allowed EOS) or a grammar past its limits
+        (jserve.structured.grammar.LIMITS) later than its first token gets here."""
         start = time.perf_counter()
         try:
             if not matcher.advance(token):
-                raise GrammarError(f"the sampled token is outside the grammar: {matcher.error}")
+                raise GrammarError(
+                    f"the grammar failed at output token {len(matcher.tokens) + 1}: "
+                    f"{short_error(matcher.error)}"
+                )
             return matcher.is_complete
         finally:
             self.host_seconds += time.perf_counter() - start

@@ -1,25 +1,70 @@
-"""Compile output constraints into llguidance matchers, cached by constraint.
+"""Compile output constraints into llguidance matchers: bounded, off the step thread, cached.
 
 A compiled constraint is a matcher in its initial state (the "template"); each constrained
 sequence gets a `deep_copy` of it, which costs microseconds, so a schema that 64 requests
 share is compiled once. JSON is generated without free whitespace (`whitespace_flexible`
 off): a small model given the freedom pads with newlines until max_tokens.
+
+Where compiling runs: `GrammarCache.submit` hands it to a small thread pool and returns a
+future, so the server's requests await their grammar before they reach the step thread
+(jserve.engine.async_engine), and the step loop never waits for one. llguidance releases
+the GIL while it builds a matcher, so a compile in the pool does not stall Python threads.
+`GrammarCache.template` compiles on the calling thread (the offline engine's path); both go
+through one function and one cache. Requests that ask for the same constraint at the same
+time wait for one compile.
+
+What is served is bounded, so that a request cannot hold a worker for long, take the
+memory of the host, or fail at its first token:
+- before the compiler: at most MAX_CHOICES options in a choice, and at most
+  MAX_CONSTRAINT_CHARS characters of schema, regex, grammar or choices (in the canonical
+  text form that keys the cache);
+- in the compiler: llguidance's `LLParserLimits` (`LIMITS`), which cap the grammar's size,
+  the lexer's states and the work ("fuel") of building the lexer and of each token's mask;
+- after it: the first mask is computed, and one allowed token consumed on a copy
+  (`_probe`), so a grammar past the limits at its first token (a regex like `a{1000000}`) is
+  refused at admission. (This also fills the lexer caches that every copy shares, so the
+  first step of each sequence is cheap.) A limit reached later in a sequence fails only that
+  sequence (jserve.structured.decoding).
+Every refusal is a GrammarError whose message is short: at most ERROR_CHARS characters of
+llguidance's error, never its state dump or the grammar.
 """
 
 from __future__ import annotations
 
-import functools
 import json
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import llguidance
+import numpy as np
 
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.sampling_params import StructuredOutputsParams
 
+# Options of one choice constraint. Each option is one alternative of a single grammar rule,
+# and llguidance's parser refuses a rule with more alternatives than max_items_in_row (below).
+MAX_CHOICES = 1_000
+# Characters of a constraint's text (JSON schema, regex, Lark/GBNF grammar, or the choices as
+# a JSON list): compile time and memory grow with it.
+MAX_CONSTRAINT_CHARS = 100_000
+# llguidance's limits; the values are its defaults, except where noted.
+LIMITS = llguidance.LLParserLimits(
+    max_items_in_row=2_000,  # alternatives of one rule in one parser row
+    initial_lexer_fuel=1_000_000,  # work to build the lexer's regexes
+    step_lexer_fuel=200_000,  # lexer work per token mask
+    step_max_items=50_000,  # parser items per token mask
+    max_lexer_states=50_000,  # each ~1-2 kB (default 250,000)
+    max_grammar_size=200_000,  # symbols in the grammar's rules (default 500,000)
+    verbose_errors=False,  # errors without the parser's state and the grammar
+)
+ERROR_CHARS = 200  # of llguidance's error message in a GrammarError
+COMPILE_THREADS = 2  # the pool's workers: compiles that run at once
+
 _JSON_OPTIONS = {"whitespace_flexible": False}
 # llguidance's words for a valid schema that uses something it cannot enforce.
 _UNSUPPORTED_MARKERS = ("Unimplemented", "Unknown format", "not supported", "unsupported")
+_WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
 
 
 class GrammarError(ValueError):
@@ -39,15 +84,50 @@ def _json_schema_text(schema: str | dict) -> str:
 
 
 def grammar_source(spec: StructuredOutputsParams) -> tuple[str, str]:
-    """(kind, text): the constraint in the canonical form that keys the cache."""
+    """(kind, text): the constraint in the canonical form that keys the cache.
+
+    Raises:
+        GrammarError: the text is not a JSON schema, or is over MAX_CHOICES or
+            MAX_CONSTRAINT_CHARS.
+    """
     kind = spec.kind
+    if kind == "choice" and len(spec.choice) > MAX_CHOICES:
+        raise GrammarError(
+            f"a choice has {len(spec.choice)} options; at most {MAX_CHOICES} are served"
+        )
     if kind == "json":
-        return kind, _json_schema_text(spec.json)
-    if kind == "json_object":
-        return "json", json.dumps({"type": "object"})
-    if kind == "choice":
-        return kind, json.dumps(list(spec.choice))
-    return kind, getattr(spec, kind)
+        key = kind, _json_schema_text(spec.json)
+    elif kind == "json_object":
+        key = "json", json.dumps({"type": "object"})
+    elif kind == "choice":
+        key = kind, json.dumps(list(spec.choice))
+    else:
+        key = kind, getattr(spec, kind)
+    if len(key[1]) > MAX_CONSTRAINT_CHARS:
+        raise GrammarError(
+            f"the {_WHAT[key[0]]} is {len(key[1]):,} characters; at most "
+            f"{MAX_CONSTRAINT_CHARS:,} are served"
+        )
+    return key
+
+
+def short_error(error: str) -> str:
+    """The gist of an llguidance error: its first line (and a regex parser's `error:` line,
+    which says what is wrong), at most ERROR_CHARS characters."""
+    lines = [line.strip() for line in error.replace("<non-verbose/>", "").splitlines()]
+    lines = [line for line in lines if line]
+    if not lines:
+        return "unknown error"
+    reason = next((line for line in lines[1:] if line.startswith("error:")), None)
+    text = lines[0] if reason is None else f"{lines[0]} {reason}"
+    return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
+
+
+def _explain(kind: str, error: str) -> str:
+    error = short_error(error)
+    if any(marker in error for marker in _UNSUPPORTED_MARKERS):
+        return f"the {_WHAT[kind]} uses a feature the grammar engine does not support: {error}"
+    return f"invalid {_WHAT[kind]}: {error}"
 
 
 def _llguidance_grammar(kind: str, text: str) -> str:
@@ -59,15 +139,27 @@ def _llguidance_grammar(kind: str, text: str) -> str:
         raise GrammarError(_explain(kind, str(e))) from None
 
 
-def _explain(kind: str, error: str) -> str:
-    what = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
-    if any(marker in error for marker in _UNSUPPORTED_MARKERS):
-        return f"the {what[kind]} uses a feature the grammar engine does not support: {error}"
-    return f"invalid {what[kind]}: {error}"
+def _probe(kind: str, template: llguidance.LLMatcher, stop_ids: frozenset[int]) -> None:
+    """Compute the template's first mask and consume one allowed token on a copy: a grammar
+    whose lexer or parser is past LIMITS at its first token fails here, not at a step."""
+    mask = np.frombuffer(template.compute_bitmask(), np.uint8)
+    if template.is_error():
+        raise GrammarError(_explain(kind, template.get_error()))
+    allowed = np.flatnonzero(np.unpackbits(mask, bitorder="little"))
+    token = next((int(t) for t in allowed if int(t) not in stop_ids), None)
+    if token is None:
+        return  # only EOS (or nothing) may follow: nothing for the lexer to build
+    probe = template.deep_copy()
+    if not probe.consume_token(token):
+        raise GrammarError(_explain(kind, probe.get_error()))
 
 
 class GrammarCache:
-    """Compiled constraints for one tokenizer, least recently used evicted past `capacity`.
+    """Compiled constraints for one tokenizer, least recently used evicted past `capacity`
+    (refusals included: the same bad constraint is refused again without compiling).
+
+    Thread-safe: `submit` is called on the server's event loop, `template` on the step
+    thread, and the compiles run in the pool.
 
     Args:
         tokenizer: the model's tokenizer (its backend is handed to llguidance once, lazily).
@@ -79,42 +171,70 @@ class GrammarCache:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.capacity = capacity
-        self._templates: OrderedDict[tuple[str, str], llguidance.LLMatcher] = OrderedDict()
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()
+        self._llg_tokenizer: llguidance.LLTokenizer | None = None
+        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jserve-grammar")
         self.hits = 0
         self.misses = 0
 
-    @functools.cached_property
+    @property
     def llg_tokenizer(self) -> llguidance.LLTokenizer:
-        """llguidance's view of the tokenizer (about 0.3 s to build, so on first use)."""
-        return llguidance.LLTokenizer(
-            self._tokenizer.backend.to_str(),
-            n_vocab=self.vocab_size,
-            eos_token=sorted(self._tokenizer.stop_token_ids),
-        )
+        """llguidance's view of the tokenizer (built on first use: it takes a moment)."""
+        with self._lock:
+            if self._llg_tokenizer is None:
+                self._llg_tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer.backend.to_str(),
+                    n_vocab=self.vocab_size,
+                    eos_token=sorted(self._tokenizer.stop_token_ids),
+                )
+            return self._llg_tokenizer
+
+    def submit(self, spec: StructuredOutputsParams) -> Future:
+        """Compile `spec` in the pool (or find it compiled, or join its compile under way).
+
+        The future's result is the template (see `template`); its exception a GrammarError.
+        """
+        return self._pool.submit(self.template, spec)
 
     def template(self, spec: StructuredOutputsParams) -> llguidance.LLMatcher:
-        """The compiled constraint in its initial state (deep_copy it, never advance it).
+        """The compiled constraint in its initial state (deep_copy it, never advance it),
+        compiled on this thread unless it is cached or another thread is compiling it.
 
         Raises:
-            GrammarError: the constraint is invalid, or uses what llguidance cannot enforce.
+            GrammarError: the constraint is invalid, over a limit, or uses what llguidance
+                cannot enforce.
         """
         key = grammar_source(spec)
-        template = self._templates.get(key)
-        if template is not None:
-            self.hits += 1
-            self._templates.move_to_end(key)
-            return template
-        self.misses += 1
-        grammar = _llguidance_grammar(*key)
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self.llg_tokenizer
-        )
-        if is_error:
-            raise GrammarError(_explain(key[0], messages[0].strip()))
-        template = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0)
+        with self._lock:
+            entry = self._entries.get(key)
+            compiles_here = entry is None
+            if compiles_here:
+                self.misses += 1
+                entry = self._entries[key] = Future()
+                if len(self._entries) > self.capacity:
+                    self._entries.popitem(last=False)  # its waiters keep their future
+            else:
+                self.hits += 1
+                self._entries.move_to_end(key)
+        if compiles_here:
+            try:
+                entry.set_result(self._compile(*key))
+            except BaseException as e:  # every waiter gets it; raised below for this caller
+                entry.set_exception(e)
+                if not isinstance(e, GrammarError):  # only a refusal is worth remembering
+                    self._forget(key, entry)
+        return entry.result()
+
+    def _forget(self, key: tuple[str, str], entry: Future) -> None:
+        with self._lock:
+            if self._entries.get(key) is entry:
+                del self._entries[key]
+
+    def _compile(self, kind: str, text: str) -> llguidance.LLMatcher:
+        grammar = _llguidance_grammar(kind, text)
+        template = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0, limits=LIMITS)
         if template.is_error():
-            raise GrammarError(_explain(key[0], template.get_error()))
-        self._templates[key] = template
-        if len(self._templates) > self.capacity:
-            self._templates.popitem(last=False)
+            raise GrammarError(_explain(kind, template.get_error()))
+        _probe(kind, template, self._tokenizer.stop_token_ids)
         return template

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from jserve.core.stopping import StopConditions
+from jserve.core.stopping import StopConditions, StopDecision
 from jserve.outputs import FinishReason
 from jserve.sampling_params import SamplingParams
 
@@ -38,6 +38,18 @@ def test_stop_strings_are_searched_from_min_tokens_on():
     assert (at.stop, at.end) == (None, 3)  # "ab" was searched before; the tail "a" is held
     hit = stop.after_text("xabab", 4, 4)
     assert (hit.stop, hit.end) == ("ab", 3)
+
+
+def test_decide_orders_token_rules_stop_strings_then_a_complete_grammar():
+    stop = StopConditions.from_params(SamplingParams(stop=["ab"]), [EOS], 4)
+    STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
+    assert stop.decide(7, None, None, False) is None
+    assert stop.decide(7, None, None, True) == StopDecision(STOP, None)  # only EOS may follow
+    assert stop.decide(7, None, "ab", True) == StopDecision(STOP, "ab")  # the string is named
+    assert stop.decide(EOS, STOP, "ab", True) == StopDecision(STOP, EOS)  # the stop token wins
+    # the length wins over a grammar completed by the last allowed token, as without rule 4
+    assert stop.decide(7, LENGTH, None, True) == StopDecision(LENGTH, None)
+    assert stop.decide(7, LENGTH, "ab", False) == StopDecision(LENGTH, None)
 
 
 def test_finish_reasons_are_the_strings_http_bodies_carry():

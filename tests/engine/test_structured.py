@@ -4,12 +4,15 @@ many schemas in one continuous batch, preemption, n > 1, stop strings, aborts, a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import threading
 
 import jsonschema
 import pytest
 
+from jserve.engine.async_engine import AsyncLLMEngine
 from jserve.errors import RequestRejected
 from jserve.runtime.compilation import forbid_compilation
 from jserve.sampling_params import SamplingParams, StructuredOutputsParams
@@ -169,6 +172,8 @@ def test_constrained_greedy_equals_unconstrained_when_the_model_already_complies
         (dict(json={"type": "array", "uniqueItems": True}), "does not support"),
         (dict(regex="[a-"), "invalid regex"),
         (dict(grammar="start: missing_rule"), "invalid grammar"),
+        (dict(regex="a{1000000}"), "invalid regex: lexer error: too many expressions"),
+        (dict(choice=[f"option {i}" for i in range(10_000)]), "at most 1000 are served"),
     ],
 )
 def test_bad_constraints_are_refused_with_the_reason(engine, spec, words):
@@ -194,10 +199,68 @@ def test_matcher_sync_rolls_back_and_replays_exactly(engine):
 
 
 def test_a_row_whose_output_left_the_grammar_fails_alone(engine):
-    spec = StructuredOutputsParams(choice=("yes", "no"))
-    good, bad = engine.structured.new_matcher(spec), engine.structured.new_matcher(spec)
+    template = engine.structured.grammars.template(StructuredOutputsParams(choice=("yes", "no")))
+    good, bad = engine.structured.new_matcher(template), engine.structured.new_matcher(template)
     outside = engine.tokenizer.encode("maybe")
     masks, failed = engine.structured.fill_masks([(0, bad, outside)])  # nothing left to mask
     assert masks == {} and "outside the grammar" in failed[0]
     masks, failed = engine.structured.fill_masks([(0, good, []), (1, bad, outside)])
     assert list(masks) == [0] and list(failed) == [1]
+
+
+def test_a_grammar_past_its_limits_after_the_first_token_fails_only_its_request(engine):
+    """The compile-time probe reaches the first token; a parser row too wide later (3,000
+    alternatives, past max_items_in_row) fails that sequence alone, with a short message."""
+    alternatives = " | ".join(f'"w{i}"' for i in range(3_000))
+    spec = StructuredOutputsParams(grammar=f'start: /[a-z]/ ";" c\nc: {alternatives}')
+    engine.add_request(
+        "wide",
+        chat(engine, "Hi"),
+        SamplingParams(temperature=0, max_tokens=8, structured_outputs=spec),
+    )
+    engine.add_request("fine", chat(engine, "Hi"), constrained(max_tokens=8, regex="[a-z]{3}"))
+    final = run_to_completion(engine)
+    wide = final["wide"]
+    assert wide.outputs[0].finish_reason == "error" and len(wide.outputs[0].token_ids) == 2
+    assert wide.error.startswith("GrammarError: the grammar failed at output token 2: Parser")
+    assert "max is 2000" in wide.error and len(wide.error) < 300 and "w2999" not in wide.error
+    assert re.fullmatch("[a-z]{3}", final["fine"].outputs[0].text)
+
+
+def test_the_async_engine_compiles_before_queueing_and_never_on_the_step_thread(
+    engine, monkeypatch
+):
+    grammars = engine.structured.grammars
+    compiled_on, added = [], []
+    compile_, add_request = grammars._compile, engine.add_request
+
+    def compile_recorded(kind, text):
+        compiled_on.append(threading.current_thread().name)
+        return compile_(kind, text)
+
+    def add_recorded(request_id, *args, **kwargs):
+        added.append((request_id, kwargs["grammar"] is not None))
+        return add_request(request_id, *args, **kwargs)
+
+    monkeypatch.setattr(grammars, "_compile", compile_recorded)
+    monkeypatch.setattr(engine, "add_request", add_recorded)
+    schema = {**SCHEMAS[1], "title": "not compiled before"}  # a cache miss
+    prompt = chat(engine, "OK?")
+
+    async def serve() -> tuple[list, RequestRejected]:
+        aengine = AsyncLLMEngine(engine)
+        try:
+            params = constrained(max_tokens=20, json=schema)
+            outputs = [out async for out in aengine.generate(prompt, params, "good")]
+            with pytest.raises(RequestRejected, match="invalid regex") as info:
+                async for _ in aengine.generate(prompt, constrained(regex="b{1000000}"), "bad"):
+                    pass
+            return outputs, info.value
+        finally:
+            await aengine.shutdown()
+
+    outputs, refusal = asyncio.run(asyncio.wait_for(serve(), timeout=120))
+    jsonschema.validate(json.loads(outputs[-1].outputs[0].text), schema)
+    assert refusal.reason == "invalid"
+    assert added == [("good", True)]  # compiled before "add"; the refused one never queued
+    assert len(compiled_on) == 2 and all(t.startswith("jserve-grammar") for t in compiled_on)

@@ -46,20 +46,7 @@ WEATHER = {
         },
     },
 }
-TIME = {
-    "type": "function",
-    "function": {
-        "name": "get_time",
-        "parameters": {
-            "type": "object",
-            "properties": {"zone": {"type": "string", "maxLength": 8}},
-            "required": ["zone"],
-            "additionalProperties": False,
-        },
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-CALLS = {"max_tokens": 200}  # room for two calls of these tools
 
 
 @pytest.fixture(scope="module")
@@ -115,6 +102,8 @@ async def test_response_format_and_guided_fields_constrain_the_output(engine):
         ({"guided_json": {"type": "array", "uniqueItems": True}}, "does not support"),
         ({"guided_regex": "(unclosed"}, "invalid regex"),
         ({"guided_grammar": "start: nowhere"}, "invalid grammar"),
+        ({"guided_regex": "a{1000000}"}, "invalid regex: lexer error: too many expressions"),
+        ({"guided_choice": [f"option {i}" for i in range(10_000)]}, "at most 1000 are served"),
     ],
 )  # fmt: skip
 async def test_constraints_that_cannot_be_served_are_400s(engine, body, words):
@@ -122,6 +111,7 @@ async def test_constraints_that_cannot_be_served_are_400s(engine, body, words):
         status, reply = await post(client, COMPLETIONS, {"prompt": "x", **body})
     assert status == 400, reply
     assert words in reply["error"]["message"], reply
+    assert len(reply["error"]["message"]) < 300 and "<state>" not in reply["error"]["message"]
 
 
 def _arguments(call: dict, tool: dict) -> dict:
@@ -132,41 +122,70 @@ def _arguments(call: dict, tool: dict) -> dict:
     return arguments
 
 
-async def test_named_and_required_tool_choice_always_give_valid_calls(engine):
+# The issue's tools, as a new user writes them: no additionalProperties, no length limits.
+def _open_tool(name: str, description: str, argument: str) -> dict:
+    parameters = {
+        "type": "object",
+        "properties": {argument: {"type": "string"}},
+        "required": [argument],
+    }
+    function = {"name": name, "description": description, "parameters": parameters}
+    return {"type": "function", "function": function}
+
+
+OPEN_WEATHER = _open_tool("get_weather", "Get the current weather in a city", "city")
+OPEN_TIME = _open_tool("get_time", "The time in a time zone", "zone")
+TWO_CITIES = [{"role": "user", "content": "What is the weather in Paris and in London?"}]
+
+
+@pytest.mark.parametrize(
+    ("tools", "tool_choice", "parallel", "finish_reason", "cities"),
+    [
+        ([OPEN_WEATHER, OPEN_TIME], {"type": "function", "function": {"name": "get_weather"}},
+         True, "stop", ["Paris"]),
+        ([OPEN_WEATHER, OPEN_TIME], "required", False, "tool_calls", ["Paris"]),
+        ([OPEN_WEATHER], "required", True, "tool_calls", ["Paris", "London"]),
+    ],
+)  # fmt: skip
+async def test_forced_tool_calls_end_before_max_tokens_with_open_schemas(
+    engine, tools, tool_choice, parallel, finish_reason, cities
+):
+    """SmolLM2 at temperature 0 looped until max_tokens on each of these (an open arguments
+    object, free whitespace, unbounded calls); the grammar now ends after the calls."""
+    request = {
+        "messages": TWO_CITIES, "tools": tools, "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel, "max_tokens": 200,
+    }  # fmt: skip
     async with client_of(engine) as client:
-        named = {"type": "function", "function": {"name": "get_weather"}}
-        status, body = await post(
-            client, CHAT, {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": named, **CALLS}
-        )
-        assert status == 200, body
-        choice = body["choices"][0]
-        assert choice["finish_reason"] == "stop" and choice["message"]["content"] is None
-        [call] = choice["message"]["tool_calls"]
-        _arguments(call, WEATHER)
-        status, body = await post(
-            client,
-            CHAT,
-            {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", **CALLS},
-        )
-        choice = body["choices"][0]
-        assert choice["finish_reason"] == "tool_calls", body
-        tools = {t["function"]["name"]: t for t in (WEATHER, TIME)}
-        for call in choice["message"]["tool_calls"]:
-            _arguments(call, tools[call["function"]["name"]])
+        status, body = await post(client, CHAT, request)
+    assert status == 200, body
+    choice = body["choices"][0]
+    assert body["usage"]["completion_tokens"] < 200  # it ended by itself
+    assert choice["finish_reason"] == finish_reason and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    assert [_arguments(c, OPEN_WEATHER) for c in calls] == [{"city": city} for city in cities]
 
 
-async def test_streamed_tool_calls_match_the_unstreamed_ones(engine):
-    request = {"messages": ASK, "tools": [WEATHER], "tool_choice": "required", **CALLS}
+async def test_a_call_cut_by_max_tokens_is_dropped_and_the_completed_one_kept(engine):
+    """The second call of two is cut: the first is returned, finish_reason is "length", and
+    no markup reaches the content, streamed or not."""
+    request = {
+        "messages": TWO_CITIES, "tools": [OPEN_WEATHER], "tool_choice": "required",
+        "max_tokens": 45,
+    }  # fmt: skip
     async with client_of(engine) as client:
         _, whole = await post(client, CHAT, request)
         events = await stream_events(client, CHAT, {"temperature": 0, **request})
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "length" and whole["usage"]["completion_tokens"] == 45
+    assert choice["message"]["content"] is None
+    [call] = choice["message"]["tool_calls"]
+    assert _arguments(call, OPEN_WEATHER) == {"city": "Paris"}
     chunks = [e for e in events if isinstance(e, dict)]
-    calls = [c for e in chunks for c in e["choices"][0]["delta"].get("tool_calls", [])]
     assert "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks) == ""
-    expected = whole["choices"][0]["message"]["tool_calls"]
-    assert [c["function"] for c in calls] == [c["function"] for c in expected]
-    assert [c["index"] for c in calls] == list(range(len(expected)))
-    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    streamed = [c for e in chunks for c in e["choices"][0]["delta"].get("tool_calls", [])]
+    assert [c["function"] for c in streamed] == [call["function"]]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_tools_reach_a_template_without_tool_support_through_the_system_message(engine):
