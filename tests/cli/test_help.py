@@ -49,5 +49,6 @@ def test_help_shows_each_subcommands_own_defaults():
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     text = " ".join(result.stdout.split())
-    assert "requests running at once (default: 1; vLLM: --max-num-seqs)" in text
-    assert "tokens per KV-cache block (default: 16; vLLM: --block-size)" in text
+    shown = "requests running at once (default: 1; in [1, 2**31-1]; adjustable at run time; "
+    assert shown + "vLLM: --max-num-seqs)" in text
+    assert "tokens per KV-cache block (default: 16; in [1, 2**31-1]; vLLM: --block-size)" in text
