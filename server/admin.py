@@ -26,7 +26,7 @@ _STRICT_JSON = functools.partial(json.dumps, allow_nan=False)
 
 
 def _check_allowed(request: web.Request) -> None:
-    if request.app[STATE].api_key is None:
+    if request.app[STATE].settings.api_key is None:
         raise APIError(
             403, "admin endpoints need the server to be started with --api-key",
             code="admin_disabled",

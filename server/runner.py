@@ -26,22 +26,11 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
-from jserve.core.tenants import TenantLabels
-from jserve.server.app import DEFAULT_MAX_BODY_BYTES, create_app
-from jserve.server.connections import (
-    DEFAULT_HEADER_TIMEOUT,
-    DEFAULT_KEEPALIVE_TIMEOUT,
-    DEFAULT_MAX_HALF_OPEN,
-    handler_factory,
-)
+from jserve.server.app import create_app
+from jserve.server.connections import handler_factory
 from jserve.server.engine_client import EngineClient
-from jserve.server.state import (
-    DEFAULT_BODY_TIMEOUT,
-    DEFAULT_STREAM_IDLE_TIMEOUT,
-    STATE,
-    ServerState,
-    set_engine,
-)
+from jserve.server.settings import ServerSettings
+from jserve.server.state import STATE, ServerState, set_engine
 
 logger = logging.getLogger(__name__)
 
@@ -52,32 +41,16 @@ _POLL_SECONDS = 0.05
 
 async def run_server(
     engine_factory: EngineFactory,
+    settings: ServerSettings,
     *,
-    host: str = "127.0.0.1",
-    port: int = 8000,
-    shutdown_timeout: float = 30.0,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
-    body_timeout: float = DEFAULT_BODY_TIMEOUT,
-    max_half_open: int = DEFAULT_MAX_HALF_OPEN,
-    stream_idle_timeout: float | None = DEFAULT_STREAM_IDLE_TIMEOUT,
-    tenant_labels: TenantLabels | None = None,
+    tenants: tuple[str, ...] = (),
     stop: asyncio.Event | None = None,
 ) -> int:
-    """Serve until SIGTERM/SIGINT (or `stop` is set); return the process exit code."""
-    app = create_app(
-        None, api_key=api_key, served_model_name=served_model_name,
-        max_body_bytes=max_body_bytes, body_timeout=body_timeout,
-        stream_idle_timeout=stream_idle_timeout, tenant_labels=tenant_labels,
-    )  # fmt: skip
+    """Serve until SIGTERM/SIGINT (or `stop` is set); return the process exit code.
+    `tenants` are the declared ones (see create_app)."""
+    app = create_app(None, settings, tenants=tenants)
     state = app[STATE]
-    runner, listener = await start_listening(
-        app, host, port, header_timeout=header_timeout, keepalive_timeout=keepalive_timeout,
-        max_half_open=max_half_open,
-    )  # fmt: skip
+    runner, listener = await start_listening(app, settings)
     bound_host, bound_port = listener.sockets[0].getsockname()[:2]
     logger.info("jserve listening on http://%s:%d", bound_host, bound_port)
 
@@ -104,9 +77,9 @@ async def run_server(
                 logger.error("the engine is dead (%s): exiting 1", state.engine.dead_reason)
                 exit_code = 1
         if exit_code == 0:
-            logger.info("draining in-flight requests (up to %.1f s)", shutdown_timeout)
+            logger.info("draining in-flight requests (up to %.1f s)", settings.shutdown_timeout)
             state.draining = True
-            await _drain(state, shutdown_timeout)
+            await _drain(state, settings.shutdown_timeout)
     finally:
         state.draining = True
         stop_task.cancel()
@@ -124,25 +97,23 @@ async def run_server(
 
 
 async def start_listening(
-    app: web.Application,
-    host: str,
-    port: int,
-    *,
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
-    max_half_open: int = DEFAULT_MAX_HALF_OPEN,
+    app: web.Application, settings: ServerSettings
 ) -> tuple[web.AppRunner, asyncio.Server]:
-    """Set `app` up and listen through the guarded handler; the caller closes the listener,
-    then cleans the runner up (cancelling handlers still running after a short grace)."""
+    """Set `app` up and listen on `settings`' host and port through the guarded handler; the
+    caller closes the listener, then cleans the runner up (cancelling handlers still running
+    after a short grace)."""
     runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=_CUT_GRACE_SECONDS)
     await runner.setup()
     assert runner.server is not None
     factory = handler_factory(
-        runner.server, header_timeout=header_timeout, keepalive_timeout=keepalive_timeout,
-        max_half_open=max_half_open,
+        runner.server, header_timeout=settings.header_timeout,
+        keepalive_timeout=settings.keepalive_timeout,
+        max_half_open=settings.max_half_open_connections,
     )  # fmt: skip
     loop = asyncio.get_running_loop()
-    return runner, await loop.create_server(factory, host, port, reuse_address=True)
+    return runner, await loop.create_server(
+        factory, settings.host, settings.port, reuse_address=True
+    )
 
 
 async def _engine_death(engine: EngineClient) -> None:

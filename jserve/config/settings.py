@@ -35,7 +35,7 @@ class InvalidSetting(ValueError):
 
 
 def _number(value: float) -> str:
-    return _NAMED.get(value, f"{value:g}") if is_int(value) else f"{value:g}"
+    return _NAMED.get(value, str(value)) if is_int(value) else f"{value:g}"
 
 
 @dataclass(frozen=True)

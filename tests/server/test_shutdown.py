@@ -16,6 +16,7 @@ from server_harness import echo_text, parse_sse
 
 from jserve.server.mock_engine import MockEngine
 from jserve.server.runner import run_server
+from jserve.server.settings import ServerSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -152,7 +153,7 @@ async def test_an_engine_that_fails_to_start_exits_1():
     async def broken_factory():
         raise FileNotFoundError("no model at /nowhere.gguf")
 
-    assert await run_server(broken_factory, port=0) == 1
+    assert await run_server(broken_factory, ServerSettings(port=0)) == 1
 
 
 async def test_an_engine_that_dies_makes_the_server_exit_1():
@@ -161,7 +162,7 @@ async def test_an_engine_that_dies_makes_the_server_exit_1():
     async def factory():
         return engine
 
-    server = asyncio.create_task(run_server(factory, port=0))
+    server = asyncio.create_task(run_server(factory, ServerSettings(port=0)))
     await asyncio.sleep(0.3)  # serving
     engine.kill("a step failed and the engine could not restart")
     assert await asyncio.wait_for(server, timeout=5) == 1

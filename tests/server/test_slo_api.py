@@ -11,7 +11,6 @@ import socket
 import pytest
 from server_harness import echo_text, metric, serve, serve_guarded
 
-from jserve.core.tenants import TenantLabels
 from jserve.errors import RequestRejected
 from jserve.server.generation import StreamIdle, _write
 from jserve.server.mock_engine import MockEngine
@@ -78,7 +77,7 @@ async def test_slo_refusals_say_which_limit_and_when_to_retry(error, status, cod
 
 
 async def test_metrics_are_split_by_lane_and_tenant_with_bounded_labels():
-    async with serve(MockEngine(), tenant_labels=TenantLabels(max_labels=1)) as client:
+    async with serve(MockEngine(), max_tenant_labels=1) as client:
         for tenant in ("alice", "bob", "carol"):
             response = await client.post(
                 COMPLETIONS, json={"prompt": "abc", "max_tokens": 3, "user": tenant}
