@@ -10,7 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
+import threading
+import time
 
 from jserve.cli import add_library_commands, run_command
 from jserve.config.engine_args import add_engine_arguments
@@ -20,6 +23,8 @@ from jserve.server.fleet import add_fleet_arguments, run_fleet
 from jserve.server.runner import EngineFactory, run_server
 from jserve.server.settings import ServerSettings
 
+_THREAD_GRACE_SECONDS = 1.0  # for idle worker threads to end once the loop has closed
+
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     """The HTTP server's flags, one per ServerSettings field (the engine's own flags are
@@ -28,12 +33,39 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
-    """Serve until SIGTERM; returns the exit code (0 after a clean drain)."""
+    """Serve until SIGTERM or SIGINT; returns the exit code: 0 after a clean drain, 130 when
+    a second SIGINT cut it short, 1 when the engine failed (jserve.server.runner)."""
     settings = from_namespace(ServerSettings, args)
     # Read now, so a bad tenants file fails before the model loads (the engine reads it too).
     tenants = load_tenant_policy(getattr(args, "tenants_file", None)).tenants
     _configure_logging()
-    return asyncio.run(run_server(engine_factory, settings, tenants=tenants))
+    loop = asyncio.new_event_loop()
+    try:
+        code = loop.run_until_complete(run_server(engine_factory, settings, tenants=tenants))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+    finally:
+        loop.close()  # unlike asyncio.run, this does not wait for the loop's worker threads
+    _exit_now_if_threads_linger(code)
+    return code
+
+
+def _exit_now_if_threads_linger(code: int) -> None:
+    """End the process at once with `code` if a worker thread is still busy a moment after
+    the server stopped: an engine stopped while it was loading compiles on for minutes, and
+    the interpreter would wait for it before exiting."""
+    others = [
+        t for t in threading.enumerate() if not t.daemon and t is not threading.current_thread()
+    ]
+    deadline = time.monotonic() + _THREAD_GRACE_SECONDS
+    for thread in others:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    busy = [t.name for t in others if t.is_alive()]
+    if busy:
+        logging.getLogger(__name__).warning("exiting without waiting for threads %s", busy)
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def _serve(args: argparse.Namespace) -> int:
