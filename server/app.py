@@ -29,18 +29,13 @@ from jserve.server.engine_client import EngineClient
 from jserve.server.generation import chat_completions, completions
 from jserve.server.metrics import ServerMetrics
 from jserve.server.responses import json_response
-from jserve.server.state import (
-    DEFAULT_BODY_TIMEOUT,
-    DEFAULT_STREAM_IDLE_TIMEOUT,
-    STATE,
-    ServerState,
-)
+from jserve.server.settings import ServerSettings
+from jserve.server.state import STATE, ServerState
 from jserve.server.tokenization import add_tokenization_routes
 from jserve.server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_BODY_BYTES = 4 * 1024 * 1024
 _OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -63,7 +58,7 @@ async def _error_middleware(request: web.Request, handler: Handler) -> web.Strea
         elif exc.status == 405:
             message = f"method {request.method} is not allowed on {request.path}"
         elif exc.status == 413:
-            limit = request.app[STATE].max_body_bytes
+            limit = request.app[STATE].settings.max_body_bytes
             message = f"request body is larger than the limit of {limit} bytes"
         return APIError(exc.status, message, code=exc.reason.lower().replace(" ", "_")).response()
     except Exception:
@@ -77,10 +72,11 @@ async def _admission_middleware(request: web.Request, handler: Handler) -> web.S
     if request.path not in _OPEN_PATHS:
         if state.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        if state.api_key is not None:
+        api_key = state.settings.api_key
+        if api_key is not None:
             # aiohttp decodes header bytes that are not UTF-8 as surrogates: encode them back.
             supplied = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
-            if not hmac.compare_digest(supplied, f"Bearer {state.api_key}".encode()):
+            if not hmac.compare_digest(supplied, f"Bearer {api_key}".encode()):
                 raise APIError(
                     401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
                     code="invalid_api_key",
@@ -123,26 +119,22 @@ async def _models(request: web.Request) -> web.Response:
 
 def create_app(
     engine: EngineClient | None,
+    settings: ServerSettings = ServerSettings(),  # noqa: B008 (frozen: one shared default)
     *,
-    api_key: str | None = None,
-    served_model_name: str | None = None,
-    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-    body_timeout: float = DEFAULT_BODY_TIMEOUT,
-    stream_idle_timeout: float | None = DEFAULT_STREAM_IDLE_TIMEOUT,
-    tenant_labels: TenantLabels | None = None,
+    tenants: tuple[str, ...] = (),
 ) -> web.Application:
     """The OpenAI-compatible app. `engine=None` serves /health "starting" until set_engine().
+    `tenants` are the declared ones (the tenants file's), which always get a metric label.
 
     Serve it with handler_cancellation=True (run_server and aiohttp's TestServer do) so a
     client that disconnects cancels its handler, which aborts the engine request at once.
     """
     app = web.Application(
-        middlewares=[_error_middleware, _admission_middleware], client_max_size=max_body_bytes
+        middlewares=[_error_middleware, _admission_middleware],
+        client_max_size=settings.max_body_bytes,
     )
-    app[STATE] = ServerState(
-        engine, served_model_name, api_key, max_body_bytes, body_timeout, stream_idle_timeout,
-        ServerMetrics(tenant_labels),
-    )  # fmt: skip
+    metrics = ServerMetrics(TenantLabels(tenants, settings.max_tenant_labels))
+    app[STATE] = ServerState(engine, settings, metrics)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/v1/models", _models)

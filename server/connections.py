@@ -35,9 +35,6 @@ from jserve.server.api_errors import APIError
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_HEADER_TIMEOUT = 10.0
-DEFAULT_KEEPALIVE_TIMEOUT = 75.0
-DEFAULT_MAX_HALF_OPEN = 512
 _HEAD_END = b"\r\n\r\n"
 # After answering a request whose body was not read (413, 408), aiohttp reads and drops what the
 # client still sends, so its close does not reset the connection before the client reads the
@@ -137,9 +134,9 @@ class GuardedRequestHandler(web.RequestHandler):
 def handler_factory(
     server: web.Server,
     *,
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
-    max_half_open: int = DEFAULT_MAX_HALF_OPEN,
+    header_timeout: float,
+    keepalive_timeout: float,
+    max_half_open: int,
 ) -> Callable[[], GuardedRequestHandler]:
     """A protocol factory for `loop.create_server` serving `server` (an AppRunner's)."""
     half_open: dict[GuardedRequestHandler, None] = {}  # insertion order: oldest first

@@ -70,8 +70,9 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
     async def control(self, changes: dict[str, Any]) -> dict[str, Any]:
-        """Scheduler settings after applying `changes` (empty: just read them); ValueError
-        says what is wrong with a change (then nothing changed): jserve.core.control."""
+        """Scheduler settings after applying `changes` (empty: just read them); an
+        InvalidSetting (jserve.config.settings) names the field that is wrong and says why
+        (then nothing changed): jserve.core.control."""
         ...
 
     def stats(self) -> EngineStats: ...

@@ -14,19 +14,13 @@ from aiohttp.web_protocol import RequestPayloadError
 from jserve.server.api_errors import APIError
 from jserve.server.engine_client import EngineClient
 from jserve.server.metrics import ServerMetrics
-
-DEFAULT_BODY_TIMEOUT = 30.0  # seconds a client may take to send a request body
-DEFAULT_STREAM_IDLE_TIMEOUT = 120.0  # seconds a stream's client may stop reading
+from jserve.server.settings import ServerSettings
 
 
 @dataclass
 class ServerState:
     engine: EngineClient | None
-    served_model_name: str | None
-    api_key: str | None
-    max_body_bytes: int
-    body_timeout: float = DEFAULT_BODY_TIMEOUT
-    stream_idle_timeout: float | None = DEFAULT_STREAM_IDLE_TIMEOUT  # None: wait forever
+    settings: ServerSettings = field(default_factory=ServerSettings)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     draining: bool = False
     in_flight: set[str] = field(default_factory=set)  # engine request ids being served
@@ -35,9 +29,19 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
+    def body_timeout(self) -> float:
+        """Seconds a request body may take to arrive."""
+        return self.settings.body_timeout
+
+    @property
+    def stream_idle_timeout(self) -> float | None:
+        """Seconds a stream's client may stop reading; None: wait forever."""
+        return self.settings.stream_idle_timeout or None
+
+    @property
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
         return self.engine.model_name if self.engine is not None else ""
 
     def health(self) -> str:

@@ -148,7 +148,7 @@ async def _server_info(request: web.Request) -> web.Response:
         "attn_dp_size": 1,
         "enable_dp_attention": False,
         "disaggregation_mode": "null",
-        "api_key_required": state.api_key is not None,
+        "api_key_required": state.settings.api_key is not None,
         "internal_states": [load_snapshot(engine, stats, 0.0)],
     }
     return web.json_response(body)

@@ -44,3 +44,12 @@ def test_readme_refers_to_nothing_outside_the_repo():
     assert "../" not in readme
     for link in re.findall(r"`((?:docs|bench|jserve|server)/[\w./-]+)`", readme):
         assert (ROOT / link).exists(), link
+
+
+def test_the_admin_fields_table_is_the_declaration():
+    from jserve.core.control import fields_table
+
+    doc = (ROOT / "docs" / "scheduling.md").read_text()
+    found = re.search(r"<!-- control-fields:.*?-->\n(.*?)\n<!-- /control-fields -->", doc, re.S)
+    assert found, "docs/scheduling.md lost its control-fields block"
+    assert found.group(1) == fields_table(), "regenerate it: jserve.core.control.fields_table()"

@@ -13,8 +13,17 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from jserve.config.scheduler import POLICIES, SchedulerConfig
-from jserve.config.settings import add_flags, documented, setting
+from jserve.config.scheduler import SchedulerConfig
+from jserve.config.settings import (
+    Bounds,
+    InvalidSetting,
+    add_flags,
+    check_settings,
+    documented,
+    from_namespace,
+    setting,
+)
+from jserve.config.validation import INT32_MAX
 
 _SCHEDULER_FIELDS = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
 
@@ -48,17 +57,23 @@ class EngineArgs:
         "longest prompt plus output of one request, in tokens",
         vllm="--max-model-len",
         default_text="the model's context length, at most 2048",
+        bounds=Bounds(1, INT32_MAX),
     )
     max_num_seqs: int = _scheduler_setting("max_num_seqs")
     max_num_batched_tokens: int = _scheduler_setting("max_num_batched_tokens")
-    block_size: int = setting(16, "tokens per KV-cache block", vllm="--block-size")
+    block_size: int = setting(
+        16, "tokens per KV-cache block", vllm="--block-size", bounds=Bounds(1, INT32_MAX)
+    )
     num_kv_blocks: int | None = setting(
         None,
         "KV pool size in blocks (one is the padding sink); overrides kv_cache_memory",
         vllm="--num-gpu-blocks-override",
         default_text="sized from kv_cache_memory",
+        bounds=Bounds(2, INT32_MAX),
     )
-    kv_cache_memory: int = setting(1 << 30, "KV pool size in bytes", vllm="--kv-cache-memory-bytes")
+    kv_cache_memory: int = setting(
+        1 << 30, "KV pool size in bytes", vllm="--kv-cache-memory-bytes", bounds=Bounds(1)
+    )
     enable_prefix_caching: bool = _scheduler_setting("enable_prefix_caching")
     enable_chunked_prefill: bool = _scheduler_setting("enable_chunked_prefill")
     scheduling: str = _scheduler_setting("scheduling")
@@ -110,6 +125,7 @@ class EngineArgs:
         "must divide the query and KV head counts, and be the total device count of a "
         "multi-process run",
         vllm="--tensor-parallel-size",
+        bounds=Bounds(1, INT32_MAX),
     )
     coordinator_address: str | None = setting(
         None,
@@ -121,11 +137,13 @@ class EngineArgs:
         1,
         "processes of a multi-process run, each holding its own devices of one mesh "
         "(jax.distributed.initialize's num_processes)",
+        bounds=Bounds(1, INT32_MAX),
     )
     process_id: int = setting(
         0,
         "this process's index in a multi-process run: 0 schedules and serves HTTP, the others "
         "run process 0's steps on their devices (jax.distributed.initialize's process_id)",
+        bounds=Bounds(0, INT32_MAX),
     )
     cache_dir: str | None = setting(
         None,
@@ -156,10 +174,7 @@ class EngineArgs:
     )
 
     def __post_init__(self) -> None:
-        if self.scheduling not in POLICIES:
-            raise ValueError(f"scheduling must be one of {POLICIES}, got {self.scheduling!r}")
-        if self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        check_settings(self)  # each field's type, choices and range
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint; set both")
         if self.kv_events_endpoint and not self.enable_prefix_caching:
@@ -167,10 +182,11 @@ class EngineArgs:
                 "kv_events_endpoint publishes the prefix cache's events: enable prefix caching"
             )
         if not 1 <= self.max_n <= max(1, self.max_waiting_requests // 2):
-            raise ValueError(
+            raise InvalidSetting(
+                "max_n",
                 f"max_n must be in [1, max_waiting_requests // 2 = "
                 f"{self.max_waiting_requests // 2}] so one request cannot fill the waiting "
-                f"queue, got {self.max_n}; lower --max-n or raise --max-waiting-requests"
+                f"queue, got {self.max_n}; lower --max-n or raise --max-waiting-requests",
             )
 
     @classmethod
@@ -195,4 +211,4 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_args_from_namespace(ns: argparse.Namespace) -> EngineArgs:
-    return EngineArgs(**{k: v for k, v in vars(ns).items() if k in EngineArgs.field_names()})
+    return from_namespace(EngineArgs, ns)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jserve.config.settings import documented, setting
+from jserve.config.settings import Bounds, InvalidSetting, check_settings, documented, setting
+from jserve.config.validation import INT32_MAX
 
 POLICIES = ("continuous", "static")
 # Order inside a lane: virtual-token-counter fair share between tenants, or arrival order.
@@ -17,59 +18,84 @@ FAIRNESS_POLICIES = ("vtc", "fcfs")
 LANES = ("interactive", "long", "batch")
 
 
-def _require(ok: bool, message: str) -> None:
+_COUNT = Bounds(1, INT32_MAX)  # a count the engine holds in int32 arrays
+_FRACTION_OPEN_LOW = Bounds(0.0, 1.0, lo_open=True)
+
+
+def _require(ok: bool, name: str, message: str) -> None:
     if not ok:
-        raise ValueError(message)
+        raise InvalidSetting(name, message)
 
 
 @documented
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """What the scheduler may put into one iteration, and which waiting work goes first."""
+    """What the scheduler may put into one iteration, and which waiting work goes first.
+
+    Settings marked adjustable may change at run time (POST /admin/scheduler, through
+    jserve.core.control), within their declared range."""
 
     max_num_seqs: int = setting(
-        32, "sequences in one step, i.e. requests running at once", vllm="--max-num-seqs"
-    )
+        32, "sequences in one step, i.e. requests running at once", vllm="--max-num-seqs",
+        bounds=_COUNT, adjustable=True,
+    )  # fmt: skip
     max_num_batched_tokens: int = setting(
         512,
         "tokens computed in one step, decode tokens plus prefill chunks",
         vllm="--max-num-batched-tokens",
+        bounds=_COUNT,
+        adjustable=True,
     )
     max_model_len: int = setting(
-        2048, "longest prompt plus output of one request, in tokens", vllm="--max-model-len"
+        2048,
+        "longest prompt plus output of one request, in tokens",
+        vllm="--max-model-len",
+        bounds=_COUNT,
     )
     long_prefill_token_threshold: int = setting(
         0,
-        "most prefill tokens one request may compute in one step; 0 = no cap but the step's",
+        "most prefill tokens one request may compute in one step, at most "
+        "max_num_batched_tokens; 0 = no cap but the step's",
         vllm="--long-prefill-token-threshold",
+        bounds=Bounds(0, INT32_MAX),
+        adjustable=True,
     )
     long_prompt_threshold: int = setting(
-        512, "a prompt longer than this many tokens waits and runs in the 'long' lane"
-    )
+        512, "a prompt longer than this many tokens waits and runs in the 'long' lane",
+        bounds=_COUNT,
+    )  # fmt: skip
     long_lane_max_share: float = setting(
         0.5,
-        "fraction, in (0, 1], of a step's token budget the long lane's prefill may take while "
-        "other work shares the step (alone it may take the whole step)",
+        "fraction of a step's token budget the long lane's prefill may take while other work "
+        "shares the step (alone it may take the whole step)",
+        bounds=_FRACTION_OPEN_LOW,
+        adjustable=True,
     )
     max_waiting_requests: int = setting(
         1024,
         "waiting-queue cap in sequences (each of a request's n samples counts); more are "
         "refused (HTTP 429, reason queue_full)",
+        bounds=_COUNT,
     )
     free_block_watermark: float = setting(
         0.01,
-        "fraction, in [0, 1), of KV blocks kept free: no new prefill starts below it (the high "
-        "watermark is 1 minus this)",
+        "fraction of KV blocks kept free: no new prefill starts below it (the high watermark "
+        "is 1 minus this)",
+        bounds=Bounds(0.0, 1.0, hi_open=True),
+        adjustable=True,
     )
     kv_reject_watermark: float = setting(
         1.0,
-        "KV usage, in (0, 1], above which new requests are refused (HTTP 503, reason kv_full); "
-        "1 = never",
+        "KV usage above which new requests are refused (HTTP 503, reason kv_full); 1 = never",
+        bounds=_FRACTION_OPEN_LOW,
+        adjustable=True,
     )
     aging_iterations: int = setting(
         64,
         "steps a lane's oldest waiting request may wait before it goes ahead of strict lane "
         "order, so no request waits forever",
+        bounds=_COUNT,
+        adjustable=True,
     )
     scheduling: str = setting(
         "continuous",
@@ -82,17 +108,21 @@ class SchedulerConfig:
         "order inside a lane: vtc (fair share between tenants by virtual token counters, FIFO "
         "within a tenant) or fcfs (arrival order)",
         choices=FAIRNESS_POLICIES,
+        adjustable=True,
     )
     deadline_admission: bool = setting(
         True,
         "refuse at arrival a request whose timeout its estimated finish time (priced from "
         "measured step costs) misses (HTTP 429, reason deadline); off, deadlines only expire",
+        adjustable=True,
     )
     target_itl_ms: float = setting(
         0.0,
         "inter-token latency target of running decodes, in ms: each step takes as many prefill "
         "tokens as the precompiled bucket whose measured step time fits it allows; 0 = a "
         "fixed budget of max_num_batched_tokens",
+        bounds=Bounds(0.0),
+        adjustable=True,
     )
     enable_chunked_prefill: bool = setting(
         True,
@@ -107,71 +137,41 @@ class SchedulerConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
-            value = getattr(self, name)
-            _require(value >= 1, f"{name} must be >= 1, got {value}")
+        check_settings(self)  # each field's type and range
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
+            "max_num_batched_tokens",
             f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
             f"({self.max_num_seqs}) so every running sequence can decode in each step",
         )
         _require(
-            0 <= self.long_prefill_token_threshold <= self.max_num_batched_tokens,
+            self.long_prefill_token_threshold <= self.max_num_batched_tokens,
+            "long_prefill_token_threshold",
             f"long_prefill_token_threshold must be in [0, max_num_batched_tokens="
             f"{self.max_num_batched_tokens}] (0 = no cap), got {self.long_prefill_token_threshold}",
         )
-        _require(
-            self.long_prompt_threshold >= 1,
-            f"long_prompt_threshold must be >= 1, got {self.long_prompt_threshold}",
-        )
-        _require(
-            0.0 < self.long_lane_max_share <= 1.0,
-            f"long_lane_max_share must be in (0, 1], got {self.long_lane_max_share}",
-        )
-        _require(
-            self.max_waiting_requests >= 1,
-            f"max_waiting_requests must be >= 1, got {self.max_waiting_requests}",
-        )
-        _require(
-            0.0 <= self.free_block_watermark < 1.0,
-            f"free_block_watermark must be in [0, 1), got {self.free_block_watermark}",
-        )
-        _require(
-            0.0 < self.kv_reject_watermark <= 1.0,
-            f"kv_reject_watermark must be in (0, 1], got {self.kv_reject_watermark}",
-        )
-        _require(
-            self.fairness in FAIRNESS_POLICIES,
-            f"fairness must be one of {FAIRNESS_POLICIES}, got {self.fairness!r}",
-        )
-        _require(
-            self.target_itl_ms >= 0.0,
-            f"target_itl_ms must be >= 0 (0 = off), got {self.target_itl_ms}",
-        )
-        _require(
-            self.aging_iterations >= 1,
-            f"aging_iterations must be >= 1, got {self.aging_iterations}",
-        )
-        _require(
-            self.scheduling in POLICIES,
-            f"scheduling must be one of {POLICIES}, got {self.scheduling!r}",
-        )
         if not self.enable_chunked_prefill:
-            _require(
-                self.max_num_batched_tokens >= self.max_model_len,
-                f"without chunked prefill a whole prompt must fit in one step: "
-                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-                f"max_model_len ({self.max_model_len}); raise it or enable chunked prefill",
-            )
-            _require(
-                self.target_itl_ms == 0.0,
-                "target_itl_ms adapts the prefill chunk and needs enable_chunked_prefill=True",
-            )
-            _require(
-                self.long_prefill_token_threshold == 0,
-                f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) splits "
-                f"prompts and needs enable_chunked_prefill=True; set it to 0",
-            )
+            self._check_whole_prefill()
+
+    def _check_whole_prefill(self) -> None:
+        _require(
+            self.max_num_batched_tokens >= self.max_model_len,
+            "max_num_batched_tokens",
+            f"without chunked prefill a whole prompt must fit in one step: "
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+            f"max_model_len ({self.max_model_len}); raise it or enable chunked prefill",
+        )
+        _require(
+            self.target_itl_ms == 0.0,
+            "target_itl_ms",
+            "target_itl_ms adapts the prefill chunk and needs enable_chunked_prefill=True",
+        )
+        _require(
+            self.long_prefill_token_threshold == 0,
+            "long_prefill_token_threshold",
+            f"long_prefill_token_threshold ({self.long_prefill_token_threshold}) splits "
+            f"prompts and needs enable_chunked_prefill=True; set it to 0",
+        )
 
 
 @dataclass(frozen=True)
@@ -182,8 +182,11 @@ class CacheConfig:
     num_blocks: int = 2048
 
     def __post_init__(self) -> None:
-        _require(self.block_size >= 1, f"block_size must be >= 1, got {self.block_size}")
+        _require(
+            self.block_size >= 1, "block_size", f"block_size must be >= 1, got {self.block_size}"
+        )
         _require(
             self.num_blocks >= 2,
+            "num_blocks",
             f"num_blocks must be >= 2 (block 0 is the padding sink), got {self.num_blocks}",
         )

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 
 from jserve.config.scheduler import CacheConfig, SchedulerConfig
+from jserve.config.settings import InvalidSetting
 from jserve.core.admission import (
     check_deadline,
     check_kv_usage,
@@ -92,22 +93,24 @@ class Scheduler:
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Adopt `config` (at start-up, or between steps from the admin endpoint); a
-        ValueError leaves the old one. Prefix caching and max_model_len cannot change here."""
+        ValueError (an InvalidSetting naming the setting) leaves the old one. Prefix caching,
+        chunked prefill and max_model_len cannot change here."""
         old = getattr(self, "config", None)
         if old is not None:
             for name in ("enable_prefix_caching", "max_model_len", "enable_chunked_prefill"):
                 if getattr(config, name) != getattr(old, name):
-                    raise ValueError(f"{name} cannot change at run time")
+                    raise InvalidSetting(name, f"{name} cannot change at run time")
         usable = self.block_manager.num_usable_blocks
         watermark_blocks = int(config.free_block_watermark * usable)
         blocks_per_seq = -(-config.max_model_len // self.block_size)
         if blocks_per_seq + watermark_blocks > usable:
-            raise ValueError(
+            raise InvalidSetting(
+                "free_block_watermark" if watermark_blocks else "max_model_len",
                 f"num_blocks={self.num_blocks} leaves {usable} usable blocks, but one "
                 f"request of max_model_len={config.max_model_len} needs "
                 f"{blocks_per_seq} blocks of {self.block_size} tokens plus "
-                f"{watermark_blocks} watermark blocks; raise num_blocks or lower "
-                f"max_model_len"
+                f"{watermark_blocks} watermark blocks; raise num_blocks, or lower "
+                f"max_model_len or free_block_watermark",
             )
         self.config = config
         self.watermark_blocks = watermark_blocks

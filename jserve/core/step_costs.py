@@ -20,6 +20,7 @@ import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from jserve.config.settings import InvalidSetting
 from jserve.core.buckets import pick_step_bucket
 
 EWMA_WEIGHT = 0.2  # weight of the newest measurement of a bucket
@@ -155,15 +156,18 @@ def load_bucket_report(path: str) -> dict[tuple[int, int], float]:
 
 
 def check_target_itl(target_itl_ms: float, costs: StepCosts) -> None:
-    """ValueError unless some step can meet `target_itl_ms` (0 = no target)."""
+    """InvalidSetting unless some step can meet `target_itl_ms` (0 = no target)."""
     if not target_itl_ms:
         return
     smallest = costs.cost(1, 1)
     if smallest is None:
-        raise ValueError("target_itl_ms needs measured step costs, and none are known")
+        raise InvalidSetting(
+            "target_itl_ms", "target_itl_ms needs measured step costs, and none are known"
+        )
     if target_itl_ms / 1000.0 < smallest:
-        raise ValueError(
+        raise InvalidSetting(
+            "target_itl_ms",
             f"target_itl_ms={target_itl_ms:g} is below the measured step time of the smallest "
             f"bucket ({smallest * 1000.0:.1f} ms for one token): no step can meet it; raise "
-            f"it, or 0 for a fixed budget"
+            f"it, or 0 for a fixed budget",
         )

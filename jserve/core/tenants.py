@@ -20,11 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jserve.config.settings import Bounds, check_value
 from jserve.config.validation import show
 
 DEFAULT_TENANT = "default"
 MAX_TENANT_NAME = 256  # OpenAI clients send user ids of up to this length
 _TENANT_KEYS = frozenset({"weight", "max_running"})
+_WEIGHTS = Bounds(0.0, lo_open=True)
+_SHOWN_NAMES = 5  # unknown tenants an error lists
 
 
 def check_tenant_name(name: object) -> str:
@@ -39,11 +42,8 @@ def check_tenant_name(name: object) -> str:
 
 
 def check_weight(tenant: str, weight: object) -> float:
-    if isinstance(weight, bool) or not isinstance(weight, int | float) or not weight > 0:
-        raise ValueError(f"tenant {tenant!r}: weight must be a number > 0, got {weight!r}")
-    if weight == float("inf"):
-        raise ValueError(f"tenant {tenant!r}: weight must be finite, got {weight!r}")
-    return float(weight)
+    """`weight` as a float if it is a finite number > 0, else a ValueError naming `tenant`."""
+    return check_value(f"tenant {tenant!r}: weight", weight, "float", _WEIGHTS)
 
 
 @dataclass(frozen=True)
@@ -77,14 +77,21 @@ class TenantPolicy:
         """A copy with some declared tenants' weights changed (ValueError on an unknown one)."""
         unknown = sorted(set(changes) - set(self.weights))
         if unknown:
+            declared = _listed(list(self.weights)) if self.weights else "none"
             raise ValueError(
-                f"unknown tenants {unknown}: only tenants declared in the tenants file "
-                f"({list(self.weights) or 'none'}) have weights to change"
+                f"unknown tenants {_listed(unknown)}: only the tenants declared in the tenants "
+                f"file ({declared}) have weights to change"
             )
         weights = dict(self.weights)
         for tenant, weight in changes.items():
             weights[tenant] = check_weight(tenant, weight)
         return TenantPolicy(weights, self.max_running)
+
+
+def _listed(names: list[str]) -> str:
+    """The first few names and how many more: an error must not echo a huge list back."""
+    more = len(names) - _SHOWN_NAMES
+    return str(names[:_SHOWN_NAMES]) + (f" and {more} more" if more > 0 else "")
 
 
 def parse_tenant_policy(data: object, source: str = "tenants file") -> TenantPolicy:

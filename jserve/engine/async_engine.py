@@ -20,7 +20,9 @@ How a request flows (two threads, two kinds of queue):
    KV blocks at the next loop turn, at most one step later.
 6. A request whose own host-side work fails (adding it, building its sampling row,
    detokenizing) fails alone: its output ends with finish_reason "error" and `error` set.
-7. If a step itself raises (the device step), the engine restarts in-process
+7. A command that raises while the step thread applies it (an add, an abort, a scheduler
+   control) is reported to its caller where it has one and logged; it never ends the loop.
+8. If a step itself raises (the device step), the engine restarts in-process
    (`LLMEngine.recover`): the requests in flight end with an error output, the KV pool is
    re-made, the compiled executables are kept, and serving goes on. After
    MAX_FAILED_STEPS_IN_A_ROW failed steps with no good one between, or if recovering raises,
@@ -41,6 +43,7 @@ from typing import Any
 import llguidance
 
 from jserve.config.engine_args import EngineArgs
+from jserve.config.validation import show
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine.llm_engine import LLMEngine
 from jserve.errors import EngineDeadError, RequestRejected
@@ -137,7 +140,7 @@ class AsyncLLMEngine:
 
     async def control(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Read (no changes) or change scheduler settings, between steps on the step thread;
-        raises ValueError saying what is wrong (then nothing changed)."""
+        raises InvalidSetting naming the field that is wrong (then nothing changed)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         self._send("control", (changes, loop, future))
@@ -211,7 +214,9 @@ class AsyncLLMEngine:
 
         try:
             result = self.engine.control(changes) if changes else self.engine.scheduler_settings()
-        except ValueError as exc:
+        except Exception as exc:  # the caller gets it; the step loop goes on
+            if not isinstance(exc, ValueError):
+                log.exception("applying the scheduler control %s failed", show(changes))
             loop.call_soon_threadsafe(settle, None, exc)
         else:
             loop.call_soon_threadsafe(settle, result, None)
@@ -228,7 +233,11 @@ class AsyncLLMEngine:
                         self._wake.wait()
                     if self._stopping and not engine.has_unfinished_requests():
                         return
-                self._drain_inbox()
+                while self._inbox:  # a command that raises is consumed and logged, never fatal
+                    try:
+                        self._drain_inbox()
+                    except Exception:
+                        log.exception("an engine command failed; the step loop goes on")
                 try:
                     outputs = engine.step()
                     failures_in_a_row = 0

@@ -128,13 +128,11 @@ class LLMEngine:
         return list(self._bucket_pairs)
 
     def precompile(self) -> None:
-        """Compile every bucket now, so serving never compiles (see runtime.compilation)."""
-
-        def progress(done: int, total: int, seconds: float) -> None:
-            log.info("precompiled model step %d/%d (%.1f s)", done, total, seconds)
+        """Compile every bucket now, so serving never compiles (see runtime.compilation); each
+        phase logs its progress (runtime.startup)."""
 
         before = compilation_count()
-        secs = self.runner.precompile(self.inputs_builder.example, self._bucket_pairs, progress)
+        secs = self.runner.precompile(self.inputs_builder.example, self._bucket_pairs)
         secs += self.sampler.precompile(self.runner.logits_sharding)
         log.info("precompiled %d executables in %.1f s", compilation_count() - before, secs)
         mark_serving()

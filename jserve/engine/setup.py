@@ -30,6 +30,7 @@ from jserve.runtime.compilation import enable_persistent_cache
 from jserve.runtime.model_runner import ModelRunner, kv_block_bytes
 from jserve.runtime.params import check_tensor_parallel, make_mesh, place_model, resolve_dtype
 from jserve.runtime.sampler import Sampler
+from jserve.runtime.startup import StartupPhase, describe_bucket
 from jserve.runtime.step_inputs import StepInputBuilder
 
 log = logging.getLogger(__name__)
@@ -116,9 +117,9 @@ def measure_step_costs(
     if not config.target_itl_ms or costs is None:
         return
     if not costs.seconds:
-        for tokens, seqs in pairs:
-            start = time.perf_counter()
-            jax.block_until_ready(runner.run(inputs_builder.example(tokens, seqs)))
-            costs.seconds[(tokens, seqs)] = time.perf_counter() - start
-        log.info("measured %d bucket step times for target_itl_ms", len(pairs))
+        with StartupPhase("step costs for target_itl_ms", len(pairs)) as phase:
+            for tokens, seqs in phase.each(pairs, describe_bucket):
+                start = time.perf_counter()
+                jax.block_until_ready(runner.run(inputs_builder.example(tokens, seqs)))
+                costs.seconds[(tokens, seqs)] = time.perf_counter() - start
     check_target_itl(config.target_itl_ms, costs)

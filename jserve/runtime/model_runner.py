@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +27,7 @@ from jserve.models.llama import MODEL_AXIS, lay_out_weights
 from jserve.pallas import kv_cache_shape
 from jserve.pallas.layer_matmul import choose_matmul_impl
 from jserve.runtime.huge_pages import advise_huge_pages
+from jserve.runtime.startup import StartupPhase, describe_bucket
 from jserve.runtime.step_inputs import StepInputs
 
 log = logging.getLogger(__name__)
@@ -130,22 +130,18 @@ class ModelRunner:
         advise_huge_pages(self.kv_cache)
 
     def precompile(
-        self,
-        example_inputs: Callable[[int, int], StepInputs],
-        pairs: list[tuple[int, int]],
-        progress: Callable[[int, int, float], None] | None = None,
+        self, example_inputs: Callable[[int, int], StepInputs], pairs: list[tuple[int, int]]
     ) -> float:
-        """Compile the model step for each (tokens, seqs) bucket pair; returns seconds taken."""
-        t0 = time.perf_counter()
-        for i, (t, s) in enumerate(pairs):
-            lowered = _model_step_jit.lower(
-                self.graphdef, self.state, self.kv_cache, example_inputs(t, s), self.attn_impl,
-                self.heads, self.matmul_impl,
-            )  # fmt: skip
-            self._executables[(t, s)] = lowered.compile()
-            if progress is not None:
-                progress(i + 1, len(pairs), time.perf_counter() - t0)
-        return time.perf_counter() - t0
+        """Compile the model step for each (tokens, seqs) bucket pair, logging each one
+        (jserve.runtime.startup); returns seconds taken."""
+        with StartupPhase("model step", len(pairs)) as phase:
+            for t, s in phase.each(pairs, describe_bucket):
+                lowered = _model_step_jit.lower(
+                    self.graphdef, self.state, self.kv_cache, example_inputs(t, s),
+                    self.attn_impl, self.heads, self.matmul_impl,
+                )  # fmt: skip
+                self._executables[(t, s)] = lowered.compile()
+        return phase.seconds
 
     @property
     def logits_sharding(self) -> jax.sharding.Sharding:

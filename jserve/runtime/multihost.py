@@ -217,12 +217,9 @@ class LeaderRunner(ModelRunner):
     _stopped = False
 
     def precompile(
-        self,
-        example_inputs: Callable[[int, int], StepInputs],
-        pairs: list[tuple[int, int]],
-        progress: Callable[[int, int, float], None] | None = None,
+        self, example_inputs: Callable[[int, int], StepInputs], pairs: list[tuple[int, int]]
     ) -> float:
-        seconds = super().precompile(example_inputs, pairs, progress)
+        seconds = super().precompile(example_inputs, pairs)
         start = time.perf_counter()
         self.channel = StepChannel(example_inputs, pairs)
         self.channel.send(Message.KEEPALIVE)  # returns once every process follows: ready

@@ -30,7 +30,6 @@ those rows.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -39,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jserve.runtime.sampling_tensors import SamplingRow, SamplingTensorBuilder, SamplingTensors
+from jserve.runtime.startup import StartupPhase
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
 
 TOP_CANDIDATES = 128  # logits read by the top-k / top-p fast path
@@ -438,17 +438,19 @@ class Sampler:
     def precompile(self, logits_sharding: jax.sharding.Sharding | None = None) -> float:
         """Compile `sample` for every sequence bucket (one executable each); returns seconds.
 
-        `logits_sharding` is the model step's (known once it is compiled). Serving calls only
+        Each bucket is logged as it is done (jserve.runtime.startup). `logits_sharding` is
+        the model step's (known once it is compiled). Serving calls only
         these executables, so logits of any other shape or layout raise instead of compiling
         a new one in the middle of a step.
         """
-        start = time.perf_counter()
-        for s in self.builder.seq_buckets:
-            logits = jax.ShapeDtypeStruct(
-                (s, self.builder.vocab_size), jnp.float32, sharding=logits_sharding
-            )
-            self._executables[s] = sample.lower(logits, self.builder.build([], s)).compile()
-        return time.perf_counter() - start
+        buckets = self.builder.seq_buckets
+        with StartupPhase("sampler", len(buckets)) as phase:
+            for s in phase.each(buckets, lambda s: f"seqs={s}"):
+                logits = jax.ShapeDtypeStruct(
+                    (s, self.builder.vocab_size), jnp.float32, sharding=logits_sharding
+                )
+                self._executables[s] = sample.lower(logits, self.builder.build([], s)).compile()
+        return phase.seconds
 
     def sample(self, logits: jax.Array, rows: Sequence[SamplingRow]) -> SampledTokens:
         """Sample the real `rows` from `logits` [S, V] (rows past len(rows) are padding).

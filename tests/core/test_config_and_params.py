@@ -9,6 +9,7 @@ import pytest
 
 from jserve.config.engine_args import EngineArgs
 from jserve.config.scheduler import CacheConfig, SchedulerConfig
+from jserve.config.settings import InvalidSetting
 from jserve.sampling_params import SamplingParams
 
 from .helpers import make_scheduler
@@ -28,25 +29,46 @@ def test_scheduler_config_defaults_are_valid_and_frozen():
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"max_num_seqs": 0}, "max_num_seqs must be >= 1, got 0"),
-        ({"max_model_len": -1}, "max_model_len must be >= 1, got -1"),
+        ({"max_num_seqs": 0}, "max_num_seqs must be an integer in [1, 2**31-1], got 0"),
+        ({"max_model_len": -1}, "max_model_len must be an integer in [1, 2**31-1], got -1"),
         ({"max_num_seqs": 64, "max_num_batched_tokens": 32}, "(32) must be >= max_num_seqs (64)"),
         ({"long_prefill_token_threshold": 600}, "long_prefill_token_threshold must be in [0, "),
-        ({"long_prompt_threshold": 0}, "long_prompt_threshold must be >= 1, got 0"),
-        ({"long_lane_max_share": 0.0}, "long_lane_max_share must be in (0, 1], got 0.0"),
-        ({"long_lane_max_share": 1.5}, "long_lane_max_share must be in (0, 1], got 1.5"),
-        ({"max_waiting_requests": 0}, "max_waiting_requests must be >= 1, got 0"),
-        ({"free_block_watermark": 1.0}, "free_block_watermark must be in [0, 1), got 1.0"),
-        ({"aging_iterations": 0}, "aging_iterations must be >= 1, got 0"),
-        ({"kv_reject_watermark": 0.0}, "kv_reject_watermark must be in (0, 1], got 0.0"),
-        ({"kv_reject_watermark": 1.2}, "kv_reject_watermark must be in (0, 1], got 1.2"),
-        ({"fairness": "random"}, "fairness must be one of ('vtc', 'fcfs'), got 'random'"),
-        ({"target_itl_ms": -1.0}, "target_itl_ms must be >= 0 (0 = off), got -1.0"),
+        (
+            {"long_prompt_threshold": 0},
+            "long_prompt_threshold must be an integer in [1, 2**31-1], got 0",
+        ),
+        (
+            {"long_lane_max_share": 0.0},
+            "long_lane_max_share must be a finite number in (0, 1], got 0.0",
+        ),
+        (
+            {"long_lane_max_share": 1.5},
+            "long_lane_max_share must be a finite number in (0, 1], got 1.5",
+        ),
+        (
+            {"max_waiting_requests": 0},
+            "max_waiting_requests must be an integer in [1, 2**31-1], got 0",
+        ),
+        (
+            {"free_block_watermark": 1.0},
+            "free_block_watermark must be a finite number in [0, 1), got 1.0",
+        ),
+        ({"aging_iterations": 0}, "aging_iterations must be an integer in [1, 2**31-1], got 0"),
+        (
+            {"kv_reject_watermark": 0.0},
+            "kv_reject_watermark must be a finite number in (0, 1], got 0.0",
+        ),
+        (
+            {"kv_reject_watermark": 1.2},
+            "kv_reject_watermark must be a finite number in (0, 1], got 1.2",
+        ),
+        ({"fairness": "random"}, "fairness must be one of vtc, fcfs, got 'random'"),
+        ({"target_itl_ms": -1.0}, "target_itl_ms must be a finite number >= 0, got -1.0"),
         (
             {"enable_chunked_prefill": False, "max_model_len": 512, "target_itl_ms": 100.0},
             "target_itl_ms adapts the prefill chunk and needs enable_chunked_prefill=True",
         ),
-        ({"scheduling": "fifo"}, "scheduling must be one of ('continuous', 'static'), got 'fifo'"),
+        ({"scheduling": "fifo"}, "scheduling must be one of continuous, static, got 'fifo'"),
         (
             {"enable_chunked_prefill": False},
             "max_num_batched_tokens (512) must be >= max_model_len (2048)",
@@ -62,9 +84,10 @@ def test_scheduler_config_defaults_are_valid_and_frozen():
     ],
 )
 def test_scheduler_config_rejects(kwargs, message):
-    with pytest.raises(ValueError) as error:
+    with pytest.raises(InvalidSetting) as error:
         SchedulerConfig(**kwargs)
     assert message in str(error.value)
+    assert error.value.name in str(error.value)  # it names the setting its message is about
 
 
 @pytest.mark.parametrize(

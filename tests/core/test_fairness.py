@@ -119,8 +119,8 @@ def test_tenants_file_is_validated(tmp_path):
     policy = load_tenant_policy(str(path))
     assert policy.weights == {"A": 2.0, "B": 1.0} and policy.max_running == {"A": 4}
     bad = {
-        '{"tenants": {"A": {"weight": 0}}}': "weight must be a number > 0",
-        '{"tenants": {"A": {"weight": -1}}}': "weight must be a number > 0",
+        '{"tenants": {"A": {"weight": 0}}}': "weight must be a finite number > 0",
+        '{"tenants": {"A": {"weight": -1}}}': "weight must be a finite number > 0",
         '{"tenants": {"A": {"wieght": 2}}}': "unknown keys",
         '{"tenants": {"A": {"max_running": 0}}}': "max_running must be an integer >= 1",
         '{"weights": {}}': "expected",

@@ -173,7 +173,9 @@ def test_kv_usage_above_the_reject_watermark_refuses_new_requests():
 
 @pytest.mark.parametrize("bad", [0.0, 1.5, -0.1])
 def test_the_reject_watermark_must_be_in_zero_one(bad):
-    with pytest.raises(ValueError, match=r"kv_reject_watermark must be in \(0, 1\]"):
+    with pytest.raises(
+        ValueError, match=r"kv_reject_watermark must be a finite number in \(0, 1\]"
+    ):
         make_scheduler(kv_reject_watermark=bad)
 
 

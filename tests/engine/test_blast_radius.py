@@ -13,6 +13,7 @@ import dataclasses
 
 import pytest
 
+from jserve.config.settings import InvalidSetting
 from jserve.engine.async_engine import MAX_FAILED_STEPS_IN_A_ROW, AsyncLLMEngine
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.sampling_params import SamplingParams
@@ -148,6 +149,34 @@ async def _restart_scenario(engine, expected, monkeypatch) -> None:
         assert (aengine.num_restarts, engine.stats().num_restarts) == (1, 1)
         after = await _collect(aengine, "c", PROMPT, GREEDY)
         assert after.outputs[0].text == expected and after.error is None
+    finally:
+        await aengine.shutdown()
+    assert_no_blocks_held(engine)
+
+
+def test_a_command_that_raises_never_ends_the_step_loop(engine, expected, monkeypatch):
+    # A dead step loop would leave the control's future unsettled forever: fail, not hang.
+    scenario = _raising_commands_scenario(engine, expected, monkeypatch)
+    asyncio.run(asyncio.wait_for(scenario, timeout=120))
+
+
+async def _raising_commands_scenario(engine, expected, monkeypatch) -> None:
+    aengine = AsyncLLMEngine(engine)
+    restarts = engine.num_restarts
+    try:
+        with pytest.raises(InvalidSetting) as error:  # an OverflowError before it was checked
+            await aengine.control({"free_block_watermark": 10**400})
+        assert error.value.name == "free_block_watermark"
+        with monkeypatch.context() as patch:  # exception types nobody expects
+            patch.setattr(engine, "control", lambda changes: {}[changes["missing"]])
+            with pytest.raises(KeyError):
+                await aengine.control({"max_num_seqs": 2})
+            patch.setattr(engine, "abort_request", lambda request_id: 1 / 0)
+            await aengine.abort("nobody")
+        after = await _collect(aengine, "after", PROMPT, GREEDY)
+        assert after.outputs[0].text == expected and after.error is None
+        assert aengine.state == "ready" and engine.num_restarts == restarts
+        assert (await aengine.control({}))["free_block_watermark"] == 0.01  # unchanged
     finally:
         await aengine.shutdown()
     assert_no_blocks_held(engine)

@@ -12,19 +12,16 @@ from collections.abc import AsyncIterator
 from aiohttp.test_utils import TestClient, TestServer
 
 from jserve.server.app import create_app
-from jserve.server.connections import (
-    DEFAULT_HEADER_TIMEOUT,
-    DEFAULT_KEEPALIVE_TIMEOUT,
-    DEFAULT_MAX_HALF_OPEN,
-)
 from jserve.server.engine_client import EngineClient
 from jserve.server.runner import start_listening
+from jserve.server.settings import ServerSettings
 
 
 @contextlib.asynccontextmanager
-async def serve(engine: EngineClient | None, **app_kwargs) -> AsyncIterator[TestClient]:
-    """A client of the app served on a loopback port (TestServer uses handler_cancellation)."""
-    async with TestClient(TestServer(create_app(engine, **app_kwargs))) as client:
+async def serve(engine: EngineClient | None, **settings) -> AsyncIterator[TestClient]:
+    """A client of the app, made with these ServerSettings, served on a loopback port
+    (TestServer uses handler_cancellation)."""
+    async with TestClient(TestServer(create_app(engine, ServerSettings(**settings)))) as client:
         yield client
 
 
@@ -71,20 +68,11 @@ def metric_sum(text: str, name: str) -> float:
 
 
 @contextlib.asynccontextmanager
-async def serve_guarded(
-    engine: EngineClient | None,
-    *,
-    header_timeout: float = DEFAULT_HEADER_TIMEOUT,
-    keepalive_timeout: float = DEFAULT_KEEPALIVE_TIMEOUT,
-    max_half_open: int = DEFAULT_MAX_HALF_OPEN,
-    **app_kwargs,
-) -> AsyncIterator[tuple[str, int]]:
-    """(host, port) of the app served as run_server serves it: through the guarded handler."""
-    app = create_app(engine, **app_kwargs)
-    runner, listener = await start_listening(
-        app, "127.0.0.1", 0, header_timeout=header_timeout, keepalive_timeout=keepalive_timeout,
-        max_half_open=max_half_open,
-    )  # fmt: skip
+async def serve_guarded(engine: EngineClient | None, **settings) -> AsyncIterator[tuple[str, int]]:
+    """(host, port) of the app, made with these ServerSettings, served as run_server serves
+    it: through the guarded handler, on a free loopback port."""
+    server_settings = ServerSettings(host="127.0.0.1", port=0, **settings)
+    runner, listener = await start_listening(create_app(engine, server_settings), server_settings)
     try:
         yield listener.sockets[0].getsockname()[:2]
     finally:

@@ -119,7 +119,7 @@ async def test_trickled_headers_are_cut_at_the_header_timeout_and_health_stays_f
 
 
 async def test_a_new_connection_past_the_half_open_cap_evicts_the_oldest():
-    async with serve_guarded(MockEngine(), max_half_open=5) as address:
+    async with serve_guarded(MockEngine(), max_half_open_connections=5) as address:
         idle = []
         for _ in range(5):
             idle.append(await asyncio.open_connection(*address))
@@ -176,7 +176,7 @@ class _BodyArriving:
     """A request whose body comes in one loop turn after the read starts."""
 
     def __init__(self) -> None:
-        self.app = {STATE: ServerState(None, None, None, max_body_bytes=1000)}
+        self.app = {STATE: ServerState(None)}
 
     async def read(self) -> bytes:
         await asyncio.sleep(0)

@@ -1,4 +1,5 @@
-"""Start-up, SIGTERM and engine death of a real server process (`python -m jserve.server`)."""
+"""Start-up, SIGTERM, Ctrl-C and engine death of a real server process
+(`python -m jserve.server --mock`)."""
 
 from __future__ import annotations
 
@@ -16,14 +17,29 @@ from server_harness import echo_text, parse_sse
 
 from jserve.server.mock_engine import MockEngine
 from jserve.server.runner import run_server
+from jserve.server.settings import ServerSettings
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-async def _start(*flags: str) -> tuple[asyncio.subprocess.Process, str]:
+# A server whose engine loads in a worker thread for ten minutes, as a real engine compiles.
+SLOW_LOADER = """
+import argparse, asyncio, sys, time
+from jserve.server.cli import add_serve_arguments, serve_main
+parser = argparse.ArgumentParser()
+add_serve_arguments(parser)
+async def load_for_ten_minutes():
+    await asyncio.to_thread(time.sleep, 600)
+sys.exit(serve_main(parser.parse_args(sys.argv[1:]), load_for_ten_minutes))
+"""
+
+
+async def _start(
+    *flags: str, program: tuple[str, ...] = ("-m", "jserve.server", "--mock")
+) -> tuple[asyncio.subprocess.Process, str]:
     """The server process and its base URL (it binds port 0 and logs the port it got)."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jserve.server", "--mock", "--port", "0", *flags,
+        sys.executable, *program, "--port", "0", *flags,
         cwd=REPO_ROOT, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     while True:
@@ -135,6 +151,51 @@ async def test_the_openai_client_reads_a_cut_stream_as_an_error():
             proc.kill()
 
 
+async def test_a_second_sigint_cuts_in_flight_streams_at_once_and_exits_130():
+    proc, url = await _start("--mock-token-delay", "0.1", "--shutdown-timeout", "30")
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _until_ready(session, url)
+            body = {"prompt": "interrupt me", "max_tokens": 200, "stream": True}  # ~20 s
+            async with session.post(f"{url}/v1/completions", json=body) as response:
+                first = await response.content.readuntil(b"\n\n")
+                proc.send_signal(signal.SIGINT)  # the first Ctrl-C drains
+                await asyncio.sleep(0.5)
+                assert await _health(session, url) == (503, {"status": "draining"})
+                during = await response.content.readuntil(b"\n\n")  # still streaming
+                proc.send_signal(signal.SIGINT)  # the second one cuts
+                signalled = time.monotonic()
+                rest = await response.content.read()
+                cut_after = time.monotonic() - signalled
+        events = parse_sse((first + during + rest).decode())
+        *chunks, error, done = events
+        assert done == "[DONE]" and len(chunks) >= 2
+        assert error["error"]["code"] == "shutting_down", error
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        assert text == echo_text("interrupt me", len(text)) and len(text) < 200
+        assert cut_after < 1.5, cut_after  # not the 30 s shutdown timeout
+        code, stderr = await _exit_code(proc, timeout=5)
+        assert code == 130, stderr
+        assert "second SIGINT: cutting in-flight requests" in stderr
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+
+
+async def test_a_stop_during_a_start_up_in_a_worker_thread_exits_at_once():
+    proc, url = await _start(program=("-c", SLOW_LOADER))
+    try:
+        async with aiohttp.ClientSession() as session:
+            assert await _health(session, url) == (503, {"status": "starting"})
+        proc.send_signal(signal.SIGINT)
+        code, stderr = await _exit_code(proc, timeout=10)  # not the ten minutes of loading
+        assert code == 0, stderr
+        assert "exiting without waiting for threads" in stderr
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+
+
 async def test_sigterm_while_the_engine_is_still_starting_exits_0():
     proc, url = await _start("--mock-start-delay", "60")
     try:
@@ -152,7 +213,7 @@ async def test_an_engine_that_fails_to_start_exits_1():
     async def broken_factory():
         raise FileNotFoundError("no model at /nowhere.gguf")
 
-    assert await run_server(broken_factory, port=0) == 1
+    assert await run_server(broken_factory, ServerSettings(port=0)) == 1
 
 
 async def test_an_engine_that_dies_makes_the_server_exit_1():
@@ -161,7 +222,7 @@ async def test_an_engine_that_dies_makes_the_server_exit_1():
     async def factory():
         return engine
 
-    server = asyncio.create_task(run_server(factory, port=0))
+    server = asyncio.create_task(run_server(factory, ServerSettings(port=0)))
     await asyncio.sleep(0.3)  # serving
     engine.kill("a step failed and the engine could not restart")
     assert await asyncio.wait_for(server, timeout=5) == 1

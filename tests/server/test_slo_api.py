@@ -9,9 +9,8 @@ import logging
 import socket
 
 import pytest
-from server_harness import metric, serve, serve_guarded
+from server_harness import echo_text, metric, serve, serve_guarded
 
-from jserve.core.tenants import TenantLabels
 from jserve.errors import RequestRejected
 from jserve.server.generation import StreamIdle, _write
 from jserve.server.mock_engine import MockEngine
@@ -78,7 +77,7 @@ async def test_slo_refusals_say_which_limit_and_when_to_retry(error, status, cod
 
 
 async def test_metrics_are_split_by_lane_and_tenant_with_bounded_labels():
-    async with serve(MockEngine(), tenant_labels=TenantLabels(max_labels=1)) as client:
+    async with serve(MockEngine(), max_tenant_labels=1) as client:
         for tenant in ("alice", "bob", "carol"):
             response = await client.post(
                 COMPLETIONS, json={"prompt": "abc", "max_tokens": 3, "user": tenant}
@@ -151,24 +150,93 @@ async def test_admin_reads_and_changes_scheduler_settings_within_limits(caplog):
         bad = [
             ({"max_num_seqs": 64}, "above the 16 the engine precompiled for"),
             ({"max_num_batched_tokens": 1024}, "above the 512 the engine precompiled for"),
-            ({"kv_reject_watermark": 1.5}, "kv_reject_watermark must be in (0, 1]"),
-            ({"free_block_watermark": 1.0}, "free_block_watermark must be in [0, 1)"),
+            ({"kv_reject_watermark": 1.5}, "kv_reject_watermark must be a finite number in (0, 1]"),
+            (
+                {"free_block_watermark": 1.0},
+                "free_block_watermark must be a finite number in [0, 1)",
+            ),
             ({"tenant_weights": {"nobody": 1}}, "unknown tenants ['nobody']"),
-            ({"tenant_weights": {"gold": 0}}, "weight must be a number > 0"),
-            ({"max_num_seqs": "8"}, "max_num_seqs must be int"),
-            ({"batch_size": 8}, "unknown settings ['batch_size']"),
+            ({"tenant_weights": {"gold": 0}}, "weight must be a finite number > 0"),
+            ({"max_num_seqs": "8"}, "max_num_seqs must be an integer in [1, 2**31-1], got '8'"),
+            ({"batch_size": 8}, "unknown setting 'batch_size'"),
             ({"target_itl_ms": 50.0}, "needs measured step costs"),
-            ({}, "send a JSON object of settings"),
         ]
         for changes, message in bad:
             response = await client.post("/admin/scheduler", headers=AUTH, json=changes)
             assert response.status == 400, changes
-            assert message in (await response.json())["error"]["message"], changes
+            error = (await response.json())["error"]
+            assert message in error["message"], changes
+            assert error["param"] == next(iter(changes)), changes
+        response = await client.post("/admin/scheduler", headers=AUTH, json={})
+        assert response.status == 400
+        assert "send a JSON object of settings" in (await response.json())["error"]["message"]
         unchanged = await (await client.get("/admin/scheduler", headers=AUTH)).json()
         assert unchanged["max_num_seqs"] == 8 and unchanged["tenant_weights"] == {"gold": 3.0}
         off = {"decision_log": False}
         assert (await client.post("/admin/scheduler", headers=AUTH, json=off)).status == 200
     assert not logging.getLogger("jserve.decisions").isEnabledFor(logging.DEBUG)
+
+
+def _strict_json(text: str) -> dict:
+    """JSON as the standard has it: Infinity and NaN are not numbers."""
+
+    def refuse(constant: str) -> None:
+        raise AssertionError(f"{constant} in a JSON body")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+HUGE = "1" + "0" * 400  # a 400-digit integer, as a JSON literal
+
+
+MALFORMED = {  # test id: (body, the field the 400 names)
+    "400-digit watermark": (f'{{"free_block_watermark": {HUGE}}}', "free_block_watermark"),
+    "400-digit count": (f'{{"max_num_seqs": {HUGE}}}', "max_num_seqs"),
+    "past int32": ('{"aging_iterations": 2147483648}', "aging_iterations"),
+    "1e400": ('{"target_itl_ms": 1e400}', "target_itl_ms"),
+    "-1e400": ('{"kv_reject_watermark": -1e400}', "kv_reject_watermark"),
+    "bool for a number": ('{"long_lane_max_share": true}', "long_lane_max_share"),
+    "number for a bool": ('{"deadline_admission": 1}', "deadline_admission"),
+    "list for a choice": ('{"fairness": ["vtc"]}', "fairness"),
+    "string for a bool": ('{"decision_log": "yes"}', "decision_log"),
+    "float for an int": ('{"max_num_batched_tokens": 64.0}', "max_num_batched_tokens"),
+    "list for a map": ('{"tenant_weights": [["gold", 2]]}', "tenant_weights"),
+    "infinite weight": ('{"tenant_weights": {"gold": 1e400}}', "tenant_weights"),
+    "400-digit weight": (f'{{"tenant_weights": {{"gold": {HUGE}}}}}', "tenant_weights"),
+    "5000 weights": (
+        json.dumps({"tenant_weights": {f"t{i}": 1 for i in range(5000)}}),
+        "tenant_weights",
+    ),
+    "1000 unknown tenants": (
+        json.dumps({"tenant_weights": {f"t{i}": 1 for i in range(1000)}}),
+        "tenant_weights",
+    ),
+    "huge tenant name": (json.dumps({"tenant_weights": {"x" * 100_000: 1}}), "tenant_weights"),
+    "huge unknown field": (json.dumps({"k" * 100_000: 1}), "k" * 64),
+    "valid then invalid": ('{"max_num_seqs": 8, "fairness": "lottery"}', "fairness"),
+    # Not JSON: refused by the body parser before any field is read.
+    "NaN": ('{"long_lane_max_share": NaN}', None),
+}
+
+
+@pytest.mark.parametrize(("body", "param"), MALFORMED.values(), ids=MALFORMED.keys())
+async def test_admin_refuses_each_malformed_value_naming_it_and_the_engine_serves_on(body, param):
+    engine = MockEngine(token_delay=0.001)
+    async with serve(engine, api_key="k") as client:
+        before = await (await client.get("/admin/scheduler", headers=AUTH)).text()
+        response = await client.post(
+            "/admin/scheduler", data=body, headers={**AUTH, "Content-Type": "application/json"}
+        )
+        assert response.status == 400
+        error = (await response.json())["error"]
+        assert error["param"] == param, error
+        assert len(error["message"]) < 600, "an error must not echo the body back"
+        after = await client.get("/admin/scheduler", headers=AUTH)
+        assert after.status == 200
+        assert _strict_json(await after.text()) == _strict_json(before)  # nothing changed
+        body = {"prompt": "abc", "max_tokens": 5}
+        response = await client.post(COMPLETIONS, json=body, headers=AUTH)
+        assert (await response.json())["choices"][0]["text"] == echo_text("abc", 5)
 
 
 async def test_admin_needs_an_api_key_to_be_configured():
