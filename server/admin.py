@@ -12,17 +12,15 @@ can reach the port could otherwise retune the engine.
 
 from __future__ import annotations
 
-import functools
-import json
+from typing import Any
 
 from aiohttp import web
 
 from jserve.config.settings import InvalidSetting
 from jserve.server.api_errors import APIError
-from jserve.server.state import STATE, read_json_object
-
-# Only JSON numbers go out: a value that is not finite is a 500, never an `Infinity` body.
-_STRICT_JSON = functools.partial(json.dumps, allow_nan=False)
+from jserve.server.decoding import decode_request
+from jserve.server.responses import json_response
+from jserve.server.state import STATE, read_body
 
 
 def _check_allowed(request: web.Request) -> None:
@@ -36,20 +34,20 @@ def _check_allowed(request: web.Request) -> None:
 async def get_scheduler(request: web.Request) -> web.Response:
     _check_allowed(request)
     engine = request.app[STATE].ready_engine()
-    return web.json_response(await engine.control({}), dumps=_STRICT_JSON)
+    return json_response(await engine.control({}))
 
 
 async def post_scheduler(request: web.Request) -> web.Response:
     _check_allowed(request)
     engine = request.app[STATE].ready_engine()
-    changes = await read_json_object(request)
+    changes = decode_request(await read_body(request), dict[str, Any])
     if not changes:
         raise APIError(400, "send a JSON object of settings to change", code="no_changes")
     try:
         settings = await engine.control(changes)
     except InvalidSetting as exc:
         raise APIError(400, str(exc), param=exc.name, code="invalid_setting") from exc
-    return web.json_response(settings, dumps=_STRICT_JSON)
+    return json_response(settings)
 
 
 def add_admin_routes(app: web.Application) -> None:

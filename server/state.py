@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from dataclasses import dataclass, field
 
@@ -87,11 +86,6 @@ def set_engine(app: web.Application, engine: EngineClient) -> None:
     app[STATE].engine = engine
 
 
-def _reject_non_finite(constant: str) -> float:
-    # Python's json accepts NaN and Infinity; JSON does not, and NaN slips past range checks.
-    raise ValueError(f"{constant} is not a JSON number")
-
-
 async def read_body(request: web.Request) -> bytes:
     """The request body's bytes, or a 4xx saying why they could not be read.
 
@@ -116,17 +110,3 @@ async def read_body(request: web.Request) -> bytes:
             code="bad_request_body", close_connection=True,
         ) from None  # fmt: skip
     return raw
-
-
-async def read_json_object(request: web.Request) -> dict:
-    """The request body (read_body) as a JSON object, or a 4xx saying what is wrong with it."""
-    raw = await read_body(request)
-    try:
-        body = json.loads(raw, parse_constant=_reject_non_finite)
-    except RecursionError:
-        raise APIError(400, "request body is not valid JSON: nested too deeply") from None
-    except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-        raise APIError(400, f"request body is not valid JSON: {exc}") from exc
-    if not isinstance(body, dict):
-        raise APIError(400, f"request body must be a JSON object, got {type(body).__name__}")
-    return body

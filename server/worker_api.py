@@ -31,6 +31,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 
 from jserve.outputs import EngineStats
 from jserve.server.engine_client import EngineClient
+from jserve.server.responses import json_response
 from jserve.server.state import STATE, ServerState
 
 try:
@@ -105,11 +106,11 @@ async def _loads(request: web.Request) -> web.Response:
             "avg_utilization": load["utilization"],
         },
     }
-    return web.json_response(body)
+    return json_response(body)
 
 
 async def _version(request: web.Request) -> web.Response:
-    return web.json_response({"version": VERSION})
+    return json_response({"version": VERSION})
 
 
 def _model_fields(state: ServerState, engine: EngineClient) -> dict:
@@ -129,7 +130,7 @@ def _model_fields(state: ServerState, engine: EngineClient) -> dict:
 
 async def _model_info(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    return web.json_response(_model_fields(state, state.ready_engine()))
+    return json_response(_model_fields(state, state.ready_engine()))
 
 
 async def _server_info(request: web.Request) -> web.Response:
@@ -151,7 +152,7 @@ async def _server_info(request: web.Request) -> web.Response:
         "api_key_required": state.settings.api_key is not None,
         "internal_states": [load_snapshot(engine, stats, 0.0)],
     }
-    return web.json_response(body)
+    return json_response(body)
 
 
 class VllmLoadGauges:

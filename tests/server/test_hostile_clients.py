@@ -14,7 +14,7 @@ import pytest
 from server_harness import parse_response, raw_exchange, serve_guarded
 
 from jserve.server.mock_engine import CharTokenizer, MockEngine
-from jserve.server.state import STATE, ServerState, read_json_object
+from jserve.server.state import STATE, ServerState, read_body
 
 POST = (
     b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
@@ -188,7 +188,7 @@ async def test_a_client_leaving_as_its_body_arrives_still_cancels_the_handler(tu
     # A cancel (the client left) landing in the loop turn where the read completes was
     # swallowed by asyncio.wait_for on Python 3.11: the abandoned request then ran to its end,
     # holding KV blocks for nobody (seen once in bench/adversarial.py's disconnect storm).
-    task = asyncio.create_task(read_json_object(_BodyArriving()))
+    task = asyncio.create_task(read_body(_BodyArriving()))
     for _ in range(turns):
         await asyncio.sleep(0)
     if task.cancel():  # still running: the cancellation must win
