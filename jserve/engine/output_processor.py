@@ -10,7 +10,7 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from jserve.core.stopping import StopConditions
+from jserve.core.stopping import StopConditions, StopStringSearch
 from jserve.loaders.detokenizer import IncrementalDetokenizer
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
@@ -23,6 +23,7 @@ class SampleState:
 
     completion: CompletionOutput
     detokenizer: IncrementalDetokenizer
+    stop_search: StopStringSearch
 
 
 @dataclass
@@ -56,7 +57,8 @@ class RequestState:
         for i in range(params.n):
             detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
             logprobs = [] if params.logprobs is not None else None
-            state.samples.append(SampleState(CompletionOutput(i, logprobs=logprobs), detok))
+            completion = CompletionOutput(i, logprobs=logprobs)
+            state.samples.append(SampleState(completion, detok, stop.stop_string_search()))
         return state
 
     @property
@@ -92,7 +94,7 @@ class RequestState:
         detok = sample.detokenizer
         searched = len(detok.text)
         detok.add_tokens([token_id])
-        check = self.stop.after_text(detok.text, searched, len(out.token_ids))
+        check = sample.stop_search.add_text(detok.text[searched:], len(out.token_ids))
         out.text = detok.text[: check.end]
         return check.stop
 

@@ -6,7 +6,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from jserve.core.stopping import check_stop_strings
 from jserve.loaders.detokenizer import IncrementalDetokenizer
 from jserve.loaders.gguf_tokenizer import byte_to_unicode
 
@@ -108,62 +107,3 @@ def test_each_step_decodes_a_short_window(smollm2_tokenizer):
         detok.add_tokens([token_id])
     assert detok.text + detok.finish() == text
     assert max(windows) <= 6
-
-
-@pytest.mark.parametrize(
-    ("text", "stops", "search_from", "expected"),
-    [
-        ("Hello world", ["wor"], 0, ("wor", 6)),
-        ("abcSTOPdefEND", ["END", "STOP"], 0, ("STOP", 3)),
-        ("abXYcd", ["XY"], 3, ("XY", 2)),  # straddles the already-searched part
-        ("Hello wo", ["world"], 0, (None, 6)),  # "wo" may become "world": hold it back
-        ("Hello", ["lo!", "xyz"], 0, (None, 3)),
-        ("Hello", ["Hello!"], 0, (None, 0)),
-        ("Hello", [], 0, (None, 5)),
-        ("", ["x"], 0, (None, 0)),
-        ("aaa", ["aa"], 0, ("aa", 0)),
-    ],
-)
-def test_check_stop_strings(text, stops, search_from, expected):
-    check = check_stop_strings(text, stops, search_from)
-    assert (check.stop, check.end) == expected
-
-
-def test_empty_stop_string_is_refused():
-    with pytest.raises(ValueError, match=r"non-empty, got \['a', ''\]"):
-        check_stop_strings("text", ["a", ""])
-
-
-def first_stop_reference(chunks: list[str], stops: list[str]) -> str:
-    """What a stream must emit: generation stops at the first chunk after which the text holds a
-    stop string, and the output ends right before the earliest one present then."""
-    text = ""
-    for chunk in chunks:
-        text += chunk
-        found = [i for i in (text.find(s) for s in stops) if i != -1]
-        if found:
-            return text[: min(found)]
-    return text
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    chunks=st.lists(st.text(alphabet="ab c", min_size=1, max_size=5), max_size=10),
-    stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4), max_size=3),
-)
-def test_streaming_with_stop_strings_emits_exactly_the_text_before_the_first_stop(chunks, stops):
-    expected = first_stop_reference(chunks, stops)
-    longest_stop = max(map(len, stops), default=0)
-    accumulated, emitted = "", ""
-    for chunk in chunks:
-        previous_length = len(accumulated)
-        accumulated += chunk
-        check = check_stop_strings(accumulated, stops, search_from=previous_length)
-        emitted += accumulated[len(emitted) : check.end]
-        assert expected.startswith(emitted)
-        if check.stop is not None:
-            break
-        assert len(accumulated) - len(emitted) <= max(longest_stop - 1, 0)
-    else:
-        emitted += accumulated[len(emitted) :]  # ended for another reason: release everything
-    assert emitted == expected
