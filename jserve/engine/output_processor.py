@@ -121,7 +121,7 @@ class RequestState:
                     for tid, lp in top_logprobs
                 }
             )
-        new_text = sample.detokenizer.add_tokens([token_id])
+        new_text = sample.detokenizer.add_token(token_id)
         sample.text.append(new_text)
         check = sample.stop_search.add_text(new_text, len(sample.token_ids))
         sample.text_end = check.end
