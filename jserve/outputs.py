@@ -70,10 +70,9 @@ class SequencePrefix(Sequence[T]):
 
 
 class GrowingText:
-    """Text that only grows, piece by piece: appending costs O(piece), and so does handing out
-    a prefix of it (a `TextPrefix`). Reading a prefix as a str joins the pieces not joined yet
-    onto the last join, so one reader of successive prefixes copies each character once more
-    per read, on the reader's thread."""
+    """Text that only grows, piece by piece: appending costs O(piece), and handing out a prefix
+    of it (a `TextPrefix`) O(1). Reading a prefix as a str joins the pieces not joined yet onto
+    the last join: one copy of the text per read, on the reader's thread, not the step's."""
 
     __slots__ = ("_joined", "_length", "_pieces")
 
