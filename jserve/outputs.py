@@ -1,9 +1,21 @@
-"""Result types shaped like vLLM's, because users and servers already know that shape."""
+"""Result types shaped like vLLM's, because users and servers already know that shape.
+
+A running request's outputs are snapshots taken every step, and each holds everything generated
+so far; copying that into each one would cost O(text) a step. So an unfinished snapshot shares
+what the engine appends to: `token_ids` and `logprobs` are `SequencePrefix` views of lists that
+only grow, and `text` is a `TextPrefix` of a `GrowingText`, turned into a str when first read.
+A finished output holds a plain str and plain lists.
+"""
 
 from __future__ import annotations
 
 import enum
+import itertools
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any, TypeVar, overload
+
+T = TypeVar("T")
 
 
 class FinishReason(enum.StrEnum):
@@ -15,6 +27,103 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"  # the caller or the client ended it
     TIMEOUT = "timeout"  # unfinished at its deadline
     ERROR = "error"  # the engine failed it (its host-side step work raised, or a device step)
+
+
+class SequencePrefix(Sequence[T]):
+    """The first `length` items of a list that only ever grows (nothing replaces or removes its
+    items): a read-only snapshot that costs O(1). Slices are lists; it equals a list or another
+    prefix with the same items."""
+
+    __slots__ = ("_items", "_length")
+
+    def __init__(self, items: list[T], length: int) -> None:
+        self._items = items
+        self._length = length
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            return self._items[slice(*index.indices(self._length))]
+        position = index + self._length if index < 0 else index
+        if not 0 <= position < self._length:
+            raise IndexError(f"index {index} is out of range for {self._length} items")
+        return self._items[position]
+
+    def __iter__(self) -> Iterator[T]:
+        return itertools.islice(self._items, self._length)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, list | SequencePrefix):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # equal to lists, which are unhashable
+
+    def __repr__(self) -> str:
+        return repr(self[:])
+
+
+class GrowingText:
+    """Text that only grows, piece by piece: appending costs O(piece), and handing out a prefix
+    of it (a `TextPrefix`) O(1). Reading a prefix as a str joins the pieces not joined yet onto
+    the last join: one copy of the text per read, on the reader's thread, not the step's."""
+
+    __slots__ = ("_joined", "_length", "_pieces")
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self._length = 0
+        self._joined: tuple[str, int] = ("", 0)  # the first k pieces joined, and k
+
+    def __len__(self) -> int:
+        return self._length
+
+    def append(self, piece: str) -> None:
+        if piece:
+            self._pieces.append(piece)
+            self._length += len(piece)
+
+    def prefix(self, length: int) -> str:
+        """The first `length` (at most len(self)) characters, as a str."""
+        joined, count = self._joined  # one tuple: safe to read while another thread appends
+        if len(joined) < length:
+            pieces = self._pieces[count:]
+            joined = joined + "".join(pieces)
+            self._joined = (joined, count + len(pieces))
+        return joined[:length]
+
+
+@dataclass(frozen=True, slots=True)
+class TextPrefix:
+    """The first `length` characters of `text`, read as a str by `CompletionOutput.text`."""
+
+    text: GrowingText
+    length: int
+
+    def __str__(self) -> str:
+        return self.text.prefix(self.length)
+
+
+class _TextField:
+    """`CompletionOutput.text`: a str whenever read. It may be set to a `TextPrefix`, which the
+    first read turns into the str, once (a dataclass field whose default is a descriptor)."""
+
+    def __get__(self, obj: Any, owner: type | None = None) -> str:
+        if obj is None:
+            return ""  # the field's default
+        value = obj.__dict__["_text"]
+        if isinstance(value, TextPrefix):
+            value = obj.__dict__["_text"] = str(value)
+        return value
+
+    def __set__(self, obj: Any, value: str | TextPrefix) -> None:
+        obj.__dict__["_text"] = value
 
 
 @dataclass
@@ -31,13 +140,14 @@ class CompletionOutput:
 
     `text` and `token_ids` are cumulative; streaming consumers take deltas themselves.
     `logprobs[i]` maps token id -> Logprob for position i (sampled token plus the top-n), or is
-    None when logprobs were not requested.
+    None when logprobs were not requested. While unfinished, `token_ids` and `logprobs` are
+    read-only views and `text` may be set to a TextPrefix (see the module docstring).
     """
 
     index: int
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, Logprob]] | None = None
+    text: str = _TextField()  # type: ignore[assignment]
+    token_ids: Sequence[int] = field(default_factory=list)
+    logprobs: Sequence[dict[int, Logprob]] | None = None
     finish_reason: FinishReason | None = None  # a str: stop, length, abort, timeout, error
     stop_reason: int | str | None = None  # the stop token id or stop string that matched
 

@@ -15,6 +15,14 @@ from jserve.config.validation import INT64_MAX, INT64_MIN, check_float, check_in
 
 MAX_LOGPROBS = 20
 
+# Caps on `stop` (vLLM has none; OpenAI allows 4 strings). They bound what one request can cost
+# everyone else: its stop strings' automaton is built on the engine's step thread, in time
+# proportional to their total length (jserve.core.stop_automaton), and each one's length bounds
+# the text held back from a stream. No real stop list comes near them.
+MAX_STOP_STRINGS = 128
+MAX_STOP_STRING_LENGTH = 512  # characters
+MAX_STOP_TOTAL_LENGTH = 2048  # characters, all the strings together
+
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
@@ -74,6 +82,8 @@ class SamplingParams:
 
     `max_tokens=None` means "up to max_model_len" (the engine resolves it per prompt).
     `top_k` 0 (or -1) and `top_p` 1 and `min_p` 0 switch those filters off.
+    `stop` holds at most MAX_STOP_STRINGS (128) non-empty strings, each at most
+    MAX_STOP_STRING_LENGTH (512) characters and MAX_STOP_TOTAL_LENGTH (2048) in all.
     """
 
     n: int = 1
@@ -122,11 +132,7 @@ class SamplingParams:
             self.max_tokens is None or self.min_tokens <= self.max_tokens,
             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
         )
-        _check(
-            all(isinstance(s, str) and s for s in self.stop),
-            f"stop must be a non-empty string or a list of non-empty strings, got "
-            f"{show(self.stop)}",
-        )
+        self._validate_stop()
         for i, token in enumerate(self.stop_token_ids):
             check_int(f"stop_token_ids[{i}]", token, 0)
         if self.logprobs is not None:
@@ -134,3 +140,26 @@ class SamplingParams:
         check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+
+    def _validate_stop(self) -> None:
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            f"stop must be a non-empty string or a list of non-empty strings, got "
+            f"{show(self.stop)}",
+        )
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed",
+        )
+        longest = max(self.stop, key=len, default="")
+        _check(
+            len(longest) <= MAX_STOP_STRING_LENGTH,
+            f"stop strings must be at most {MAX_STOP_STRING_LENGTH} characters long, got one "
+            f"of {len(longest)}: {show(longest)}",
+        )
+        total = sum(map(len, self.stop))
+        _check(
+            total <= MAX_STOP_TOTAL_LENGTH,
+            f"stop strings must be at most {MAX_STOP_TOTAL_LENGTH} characters long in all, got "
+            f"{total}",
+        )

@@ -31,7 +31,7 @@ from typing import Any
 from jserve.config.scheduler import LANES, CacheConfig, SchedulerConfig
 from jserve.core.control import apply_changes, current_settings
 from jserve.core.scheduler import Scheduler
-from jserve.core.stopping import StopConditions
+from jserve.core.stopping import StopConditions, StopStringSearch
 from jserve.core.tenants import DEFAULT_TENANT, TenantPolicy
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.outputs import (
@@ -78,6 +78,7 @@ class _Request:
     deadline: float | None
     metrics: RequestMetrics
     choices: list[CompletionOutput]
+    stop_searches: list[StopStringSearch]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
 
@@ -154,12 +155,13 @@ class MockEngine:
                 "queue_full", f"{len(self._waiting)} requests are waiting; retry later"
             )
         now = time.monotonic()
+        stop = StopConditions.from_params(params, (), max_tokens)
         request = _Request(
-            request_id, ids, params, StopConditions.from_params(params, (), max_tokens),
-            LANES.index(lane),
+            request_id, ids, params, stop, LANES.index(lane),
             None if timeout is None else now + timeout, RequestMetrics(arrival_time=now),
             [CompletionOutput(index=j, logprobs=None if params.logprobs is None else [])
              for j in range(params.n)],
+            [stop.stop_string_search() for _ in range(params.n)],
         )  # fmt: skip
         self._waiting.append(request)
         if self._loop_task is None or self._loop_task.done():
@@ -261,12 +263,12 @@ class MockEngine:
             )
         num_tokens = len(choice.token_ids)
         full_text = self.tokenizer.decode(choice.token_ids)
+        check = request.stop_searches[choice.index].add_text(chr(token), num_tokens)
         reason = request.stop.after_token(token, num_tokens)
         if reason is not None:  # no token is special here: a stop token's text stays
             choice.finish_reason, choice.text = reason, full_text
             choice.stop_reason = token if reason is FinishReason.STOP else None
             return
-        check = request.stop.after_text(full_text, len(full_text) - 1, num_tokens)
         choice.text = full_text[: check.end]
         if check.stop is not None:
             choice.finish_reason, choice.stop_reason = FinishReason.STOP, check.stop

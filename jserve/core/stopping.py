@@ -14,10 +14,14 @@ Below `min_tokens` the sampler also bans EOS and the stop ids (`min_tokens_banne
 vLLM does, so a sequence cannot even sample them.
 
 Rules 1-2 need only token counts: the scheduler applies them in `update_from_output`. Rule 3
-needs detokenized text: the output processor applies it. Rule 4 needs the grammar's state,
-which the engine's matcher holds. `StopConditions.decide` joins the four answers in this order
-and the engine applies what it returns. The server's mock engine calls this module too, so
-every test runs against the same semantics.
+needs detokenized text: the output processor applies it, feeding each sample's new text to its
+`StopStringSearch`. Rule 4 needs the grammar's state, which the engine's matcher holds.
+`StopConditions.decide` joins the four answers in this order and the engine applies what it
+returns. The server's mock engine calls this module too, so every test runs against the same
+semantics. `check_stop_strings` states rule 3 on a whole text at once (the one-shot form, for a
+few strings over a given text); `StopStringSearch` gives the same answers fed piece by piece, at
+a cost per piece that grows neither with the text so far nor with the number of stop strings
+(jserve.core.stop_automaton), which SamplingParams caps.
 
 Other finish reasons come from outside a sequence: ABORT (the caller or client gave up) and
 TIMEOUT (its deadline passed: jserve.core.deadlines). `FinishReason`'s values are the strings
@@ -27,8 +31,9 @@ that outputs and HTTP bodies carry.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from jserve.core.stop_automaton import ROOT, StopStringAutomaton
 from jserve.outputs import FinishReason
 from jserve.sampling_params import SamplingParams
 
@@ -42,6 +47,12 @@ class StopConditions:
     stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and the user's ids
     stop_strings: tuple[str, ...] = ()
     min_tokens_banned_ids: tuple[int, ...] = ()  # sorted; EOS and stop ids, even with ignore_eos
+    # Built once per request from stop_strings, shared by its samples' searches.
+    _automaton: StopStringAutomaton | None = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        automaton = StopStringAutomaton(self.stop_strings) if self.stop_strings else None
+        object.__setattr__(self, "_automaton", automaton)
 
     @classmethod
     def from_params(
@@ -66,11 +77,9 @@ class StopConditions:
             return FinishReason.LENGTH
         return None
 
-    def after_text(self, text: str, searched: int, num_output_tokens: int) -> StopStringCheck:
-        """Rule 3 on the output's text so far, of which `text[:searched]` was searched before."""
-        if not self.stop_strings or num_output_tokens < self.min_tokens:
-            return StopStringCheck(stop=None, end=len(text))
-        return check_stop_strings(text, self.stop_strings, searched)
+    def stop_string_search(self) -> StopStringSearch:
+        """Rule 3 for one sample: a search to feed its text as it grows."""
+        return StopStringSearch(self._automaton, self.min_tokens)
 
     def banned_ids(self, num_output_tokens: int) -> tuple[int, ...]:
         """Ids the sampler must ban for the next token (none from min_tokens on)."""
@@ -84,8 +93,8 @@ class StopConditions:
         grammar_complete: bool,
     ) -> StopDecision | None:
         """Whether the sequence finishes with `token_id`, and how: rules 1-4 in order, from
-        `after_token`'s answer (`by_token`), `after_text`'s stop string, and whether the
-        request's grammar is complete (False for an unconstrained request)."""
+        `after_token`'s answer (`by_token`), the stop string `StopStringSearch` found, and
+        whether the request's grammar is complete (False for an unconstrained request)."""
         if by_token is not None:
             return StopDecision(by_token, token_id if by_token is FinishReason.STOP else None)
         if stop_string is not None:
@@ -104,9 +113,9 @@ class StopDecision:
     stop_reason: int | str | None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StopStringCheck:
-    """Result of `check_stop_strings`.
+    """Result of `check_stop_strings` and `StopStringSearch.add_text`.
 
     Attributes:
         stop: the stop string that occurs first in the text, or None.
@@ -124,10 +133,11 @@ def check_stop_strings(
 ) -> StopStringCheck:
     """Find the stop string that starts first in `text`, and how much of `text` can be streamed.
 
-    Streaming use, per step: `text` is the detokenizer's `text`, `search_from` its length before
-    this step's delta (earlier text was already searched); emit `text[emitted:check.end]`; stop
-    the sequence if `check.stop` is set. A sequence that ends for another reason (EOS, length)
-    emits all of `text`.
+    Streaming use, per step: `text` is all the text so far, `search_from` its length before this
+    step's delta (earlier text was already searched); emit `text[emitted:check.end]`; stop the
+    sequence if `check.stop` is set. A sequence that ends for another reason (EOS, length) emits
+    all of `text`. Each call costs O(stop strings x their length) and needs the whole text: the
+    engine streams through `StopStringSearch` instead, which answers the same per piece.
 
     Raises:
         ValueError: a stop string is empty (it would match everywhere).
@@ -152,3 +162,35 @@ def _partial_suffix_length(text: str, stop: str) -> int:
         if text.endswith(stop[:length]):
             return length
     return 0
+
+
+class StopStringSearch:
+    """Rule 3 for one sample, fed its text piece by piece: `add_text(new_text, n)` answers as
+    `check_stop_strings(text, stop_strings, search_from=len(text) - len(new_text))` would
+    (`text` being all the pieces so far), or, below `min_tokens` (n output tokens), with no
+    stop and all of `text`. A piece costs O(its length) amortized: the sample keeps only its
+    place in the request's automaton and the length of its text.
+    """
+
+    __slots__ = ("_automaton", "_length", "_min_tokens", "_state")
+
+    def __init__(self, automaton: StopStringAutomaton | None, min_tokens: int) -> None:
+        self._automaton = automaton
+        self._min_tokens = min_tokens
+        self._state = ROOT
+        self._length = 0  # characters fed so far
+
+    def add_text(self, new_text: str, num_output_tokens: int) -> StopStringCheck:
+        """Feed the sample's new text, once it has `num_output_tokens` tokens; `end` counts
+        from the start of all the text fed."""
+        start = self._length
+        self._length += len(new_text)
+        if self._automaton is None:
+            return StopStringCheck(stop=None, end=self._length)
+        searching = num_output_tokens >= self._min_tokens
+        self._state, found = self._automaton.advance(self._state, new_text, report=searching)
+        if found is not None:
+            offset, index = found
+            return StopStringCheck(self._automaton.stop_strings[index], start + offset)
+        held_back = self._automaton.held_back(self._state) if searching else 0
+        return StopStringCheck(stop=None, end=self._length - held_back)

@@ -6,23 +6,56 @@ A request with `n > 1` has one `SampleState` per sample, all reported in one Req
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass, field
 
-from jserve.core.stopping import StopConditions
+from jserve.core.stopping import StopConditions, StopStringSearch
 from jserve.loaders.detokenizer import IncrementalDetokenizer
 from jserve.loaders.tokenizer import Tokenizer
-from jserve.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
+from jserve.outputs import (
+    CompletionOutput,
+    FinishReason,
+    GrowingText,
+    Logprob,
+    RequestMetrics,
+    RequestOutput,
+    SequencePrefix,
+    TextPrefix,
+)
 from jserve.sampling_params import SamplingParams
 
 
 @dataclass
 class SampleState:
-    """One of a request's `n` samples."""
+    """One of a request's `n` samples. What it generated only grows (text, ids, logprobs), so a
+    snapshot of it costs O(1): see jserve.outputs. Each new token costs O(its text)."""
 
-    completion: CompletionOutput
+    index: int
     detokenizer: IncrementalDetokenizer
+    stop_search: StopStringSearch
+    logprobs: list[dict[int, Logprob]] | None
+    token_ids: list[int] = field(default_factory=list)
+    text: GrowingText = field(default_factory=GrowingText)
+    text_end: int = 0  # text[:text_end] is the output; the rest may begin a stop string
+    final: CompletionOutput | None = None  # once finished, what every snapshot returns
+
+    def snapshot(self) -> CompletionOutput:
+        if self.final is not None:
+            return self.final
+        logprobs = self.logprobs
+        return CompletionOutput(
+            self.index,
+            TextPrefix(self.text, self.text_end),  # type: ignore[arg-type]  # read as a str
+            SequencePrefix(self.token_ids, len(self.token_ids)),
+            None if logprobs is None else SequencePrefix(logprobs, len(logprobs)),
+        )
+
+    def finish(self, reason: FinishReason, stop_reason: int | str | None) -> None:
+        """Hand out plain values from now on: nothing will append to them any more."""
+        self.final = CompletionOutput(
+            self.index, self.text.prefix(self.text_end), self.token_ids, self.logprobs,
+            reason, stop_reason,
+        )  # fmt: skip
 
 
 @dataclass
@@ -56,12 +89,12 @@ class RequestState:
         for i in range(params.n):
             detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
             logprobs = [] if params.logprobs is not None else None
-            state.samples.append(SampleState(CompletionOutput(i, logprobs=logprobs), detok))
+            state.samples.append(SampleState(i, detok, stop.stop_string_search(), logprobs))
         return state
 
     @property
     def finished(self) -> bool:
-        return all(s.completion.finished for s in self.samples)
+        return all(s.final is not None for s in self.samples)
 
     def add_token(
         self,
@@ -79,21 +112,19 @@ class RequestState:
         m.first_token_time = m.first_token_time or now
         m.last_token_time = now
         sample = self.samples[index]
-        out = sample.completion
-        out.token_ids.append(token_id)
-        if out.logprobs is not None and top_logprobs is not None:
+        sample.token_ids.append(token_id)
+        if sample.logprobs is not None and top_logprobs is not None:
             decode = self.tokenizer.decode
-            out.logprobs.append(
+            sample.logprobs.append(
                 {
                     tid: Logprob(lp, decode([tid], skip_special_tokens=False))
                     for tid, lp in top_logprobs
                 }
             )
-        detok = sample.detokenizer
-        searched = len(detok.text)
-        detok.add_tokens([token_id])
-        check = self.stop.after_text(detok.text, searched, len(out.token_ids))
-        out.text = detok.text[: check.end]
+        new_text = sample.detokenizer.add_token(token_id)
+        sample.text.append(new_text)
+        check = sample.stop_search.add_text(new_text, len(sample.token_ids))
+        sample.text_end = check.end
         return check.stop
 
     def finish_sample(
@@ -101,14 +132,12 @@ class RequestState:
     ) -> None:
         """End sample `index`: release held-back text (unless cut at a stop string)."""
         sample = self.samples[index]
-        out = sample.completion
-        if out.finished:
+        if sample.final is not None:
             return
         if not isinstance(stop_reason, str):  # a stop string already cut the text before it
-            sample.detokenizer.finish()
-            out.text = sample.detokenizer.text
-        out.finish_reason = reason
-        out.stop_reason = stop_reason
+            sample.text.append(sample.detokenizer.finish())
+            sample.text_end = len(sample.text)
+        sample.finish(reason, stop_reason)
         if self.finished:
             self.metrics.finished_time = time.monotonic()
 
@@ -118,17 +147,9 @@ class RequestState:
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
-            outputs=[_snapshot(s.completion) for s in self.samples],
+            outputs=[s.snapshot() for s in self.samples],
             finished=self.finished,
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
         )
-
-
-def _snapshot(out: CompletionOutput) -> CompletionOutput:
-    return dataclasses.replace(
-        out,
-        token_ids=out.token_ids[:],
-        logprobs=None if out.logprobs is None else out.logprobs[:],
-    )

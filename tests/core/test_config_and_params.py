@@ -175,6 +175,17 @@ def test_sampling_params_normalises_stop_and_top_k():
         ({"min_tokens": -1}, "min_tokens must be an integer in [0, 2147483647], got -1"),
         ({"min_tokens": 20, "max_tokens": 10}, "min_tokens (20) must be <= max_tokens (10)"),
         ({"stop": ""}, "stop must be a non-empty string or a list of non-empty strings"),
+        ({"stop": ["x"] * 129}, "stop has 129 strings; at most 128 are allowed"),
+        # Issue case 5: 10,000 strings of 380 characters stalled every other request.
+        ({"stop": ["y" * 380] * 10_000}, "stop has 10000 strings; at most 128 are allowed"),
+        (
+            {"stop": ["ok", "z" * 513]},
+            "stop strings must be at most 512 characters long, got one of 513: 'zzz",
+        ),
+        (
+            {"stop": ["w" * 512] * 4 + ["v"]},
+            "stop strings must be at most 2048 characters long in all, got 2049",
+        ),
         (
             {"stop_token_ids": [-3]},
             "stop_token_ids[0] must be an integer in [0, 2147483647], got -3",
@@ -211,6 +222,8 @@ def test_sampling_params_rejects(kwargs, message):
 def test_sampling_params_accepts_edges():
     SamplingParams(temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, logprobs=0, seed=-5)
     SamplingParams(logprobs=20, presence_penalty=-2.0, repetition_penalty=2.0, min_tokens=16)
+    SamplingParams(stop=["w" * 512] * 4)  # the total cap, reached by the longest strings
+    SamplingParams(stop=[f"{i:03d}" for i in range(128)])  # the count cap
 
 
 def test_scheduler_config_takes_every_shared_setting_from_engine_args_by_name():

@@ -92,10 +92,10 @@ def test_a_request_whose_detokenizer_fails_fails_alone(engine, expected):
     engine.add_request("bad", "Hello", SamplingParams(temperature=0, max_tokens=6, n=2))
     engine.add_request("good", PROMPT, GREEDY)
 
-    def broken(token_ids):
+    def broken(token_id):
         raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
 
-    engine._states["bad"].samples[1].detokenizer.add_tokens = broken
+    engine._states["bad"].samples[1].detokenizer.add_token = broken
     final = run_to_completion(engine)
     assert [o.finish_reason for o in final["bad"].outputs] == ["error", "error"]
     assert "UnicodeDecodeError" in final["bad"].error

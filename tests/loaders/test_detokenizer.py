@@ -1,14 +1,18 @@
-"""Incremental detokenization and stop strings, checked against a full decode / a direct search."""
+"""Incremental detokenization (DecodeStream), checked against decoding every prefix of the ids."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models
 
-from jserve.core.stopping import check_stop_strings
 from jserve.loaders.detokenizer import IncrementalDetokenizer
 from jserve.loaders.gguf_tokenizer import byte_to_unicode
+from jserve.loaders.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
 
@@ -19,8 +23,8 @@ def byte_token(tokenizer, byte: int) -> int:
 
 
 @st.composite
-def token_streams(draw, tokenizer):
-    """Token ids mixing everything that makes streaming hard, cut into random chunks."""
+def token_ids(draw, tokenizer):
+    """Token ids mixing everything that makes streaming hard."""
     # SmolLM2's vocabulary lacks a few bytes (e.g. 0xC0, 0xF5-0xFF) that UTF-8 never uses.
     partial_utf8 = [i for b in range(0x80, 0x100) if (i := byte_token(tokenizer, b)) is not None]
     segment = st.one_of(
@@ -29,59 +33,76 @@ def token_streams(draw, tokenizer):
         st.text(max_size=12).map(tokenizer.encode),  # real text: multi-byte chars split up
         st.lists(st.integers(0, 16), max_size=3),  # SmolLM2's control tokens
     )
-    ids = [i for part in draw(st.lists(segment, max_size=8)) for i in part]
-    chunks, start = [], 0
-    while start < len(ids):
-        size = draw(st.integers(1, 4))
-        chunks.append(ids[start : start + size])
-        start += size
-    return chunks
+    return [i for part in draw(st.lists(segment, max_size=8)) for i in part]
 
 
-def check_stream(tokenizer, chunks, skip_special_tokens):
+def check_stream(tokenizer, ids, skip_special_tokens):
+    """The detokenizer's contract, at every step: it shows decode(ids so far) unless that ends
+    in U+FFFD (a character may be incomplete), never what a later id could change, and its
+    pieces with `finish` concatenate to decode(all ids). Returns the pieces."""
     detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
-    all_ids = [i for chunk in chunks for i in chunk]
-    final = tokenizer.decode(all_ids, skip_special_tokens=skip_special_tokens)
-    deltas, seen = [], []
-    for chunk in chunks:
-        deltas.append(detok.add_tokens(chunk))
-        seen += chunk
-        # Never emits what a later token could change (half a character): a prefix of the end.
-        assert final.startswith(detok.text)
-        # Holds back only while the text so far ends in U+FFFD.
-        so_far = tokenizer.decode(seen, skip_special_tokens=skip_special_tokens)
+    final = tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    pieces, text = [], ""
+    for n, token_id in enumerate(ids, 1):
+        pieces.append(detok.add_token(token_id))
+        text += pieces[-1]
+        assert final.startswith(text)
+        so_far = tokenizer.decode(ids[:n], skip_special_tokens=skip_special_tokens)
         if not so_far.endswith(REPLACEMENT):
-            assert detok.text == so_far
-    deltas.append(detok.finish())
-    assert "".join(deltas) == detok.text == final
+            assert text == so_far
+    pieces.append(detok.finish())
+    assert "".join(pieces) == final
+    return pieces
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), skip_special_tokens=st.booleans())
-def test_deltas_concatenate_to_the_full_decode(data, skip_special_tokens, smollm2_tokenizer):
-    chunks = data.draw(token_streams(smollm2_tokenizer))
-    check_stream(smollm2_tokenizer, chunks, skip_special_tokens)
+def test_pieces_concatenate_to_the_full_decode(data, skip_special_tokens, smollm2_tokenizer):
+    ids = data.draw(token_ids(smollm2_tokenizer))
+    check_stream(smollm2_tokenizer, ids, skip_special_tokens)
 
 
 @pytest.mark.slow
 @settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), skip_special_tokens=st.booleans())
-def test_deltas_concatenate_to_the_full_decode_long(data, skip_special_tokens, smollm2_tokenizer):
-    chunks = data.draw(token_streams(smollm2_tokenizer))
-    check_stream(smollm2_tokenizer, chunks, skip_special_tokens)
+def test_pieces_concatenate_to_the_full_decode_long(data, skip_special_tokens, smollm2_tokenizer):
+    ids = data.draw(token_ids(smollm2_tokenizer))
+    check_stream(smollm2_tokenizer, ids, skip_special_tokens)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Plain ASCII, punctuation; and\n\tspacing  twice.",
+        "Numbers 1234567890, -3.14e-10, 0x1F",
+        "中文文本，日本語のテキスト、한국어",
+        "Emoji 😀👍🏽🇫🇷 👨‍👩‍👧 split across byte tokens",
+        "<|im_start|>user\nHi<|im_end|>\n<|endoftext|>",
+    ],
+)
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_named_kinds_of_text(text, skip_special_tokens, smollm2_tokenizer):
+    check_stream(smollm2_tokenizer, smollm2_tokenizer.encode(text), skip_special_tokens)
+
+
+def test_random_ids(smollm2_tokenizer):
+    rng = random.Random(5)
+    for _ in range(300):
+        ids = [rng.randrange(smollm2_tokenizer.vocab_size) for _ in range(rng.randint(1, 12))]
+        check_stream(smollm2_tokenizer, ids, rng.random() < 0.5)
 
 
 def test_character_split_over_byte_tokens_is_held_until_complete(smollm2_tokenizer):
     detok = IncrementalDetokenizer(smollm2_tokenizer)
     pieces = [byte_token(smollm2_tokenizer, b) for b in "a😀".encode()]
-    assert [detok.add_tokens([i]) for i in pieces] == ["a", "", "", "", "😀"]
+    assert [detok.add_token(i) for i in pieces] == ["a", "", "", "", "😀"]
     assert detok.finish() == ""
 
 
 def test_finish_releases_a_broken_last_character(smollm2_tokenizer):
     detok = IncrementalDetokenizer(smollm2_tokenizer)
     pieces = [byte_token(smollm2_tokenizer, b) for b in b"ok\xe4\xbd"]
-    assert [detok.add_tokens([i]) for i in pieces] == ["o", "k", "", ""]
+    assert [detok.add_token(i) for i in pieces] == ["o", "k", "", ""]
     assert detok.finish() == REPLACEMENT
 
 
@@ -89,81 +110,52 @@ def test_special_tokens_follow_skip_special_tokens(smollm2_tokenizer):
     ids = smollm2_tokenizer.encode("Hi<|im_end|>")
     shown = IncrementalDetokenizer(smollm2_tokenizer, skip_special_tokens=False)
     hidden = IncrementalDetokenizer(smollm2_tokenizer)
-    assert [shown.add_tokens([i]) for i in ids] == ["Hi", "<|im_end|>"]
-    assert [hidden.add_tokens([i]) for i in ids] == ["Hi", ""]
+    assert [shown.add_token(i) for i in ids] == ["Hi", "<|im_end|>"]
+    assert [hidden.add_token(i) for i in ids] == ["Hi", ""]
 
 
-def test_each_step_decodes_a_short_window(smollm2_tokenizer):
-    """O(1) per token: the decode window does not grow with the sequence."""
+def test_finish_decodes_only_the_last_window(smollm2_tokenizer):
+    """O(1) at the end too: finish decodes the ids since the last piece and the step before."""
     windows = []
 
-    class SpyTokenizer:
+    class SpyTokenizer(Tokenizer):
         def decode(self, ids, skip_special_tokens=True):
             windows.append(len(ids))
-            return smollm2_tokenizer.decode(ids, skip_special_tokens)
+            return super().decode(ids, skip_special_tokens)
 
+    spy = SpyTokenizer(
+        smollm2_tokenizer.backend, bos_token_id=None, eos_token_id=None, chat_template=None,
+        source="spy",
+    )  # fmt: skip
+    detok = IncrementalDetokenizer(spy)
     text = "Streaming 你好 😀 text, " * 40
-    detok = IncrementalDetokenizer(SpyTokenizer())
-    for token_id in smollm2_tokenizer.encode(text):
-        detok.add_tokens([token_id])
-    assert detok.text + detok.finish() == text
-    assert max(windows) <= 6
+    ids = [*smollm2_tokenizer.encode(text), byte_token(smollm2_tokenizer, 0xE4)]
+    assert "".join(detok.add_token(i) for i in ids) == text
+    assert detok.finish() == REPLACEMENT
+    assert windows and max(windows) <= 3
 
 
-@pytest.mark.parametrize(
-    ("text", "stops", "search_from", "expected"),
-    [
-        ("Hello world", ["wor"], 0, ("wor", 6)),
-        ("abcSTOPdefEND", ["END", "STOP"], 0, ("STOP", 3)),
-        ("abXYcd", ["XY"], 3, ("XY", 2)),  # straddles the already-searched part
-        ("Hello wo", ["world"], 0, (None, 6)),  # "wo" may become "world": hold it back
-        ("Hello", ["lo!", "xyz"], 0, (None, 3)),
-        ("Hello", ["Hello!"], 0, (None, 0)),
-        ("Hello", [], 0, (None, 5)),
-        ("", ["x"], 0, (None, 0)),
-        ("aaa", ["aa"], 0, ("aa", 0)),
-    ],
-)
-def test_check_stop_strings(text, stops, search_from, expected):
-    check = check_stop_strings(text, stops, search_from)
-    assert (check.stop, check.end) == expected
+def sentencepiece_byte_fallback() -> Tokenizer:
+    """Llama 2's decoder over a vocabulary of <unk>, the 256 byte tokens and two words."""
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}, "▁Hello": 257}
+    backend = BackendTokenizer(models.BPE(vocab, [], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    return Tokenizer(backend, bos_token_id=None, eos_token_id=None, chat_template=None, source="")
 
 
-def test_empty_stop_string_is_refused():
-    with pytest.raises(ValueError, match=r"non-empty, got \['a', ''\]"):
-        check_stop_strings("text", ["a", ""])
-
-
-def first_stop_reference(chunks: list[str], stops: list[str]) -> str:
-    """What a stream must emit: generation stops at the first chunk after which the text holds a
-    stop string, and the output ends right before the earliest one present then."""
-    text = ""
-    for chunk in chunks:
-        text += chunk
-        found = [i for i in (text.find(s) for s in stops) if i != -1]
-        if found:
-            return text[: min(found)]
-    return text
-
-
-@settings(max_examples=300, deadline=None)
-@given(
-    chunks=st.lists(st.text(alphabet="ab c", min_size=1, max_size=5), max_size=10),
-    stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4), max_size=3),
-)
-def test_streaming_with_stop_strings_emits_exactly_the_text_before_the_first_stop(chunks, stops):
-    expected = first_stop_reference(chunks, stops)
-    longest_stop = max(map(len, stops), default=0)
-    accumulated, emitted = "", ""
-    for chunk in chunks:
-        previous_length = len(accumulated)
-        accumulated += chunk
-        check = check_stop_strings(accumulated, stops, search_from=previous_length)
-        emitted += accumulated[len(emitted) : check.end]
-        assert expected.startswith(emitted)
-        if check.stop is not None:
-            break
-        assert len(accumulated) - len(emitted) <= max(longest_stop - 1, 0)
-    else:
-        emitted += accumulated[len(emitted) :]  # ended for another reason: release everything
-    assert emitted == expected
+def test_sentencepiece_bytes_that_rewrite_earlier_text_restart_the_stream():
+    """',' then byte 0xC9: decode() turns both into U+FFFD (one per byte token), rewriting
+    the ',' already shown. DecodeStream refuses that; the stream restarts at the next token."""
+    tokenizer = sentencepiece_byte_fallback()
+    comma, lead_byte, hello = 1 + ord(","), 1 + 0xC9, 257
+    assert tokenizer.decode([comma, lead_byte, hello]) == "\ufffd\ufffd Hello"
+    detok = IncrementalDetokenizer(tokenizer)
+    assert [detok.add_token(i) for i in [comma, lead_byte, hello, hello]] == [
+        ",", "", "Hello", " Hello",
+    ]  # fmt: skip
+    assert detok.finish() == ""
+    ids = [hello, 1 + 0xC3, 1 + 0xA9, hello]  # valid bytes: "é" as two byte tokens
+    assert check_stream(tokenizer, ids, True) == ["Hello", "", "é", " Hello", ""]

@@ -373,3 +373,26 @@ async def test_a_request_the_engine_failed_is_a_500_or_an_error_event():
         assert events[0]["choices"][0]["text"] == "a"
         assert events[-2]["error"]["code"] == "request_failed" and events[-1] == "[DONE]"
         assert (await client.get("/health")).status == 200
+
+
+async def test_stop_lists_past_the_caps_get_400_and_at_the_caps_work():
+    """Issue case 5: 10,000 stop strings of 380 characters (3.8 MB of JSON) stalled everyone
+    else's requests; SamplingParams' caps refuse such lists, naming `stop`."""
+    refused = [
+        (["y" * 380] * 10_000, "stop has 10000 strings; at most 128 are allowed"),
+        (["z" * 513], "stop strings must be at most 512 characters long"),
+        (["w" * 512] * 4 + ["v"], "stop strings must be at most 2048 characters long in all"),
+    ]
+    at_caps = [f"{i:03d}" + "x" * 9 for i in range(127)] + ["cd"]  # 128 strings: the count cap
+    async with serve(MockEngine(token_delay=0.001)) as client:
+        for stop, message in refused:
+            for path, body in [(COMPLETIONS, {"prompt": "a"}), (CHAT, {"messages": HI})]:
+                response = await client.post(path, json={**body, "stop": stop})
+                assert response.status == 400, await response.text()
+                assert message in _check_error_body(await response.json(), 400)["message"]
+        response = await client.post(
+            COMPLETIONS, json={"prompt": "abcdef", "max_tokens": 6, "stop": at_caps}
+        )
+        choice = (await response.json())["choices"][0]
+        assert (choice["text"], choice["stop_reason"]) == ("ab", "cd")
+        assert (await client.get("/health")).status == 200
