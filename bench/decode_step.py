@@ -74,8 +74,10 @@ def matmul_stack(config: ModelConfig, impl: str, tokens: int, seqs: int, seed: i
     return lambda: run(weights, inputs, head, rows)
 
 
-# A profile row of each native kernel, by its FFI target; the other ops go by their names.
+# A profile row of each native kernel, by the kernel name that starts its FFI target (a build's
+# target adds its ISA level and key: jserve.pallas.native_build); other ops go by their names.
 TARGET_ROWS = {"jserve_packed_matmul_f32": "matmuls", "jserve_ragged_attention_f32": "attention"}
+KERNEL = re.compile(rf'custom_call_target="({"|".join(TARGET_ROWS)})')
 CONTAINERS = {"while", "conditional", "call"}  # ops whose time is their inner ops' time
 PROFILE_ROWS = ("matmuls", "attention", "gathers and scatters", "other XLA ops")
 
@@ -87,9 +89,9 @@ def op_rows(hlo: str) -> dict[str, str]:
     for name, opcode, rest in line.findall(hlo):
         if opcode in CONTAINERS:
             continue
-        target = re.search(r'custom_call_target="([^"]+)"', rest)
-        if target and target.group(1) in TARGET_ROWS:
-            rows[name] = TARGET_ROWS[target.group(1)]
+        kernel = KERNEL.search(rest)
+        if kernel:
+            rows[name] = TARGET_ROWS[kernel.group(1)]
         elif re.search(r"scatter|gather|dynamic-slice|dynamic-update-slice", name + opcode):
             rows[name] = "gathers and scatters"
         else:

@@ -147,7 +147,7 @@ class EngineArgs:
     )
     cache_dir: str | None = setting(
         None,
-        "directory of converted models",
+        "directory of converted models, XLA's compiled executables and the native CPU kernels",
         vllm="--download-dir",
         default_text="$JSERVE_CACHE_DIR, else $XDG_CACHE_HOME/jserve, else ~/.cache/jserve",
     )

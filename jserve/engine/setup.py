@@ -25,6 +25,7 @@ from jserve.core.tenants import load_tenant_policy
 from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
+from jserve.pallas.native_build import load as load_native_kernels
 from jserve.runtime import multihost
 from jserve.runtime.compilation import enable_persistent_cache
 from jserve.runtime.model_runner import ModelRunner, kv_block_bytes
@@ -56,6 +57,8 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     cache_dir = args.cache_dir or default_cache_dir()
     enable_persistent_cache(args.compilation_cache_dir or f"{cache_dir}/xla")
+    if jax.default_backend() == "cpu":  # before the runner picks its kernels: built in cache_dir
+        load_native_kernels(cache_dir)
     loaded = loaded or load_model(args.model, cache_dir=cache_dir)
     cfg = loaded.config
     dtype = resolve_dtype(args.dtype)

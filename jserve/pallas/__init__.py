@@ -4,10 +4,11 @@ The paged KV pool layout, its write, ragged paged attention, and the layers' mat
 
 `ragged_paged_attention` dispatches by backend to one implementation module, each with the same
 anatomy: ragged_reference (jnp), ragged_xla (plain XLA loops), ragged_native (a native C++
-kernel built by native_build: the CPU serving path for float32), ragged_interpret (coarse-grid
-Pallas, CPU interpret mode, for checking kernel semantics), ragged_triton (GPU) and
-ragged_mosaic (TPU). ragged_common holds the one call contract they all take (`RaggedCall`),
-the validators and the masking; kv_cache the pool layout and the KV write.
+kernel built by native_build at the ISA level native_isa picks: the CPU serving path for
+float32), ragged_interpret (coarse-grid Pallas, CPU interpret mode, for checking kernel
+semantics), ragged_triton (GPU) and ragged_mosaic (TPU). ragged_common holds the one call
+contract they all take (`RaggedCall`), the validators and the masking; kv_cache the pool
+layout and the KV write.
 layer_matmul is `x @ w[layer]` for stacked weights, on CPU through a native kernel on weights
 packed in column panels at load time. Validators are not re-exported here: import them from
 their modules.

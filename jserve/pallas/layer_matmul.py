@@ -79,9 +79,11 @@ def layer_matmul(
         raise ValueError(f"matmul impl 'native' needs n, N of the weight packed as {w.shape}")
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"matmul impl 'native' needs float32; got {x.dtype} and {w.dtype}")
-    if load_native_kernels() is None:  # registers the kernel's FFI target
+    kernels = load_native_kernels()  # registers the kernel's FFI target
+    if kernels is None:
         raise ValueError("matmul impl 'native' needs the native CPU kernels (see the log)")
-    kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((x.shape[0], n), x.dtype))
+    result = jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
+    kernel = jax.ffi.ffi_call(kernels.target(TARGET), result)
     rows = x.shape[0] if rows is None else rows
     return kernel(x, w, jnp.asarray(layer, jnp.int32), jnp.asarray(rows, jnp.int32))
 

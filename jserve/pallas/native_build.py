@@ -1,89 +1,221 @@
-"""Builds and loads the native CPU kernels (`native/*.cc`) once per machine, on first use.
+"""Builds and loads the native CPU kernels (`native/*.cc`) once per ISA level, on first use.
 
 The kernels are XLA FFI handlers compiled with the system C++ compiler against the FFI headers
-jaxlib ships, for the CPU they run on (`-march=native`), into jserve's cache directory keyed by
-the source, the flags, the compiler and jaxlib, so a change to any of them rebuilds. Without a
-compiler, or if the build fails, `load()` returns None with a warning naming why, and the
-dispatcher keeps the plain-XLA path: the kernels are a speed-up, never a requirement.
+jaxlib ships, at the widest ISA level this CPU runs (native_isa: explicit flags, no
+`-march=native`). A build lands in `<cache dir>/native/` as `jserve_cpu_kernels-<isa>-<key>.so`,
+the key a hash of the sources, the compiler and its version, the flags, the level and the CPU
+features it needs, the machine and jaxlib's version, so a change to any of them rebuilds. Next
+to it a sidecar `.json` records what the build needs; it is written last, and a library is
+only loaded when its sidecar names this build's key and features this CPU has, so a shared
+cache never hands a machine code it cannot run (it rebuilds for this CPU instead). Builds run
+under a file lock next to the library (two processes starting at once build once) and land by
+rename (nobody sees half a library).
+
+Each build registers its handlers under its own FFI target names (`NativeKernels.target`), so
+builds at several levels can run in one process (the tests run every level). A build
+registers once per process, so the first `load` decides where it is built or found: the
+engine's, with its --cache-dir (`jserve.engine.setup`).
+
+Without a compiler, or if the build fails, `load()` returns None with one warning naming why,
+and the dispatchers keep the plain-XLA path: the kernels are a speed-up, never a requirement.
 """
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
+import platform
 import shutil
 import subprocess
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import jax
 import jaxlib
 
 from jserve.config.cache_dir import default_cache_dir
+from jserve.pallas import native_isa
+from jserve.pallas.native_isa import IsaLevel
 
 log = logging.getLogger(__name__)
 
 NATIVE_DIR = Path(__file__).with_name("native")
 SOURCES = tuple(NATIVE_DIR / name for name in ("ragged_attention_cpu.cc", "packed_matmul_cpu.cc"))
 HEADERS = (NATIVE_DIR / "parallel_units.h",)  # included by the sources; part of the build key
-# Reassociation lets the compiler vectorize dot products; no -ffast-math, whose finite-math
-# assumption would break the -inf of the online softmax's first page.
+# Every level's flags; the level adds its own (native_isa). Reassociation lets the compiler
+# vectorize dot products; no -ffast-math, whose finite-math assumption would break the -inf of
+# the online softmax's first page.
 FLAGS = (
-    "-std=c++17", "-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno",
-    "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast",
+    "-std=c++17", "-O3", "-fPIC", "-shared", "-fno-math-errno", "-fassociative-math",
+    "-fno-signed-zeros", "-fno-trapping-math", "-ffp-contract=fast",
 )  # fmt: skip
-# name of the FFI target -> symbol of its handler in the library
+# name of the kernel -> symbol of its handler in the library
 TARGETS = {
     "jserve_ragged_attention_f32": "JserveRaggedAttentionF32",
     "jserve_packed_matmul_f32": "JservePackedMatmulF32",
 }
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+class NativeKernelsUnavailable(RuntimeError):
+    """Why the native kernels cannot run here: no compiler, a failed build, an unusable cache."""
 
 
-def _build(compiler: str, out: Path) -> None:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(
-        b"\0".join(
-            x.encode()
-            for x in (
-                *(s.read_text() for s in (*SOURCES, *HEADERS)),
-                " ".join(FLAGS),
-                version,
-                jaxlib.__version__,
-            )
-        )
-    ).hexdigest()[:16]
-    target = out / f"jserve_cpu_kernels-{key}.so"
-    if not target.exists():
-        out.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f"{target.name}.tmp{os.getpid()}")
-        cmd = [compiler, *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", str(tmp)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        if done.returncode:
-            tmp.unlink(missing_ok=True)
-            raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
-        tmp.replace(target)  # atomic: concurrent builders never see a half-written library
-        log.info("built native CPU kernels into %s", target)
-    return target
+@dataclass(frozen=True)
+class NativeKernels:
+    """One loaded build, its handlers registered with XLA."""
+
+    level: IsaLevel
+    key: str
+    path: Path
+    library: ctypes.CDLL = field(repr=False, compare=False)
+
+    def target(self, name: str) -> str:
+        """The FFI target the kernel `name` (a key of TARGETS) is registered under."""
+        return f"{name}_{self.level.isa}_{self.key}"
+
+
+@dataclass(frozen=True)
+class Build:
+    """What one build is: the compiler, the level, its exact flags and the key naming it."""
+
+    compiler: str
+    compiler_version: str
+    level: IsaLevel
+    flags: tuple[str, ...]
+    key: str
+
+    @classmethod
+    def plan(cls, compiler: str, level: IsaLevel) -> Build:
+        done = subprocess.run([compiler, "--version"], capture_output=True, text=True)
+        flags = (*FLAGS, *level.flags)
+        parts = (
+            *(source.read_text() for source in (*SOURCES, *HEADERS)),
+            compiler, done.stdout, " ".join(flags), level.isa, " ".join(sorted(level.features)),
+            platform.machine(), jaxlib.__version__,
+        )  # fmt: skip
+        key = hashlib.sha256(b"\0".join(part.encode() for part in parts)).hexdigest()[:16]
+        return cls(compiler, done.stdout.partition("\n")[0], level, flags, key)
+
+    def library(self, directory: Path) -> Path:
+        return directory / f"jserve_cpu_kernels-{self.level.isa}-{self.key}.so"
+
+    def record(self) -> dict:
+        """The sidecar's content: what the library needs and how it was built."""
+        return {
+            "key": self.key,
+            "isa": self.level.isa.value,
+            "features": sorted(self.level.features),
+            "machine": platform.machine(),
+            "flags": list(self.flags),
+            "compiler": self.compiler,
+            "compiler_version": self.compiler_version,
+            "jaxlib": jaxlib.__version__,
+        }
+
+
+def sidecar(library: Path) -> Path:
+    return library.with_suffix(".json")
+
+
+def find_compiler() -> str:
+    """$CXX if set (it must name a program), else g++ or clang++ from PATH."""
+    if cxx := os.environ.get("CXX"):
+        if found := shutil.which(cxx):
+            return found
+        raise NativeKernelsUnavailable(f"$CXX={cxx} is not a program on this machine")
+    if found := shutil.which("g++") or shutil.which("clang++"):
+        return found
+    raise NativeKernelsUnavailable("no C++ compiler: $CXX is unset and no g++ or clang++ on PATH")
+
+
+def _usable(build: Build, library: Path) -> bool:
+    """Whether `library` is this build, complete, with code this CPU runs (its sidecar says)."""
+    try:
+        recorded = json.loads(sidecar(library).read_text())
+        key, needs = recorded["key"], frozenset(recorded["features"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return False  # never built here, an interrupted build, or not a sidecar of ours
+    return key == build.key and needs <= native_isa.cpu_features() and library.exists()
+
+
+def _compile(build: Build, library: Path) -> None:
+    tmp = library.with_name(f"{library.name}.tmp{os.getpid()}")
+    cmd = [build.compiler, *build.flags, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES)]
+    done = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
+    if done.returncode:
+        tmp.unlink(missing_ok=True)
+        raise NativeKernelsUnavailable(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+    tmp.replace(library)
+    record = sidecar(library).with_name(f"{sidecar(library).name}.tmp{os.getpid()}")
+    record.write_text(json.dumps(build.record(), indent=1))
+    record.replace(sidecar(library))  # last: a library counts as built once its sidecar is there
+    log.info("built native CPU kernels (%s) into %s", build.level.isa, library)
+
+
+def built_library(build: Build, directory: Path) -> Path:
+    """The build's library in `directory`, compiled there first unless a usable one is there."""
+    library = build.library(directory)
+    if _usable(build, library):  # no lock: a library is complete once its sidecar is written
+        return library
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(library.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if not _usable(build, library):  # another process may have built it while we waited
+            _compile(build, library)
+    return library
+
+
+def _open(build: Build, directory: Path) -> NativeKernels:
+    path = built_library(build, directory)
+    library = ctypes.CDLL(str(path))
+    kernels = NativeKernels(build.level, build.key, path, library)
+    for name, symbol in TARGETS.items():
+        handler = jax.ffi.pycapsule(getattr(library, symbol))
+        jax.ffi.register_ffi_target(kernels.target(name), handler, "cpu")
+    log.info("native CPU kernels (%s) loaded from %s", build.level.isa, path)
+    return kernels
+
+
+# (compiler, level) -> its loaded build, or why it cannot be: one load per process, since a
+# build registers its FFI targets once.
+_loaded: dict[tuple[str, IsaLevel], NativeKernels | str] = {}
+_loading = threading.Lock()
+
+
+def load_or_raise(cache_dir: str | Path | None = None) -> NativeKernels:
+    """`load`, raising NativeKernelsUnavailable (the reason) where `load` returns None."""
+    compiler = find_compiler()
+    level = native_isa.choose_level()
+    with _loading:
+        if (compiler, level) not in _loaded:
+            directory = Path(cache_dir or default_cache_dir()) / "native"
+            try:
+                _loaded[compiler, level] = _open(Build.plan(compiler, level), directory)
+            except (NativeKernelsUnavailable, OSError, AttributeError) as e:
+                _loaded[compiler, level] = f"{level.isa} build in {directory}: {e}"
+        loaded = _loaded[compiler, level]
+    if isinstance(loaded, str):
+        raise NativeKernelsUnavailable(loaded)
+    return loaded
+
+
+def load(cache_dir: str | Path | None = None) -> NativeKernels | None:
+    """The native kernels at this CPU's level (native_isa.choose_level), built if need be under
+    `cache_dir` (jserve's cache directory; default: default_cache_dir()) unless this process
+    loaded them already; None, with one warning, where they cannot be built or loaded."""
+    try:
+        return load_or_raise(cache_dir)
+    except NativeKernelsUnavailable as e:
+        _warn_once(str(e))
+        return None
 
 
 @functools.cache
-def load() -> ctypes.CDLL | None:
-    """The native kernel library with its FFI targets registered, or None if it can't be built."""
-    compiler = _compiler()
-    if compiler is None:
-        log.warning("no C++ compiler (g++, clang++ or $CXX): CPU kernels stay on plain XLA")
-        return None
-    try:
-        library = ctypes.CDLL(str(_build(compiler, default_cache_dir() / "native")))
-    except (OSError, RuntimeError) as e:
-        log.warning("native CPU kernels unavailable, they stay on plain XLA: %s", e)
-        return None
-    for name, symbol in TARGETS.items():
-        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), "cpu")
-    return library
+def _warn_once(reason: str) -> None:
+    log.warning("native CPU kernels unavailable, they stay on plain XLA: %s", reason)

@@ -10,6 +10,8 @@ dtypes, and machines where the kernel cannot be built, use ragged_xla.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,15 +27,21 @@ def native_supports(dtype: jnp.dtype) -> bool:
     return jnp.dtype(dtype) == jnp.float32 and load_native_kernels() is not None
 
 
-@jax.jit
 def ragged_paged_attention_native(call: RaggedCall) -> jax.Array:
     """Ragged paged attention through the native kernel; see `ragged_paged_attention`."""
-    if not native_supports(call.q.dtype):
+    kernels = load_native_kernels() if call.q.dtype == jnp.float32 else None
+    if kernels is None:
         raise ValueError(
             f"impl='native' needs float32 and a native kernel built on this machine (see the "
             f"log); got {call.q.dtype}"
         )
-    kernel = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(call.q.shape, jnp.float32))
+    return _attend(call, kernels.target(TARGET))
+
+
+@functools.partial(jax.jit, static_argnames="target")
+def _attend(call: RaggedCall, target: str) -> jax.Array:
+    """The kernel's call, jitted per FFI target: each ISA level's build has its own."""
+    kernel = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(call.q.shape, jnp.float32))
     return kernel(
         call.q, call.k_pool, call.v_pool, call.block_tables, call.cu_q_lens, call.kv_lens,
         call.num_seqs.reshape(1), call.layer,

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
+import shutil
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jserve.pallas import IMPLS, choose_impl, ragged_paged_attention, write_kv
+from jserve.pallas import IMPLS, choose_impl, native_build, ragged_paged_attention, write_kv
+from jserve.pallas.layer_matmul import choose_matmul_impl
+from jserve.pallas.ragged_native import native_supports
+from tests.pallas.native_levels import NATIVE, use_native_level
 from tests.pallas.ragged_cases import (
     TOLERANCE,
     Geometry,
@@ -28,34 +33,49 @@ def _args(case=CASE):
     return [jnp.asarray(a) for a in case.args()]
 
 
-def test_choose_impl_by_backend():
+def test_choose_impl_by_backend(native_kernels):
     assert [choose_impl(b) for b in ("cpu", "gpu", "cuda", "tpu", "rocm")] == [
         "native", "triton", "triton", "mosaic", "reference",
     ]  # fmt: skip
-    assert choose_impl() == "native"  # the tests run on CPU, with a C++ compiler
+    assert choose_impl() == "native"  # the tests run on CPU
     assert choose_impl("cpu", jnp.bfloat16) == "xla"  # the native kernel is float32 only
 
 
-def test_auto_is_the_native_path_on_cpu():
+def test_auto_is_the_native_path_on_cpu(native_kernels):
     auto = ragged_paged_attention(*_args(), sm_scale=0.125)
     native = ragged_paged_attention(*_args(), sm_scale=0.125, impl="native")
     np.testing.assert_array_equal(np.asarray(auto), np.asarray(native))
 
 
-@pytest.mark.parametrize("compiler", [None, "false"])
-def test_cpu_falls_back_to_xla_without_a_native_kernel(monkeypatch, tmp_path, caplog, compiler):
-    """No C++ compiler, or one that fails: a warning, and "auto" on CPU is the XLA path."""
-    from jserve.pallas import native_build
-
+@pytest.mark.parametrize(
+    ("compiler", "reason"),
+    [("missing-c++", r"\$CXX=\S*missing-c\+\+ is not a program"), ("false", "failed")],
+)
+def test_cpu_falls_back_to_xla_without_a_native_kernel(
+    monkeypatch, tmp_path, caplog, compiler, reason
+):
+    """No C++ compiler ($CXX names no program and PATH has no g++ or clang++), or one that
+    fails: one warning naming why however often the dispatchers ask, "auto" on CPU is the XLA
+    path, and a native test skips with the reason."""
+    monkeypatch.setenv(
+        "CXX", shutil.which("false") if compiler == "false" else str(tmp_path / compiler)
+    )
+    monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setenv("JSERVE_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(native_build, "_compiler", lambda: compiler)
-    native_build.load.cache_clear()
+    monkeypatch.setattr(native_build, "_loaded", {})
+    native_build._warn_once.cache_clear()
     try:
         with caplog.at_level("WARNING", logger=native_build.__name__):
             assert choose_impl("cpu") == "xla"
-        assert "plain XLA" in caplog.text
+            assert choose_matmul_impl("cpu") == "xla"
+            assert not native_supports(jnp.float32)
+        [warning] = [r.getMessage() for r in caplog.records if r.name == native_build.__name__]
+        assert "plain XLA" in warning
+        assert re.search(reason, warning), warning
+        with pytest.raises(pytest.skip.Exception, match=reason):
+            use_native_level(monkeypatch, "portable")
     finally:
-        native_build.load.cache_clear()
+        native_build._warn_once.cache_clear()
 
 
 def test_native_rejects_other_dtypes():
@@ -64,7 +84,7 @@ def test_native_rejects_other_dtypes():
         ragged_paged_attention(*args, sm_scale=0.125, impl="native")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("impl", [*(impl for impl in IMPLS if impl != "native"), *NATIVE])
 def test_every_listed_impl_dispatches_and_is_right(impl):
     """Each name in IMPLS is accepted by the entry and reaches an implementation that computes
     the float64 answer (accelerator kernels interpreted here), so the list and the dispatch
@@ -90,7 +110,7 @@ def test_dispatch_rejects_bad_choices(impl, interpret, message):
         ragged_paged_attention(*_args(), sm_scale=0.125, impl=impl, interpret=interpret)
 
 
-@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", "native"])
+@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", *NATIVE])
 def test_write_then_attend_inside_layer_scan(impl):
     """The engine's step: scan over layers carrying both pools, write K/V then attend, with a
     traced layer index; each layer must see only its own cache."""

@@ -1,8 +1,10 @@
 """Every ragged paged attention implementation against float64 numpy attention on CPU.
 
 Named adversarial cases, then hypothesis-generated ragged batches (bigger budgets behind
-@pytest.mark.slow). Kernels for GPU and TPU run in interpret mode; the TPU interpreter costs
-about a second per call, so it gets a few named cases in CI and the rest under `slow`.
+@pytest.mark.slow). The native kernel runs at every ISA level this machine can run
+(tests/pallas/native_levels.py). Kernels for GPU and TPU run in interpret mode; the TPU
+interpreter costs about a second per call, so it gets a few named cases in CI and the rest
+under `slow`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from jserve.pallas.native_isa import ISA_ENV
+from tests.pallas.native_levels import NATIVE, runnable_levels
 from tests.pallas.ragged_cases import Geometry, assert_matches_naive, build_case
 
 SMOLLM = Geometry()  # 9 query heads, 3 KV heads, head_dim 64, block 16, float32
@@ -69,7 +73,7 @@ def _check(impl: str, name: str, table: dict) -> None:
 
 
 @pytest.mark.parametrize("name", sorted(NAMED))
-@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", "native", "triton"])
+@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", *NATIVE, "triton"])
 def test_named_case(impl, name):
     if impl == "native" and NAMED[name][1].dtype != "float32":
         pytest.skip("the native kernel is float32 only (the dispatcher uses xla for others)")
@@ -77,7 +81,7 @@ def test_named_case(impl, name):
 
 
 @pytest.mark.parametrize("name", sorted(LONG))
-@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", "native"])
+@pytest.mark.parametrize("impl", ["reference", "interpret", "xla", *NATIVE])
 def test_long_context(impl, name):
     _check(impl, name, LONG)
 
@@ -151,9 +155,13 @@ def _hypothesis_check(impls, batch, seed):
     options = dict(options)
     case = build_case(seqs, geometry, seed=seed, shared_blocks=options.pop("shared_blocks"))
     for impl in impls:
-        if impl == "native" and geometry.dtype != "float32":
-            continue  # float32 only; the dispatcher sends other dtypes to xla
-        assert_matches_naive(impl, case, **options)
+        if impl != "native":
+            assert_matches_naive(impl, case, **options)
+        elif geometry.dtype == "float32":  # float32 only; the dispatcher sends others to xla
+            for isa in runnable_levels():
+                with pytest.MonkeyPatch.context() as monkeypatch:
+                    monkeypatch.setenv(ISA_ENV, isa)
+                    assert_matches_naive(impl, case, **options)
 
 
 def budget(examples: int) -> settings:
