@@ -272,9 +272,10 @@ class LLMEngine:
         return outputs
 
     def add_step_observer(self, observer: StepObserver, *, runner_time: bool = False) -> None:
-        """Call `observer` with a ModelStep after every model step, from the stepping thread.
-        `runner_time` asks for the runner's time up to its logits, which syncs each step there
-        (jserve.engine.step_observer); without observers a step pays nothing for them."""
+        """Call `observer` with a ModelStep once per model step (after the model ran, before
+        sampling), from the stepping thread. `runner_time` asks for the runner's time up to its
+        logits, which syncs each step there (jserve.engine.step_observer); with no observer a
+        step pays one `if` for them."""
         self._step_observers.append((observer, runner_time))
 
     def remove_step_observer(self, observer: StepObserver) -> None:
