@@ -1,4 +1,4 @@
-"""I/O for bench/adversarial.py: outcome tallies, HTTP and raw-socket senders, the leak check.
+"""I/O for bench.adversarial_phases: outcome tallies, HTTP and raw-socket senders, the leak check.
 
 Every sender returns one outcome and never raises: "served" (2xx, a stream ending in [DONE]
 without an error event), "4xx", "5xx" (or an error event in a stream), "closed" (the

@@ -1,41 +1,41 @@
 """A decode step of the real engine against its matmul-only stack: the issue's step target.
 
 The step is `ModelRunner.run` on one bucket filled with decode rows, each sequence with its own
-pages at the given context (bench/buckets.py's `representative_inputs`), timed up to its logits.
+pages at the given context (bench.bucket_costs' `representative_inputs`), timed up to its logits.
 The matmul-only stack is the same step's products and nothing else: the four projections of
 every layer at the step's token count under `lax.scan` (weights of the model's shapes, laid out
 for the engine's matmul implementation) and the lm_head at one row per sequence. Both are timed
-in alternation, in one process, so a change in the machine's state moves both; the report gives
-the median of the rounds and the step's share of the matmul-only rate (stack / step).
+in alternation (bench.ab_driver), in one process, so a change in the machine's state moves
+both; the report gives the median of the rounds and the step's share of the matmul-only rate
+(stack / step), with the min, median and max of each round's share.
 With --profile, the step's calls are also traced (jax.profiler) and reduced to a table: the ms
 a step spends in the matmuls, attention, gathers and scatters, the other XLA ops, and the rest
 of its wall time (dispatch and host), by the op names of the bucket's own optimized HLO.
 
-    python bench/decode_step.py                          # 32 decodes at context 512
-    python bench/decode_step.py --seqs 64 --context 400 --rounds 7
-    python bench/decode_step.py --profile                # and where the step's time goes
-    python bench/decode_step.py --smoke                  # tiny, for CI
+    python -m bench.decode_step                          # 32 decodes at context 512
+    python -m bench.decode_step --seqs 64 --context 400 --rounds 7
+    python -m bench.decode_step --profile                # and where the step's time goes
+    python -m bench.decode_step --smoke                  # tiny, for CI
 """
 
 from __future__ import annotations
 
 import argparse
 import glob
-import json
-import os
 import re
 import statistics
 import tempfile
 import time
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from buckets import representative_inputs
-from kernels import median_seconds
-from roofline import projection_shapes
 
+from bench.ab_driver import alternate, describe
+from bench.bucket_costs import representative_inputs
+from bench.kernel_timings import median_seconds
+from bench.report_writer import markdown_table, write_json
+from bench.roofline import projection_shapes
 from jserve.config.engine_args import add_engine_arguments, engine_args_from_namespace
 from jserve.engine.llm_engine import LLMEngine
 from jserve.models.config import ModelConfig
@@ -157,13 +157,14 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit(f"--seqs {args.seqs} is not one of the token buckets {buckets}")
     inputs, _ = representative_inputs(engine, "decode", args.seqs, args.seqs, args.context)
     stack = matmul_stack(engine.model_config, engine.runner.matmul_impl, args.seqs, args.seqs)
-    load_before = os.getloadavg()[0]
-    step_ms, stack_ms = [], []
-    for _ in range(args.rounds):
-        step_ms.append(median_ms(lambda: engine.runner.run(inputs), args.calls))
-        stack_ms.append(median_ms(stack, args.calls))
-    load_after = os.getloadavg()[0]
-    shares = [m / s for m, s in zip(stack_ms, step_ms, strict=True)]
+    rounds = alternate(
+        lambda: median_ms(lambda: engine.runner.run(inputs), args.calls),
+        lambda: median_ms(stack, args.calls),
+        args.rounds,
+    )
+    step_ms, stack_ms = rounds.a, rounds.b
+    ab = rounds.summary(lambda step, stack: stack / step)
+    shares = ab["ratio"]
     report = {
         "seqs": args.seqs,
         "context": args.context,
@@ -173,8 +174,9 @@ def main(argv: list[str] | None = None) -> None:
         "median_step_ms": statistics.median(step_ms),
         "median_stack_ms": statistics.median(stack_ms),
         "share_of_matmul_rate": statistics.median(stack_ms) / statistics.median(step_ms),
-        "share_range": [min(shares), max(shares)],
-        "loadavg_1min": {"before": load_before, "after": load_after},
+        "share_range": [shares["min"], shares["max"]],
+        "ab": ab,
+        "loadavg_1min": rounds.loadavg_1min,
     }
     print(
         f"{args.seqs} decodes at context {args.context} ({report['matmul_impl']} matmuls), "
@@ -182,18 +184,17 @@ def main(argv: list[str] | None = None) -> None:
         f"({min(step_ms):.1f}-{max(step_ms):.1f}), matmul-only stack "
         f"{report['median_stack_ms']:.1f} ms ({min(stack_ms):.1f}-{max(stack_ms):.1f}): the step "
         f"runs at {report['share_of_matmul_rate']:.0%} of the matmul-only rate "
-        f"({min(shares):.0%}-{max(shares):.0%}); 1-minute load {load_before:.2f} -> "
-        f"{load_after:.2f}"
+        f"({shares['min']:.0%}-{shares['max']:.0%}; each round's share: {describe(shares)}); "
+        f"1-minute load {rounds.load_before:.2f} -> {rounds.load_after:.2f}"
     )
     if args.profile:
         hlo = engine.runner.hlo_text(args.seqs, args.seqs)
         profile = profile_step(lambda: engine.runner.run(inputs), hlo, args.calls)
         report["profile_ms"] = profile
-        print("| where a step's time goes | ms | share |\n|---|---:|---:|")
-        for row, ms in profile.items():
-            print(f"| {row} | {ms:.1f} | {ms / profile['wall']:.0%} |")
+        rows = [[row, f"{ms:.1f}", f"{ms / profile['wall']:.0%}"] for row, ms in profile.items()]
+        print(markdown_table(["where a step's time goes", "ms", "share"], rows, align="lrr"))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

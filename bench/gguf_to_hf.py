@@ -1,4 +1,5 @@
-"""GGUF SmolLM2 -> plain HF float32 directory (for the vLLM peer)."""
+"""GGUF SmolLM2 -> plain HF float32 directory (for the vLLM peer, bench/peer_vllm.md):
+`python -m bench.gguf_to_hf GGUF_FILE OUT_DIR`."""
 
 import sys
 

@@ -16,10 +16,17 @@ import shlex
 from pathlib import Path
 
 import aiohttp
-from serve import benchmark, first_model, to_json
-from serve_client import LoadConfig
-from server_process import ServerProcess, jserve_command, mock_command
-from workloads import add_workload_arguments, build_workload
+
+from bench.report_writer import figure, write_json
+from bench.serve import benchmark, first_model
+from bench.serve_client import LoadConfig
+from bench.server_process import ServerProcess, jserve_command, mock_command
+from bench.workloads import (
+    LATENCY_CURVE,
+    LATENCY_CURVE_SMOKE,
+    add_workload_arguments,
+    build_workload,
+)
 
 KNEE_FACTOR = 2.0
 
@@ -28,8 +35,7 @@ def add_curve_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("latency-vs-load")
     group.add_argument("--rates", default="0.5,1,2,3,4,inf", help="comma-separated req/s")
     add_workload_arguments(parser)
-    # Short, narrow lengths: a long-tailed mix would bury the queueing signal in its noise.
-    parser.set_defaults(num_requests=40, prompt_len="uniform:32:96", output_len="uniform:16:48")
+    parser.set_defaults(**LATENCY_CURVE)
 
 
 def parse_rates(text: str) -> list[float]:
@@ -52,29 +58,20 @@ def find_knee(points: list[dict]) -> float | None:
 
 
 def plot_curve(points: list[dict], knee: float | None, path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     x = list(range(len(points)))
     labels = [f"{p['rate']:g}\n({p['achieved_rps']:.2f})" for p in points]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 3.8))
-    for ax, metric in zip(axes, ("ttft", "tpot"), strict=True):
-        ax.plot(x, [p[f"{metric}_p99_ms"] for p in points], "o-", label="p99")
-        ax.plot(x, [p[f"{metric}_p50_ms"] for p in points], "s--", alpha=0.6, label="p50")
-        if knee is not None:
-            at = [p["rate"] for p in points].index(knee)
-            ax.axvline(at, color="tab:red", ls=":", label=f"knee ({knee:g} req/s)")
-        ax.set_xticks(x, labels, fontsize=8)
-        ax.set(xlabel="offered req/s (achieved)", ylabel="ms", title=metric.upper())
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
-    plt.close(fig)
+    with figure(path, 2, figsize=(11, 3.8), title=title) as (_, axes):
+        for ax, metric in zip(axes, ("ttft", "tpot"), strict=True):
+            ax.plot(x, [p[f"{metric}_p99_ms"] for p in points], "o-", label="p99")
+            ax.plot(x, [p[f"{metric}_p50_ms"] for p in points], "s--", alpha=0.6, label="p50")
+            if knee is not None:
+                at = [p["rate"] for p in points].index(knee)
+                ax.axvline(at, color="tab:red", ls=":", label=f"knee ({knee:g} req/s)")
+            ax.set_xticks(x, labels, fontsize=8)
+            ax.set(xlabel="offered req/s (achieved)", ylabel="ms", title=metric.upper())
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
 
 
 def run_latency_vs_load(args: argparse.Namespace, out: Path) -> dict:
@@ -82,7 +79,7 @@ def run_latency_vs_load(args: argparse.Namespace, out: Path) -> dict:
     extra = shlex.split(args.server_args)
     command = mock_command(extra) if args.smoke else jserve_command(extra)
     if args.smoke:
-        args.num_requests, args.prompt_len, args.output_len = 8, "uniform:8:32", "uniform:4:24"
+        vars(args).update(LATENCY_CURVE_SMOKE)
         rates = [16.0, 64.0, float("inf")]
     print(f"\n### latency-vs-load: {shlex.join(command)}", flush=True)
     with ServerProcess(command, out / "logs" / "serve_latency_vs_load.log",
@@ -121,7 +118,7 @@ def run_latency_vs_load(args: argparse.Namespace, out: Path) -> dict:
               "workload": {"num_requests": args.num_requests, "prompt_len": args.prompt_len,
                            "output_len": args.output_len, "seed": args.seed},
               "points": points, "knee_rate": knee, "knee_factor": KNEE_FACTOR}  # fmt: skip
-    (out / "serve_latency_vs_load.json").write_text(to_json(result))
+    write_json(out / "serve_latency_vs_load.json", result)
     title = f"latency vs load: {shlex.join(command[3:])}; {args.num_requests} requests per rate"
     plot_curve(points, knee, out / "serve_latency_vs_load.png", title)
     return result

@@ -1,9 +1,9 @@
 """Time to a ready model (parameters on device): from the GGUF file vs from jserve's cache.
 
-Each path runs in a fresh subprocess (nothing warm in memory), alternating, `--repeats` times;
-prints the medians and their ratio.
+Each path runs in a fresh subprocess (nothing warm in memory), alternating (bench.ab_driver),
+`--repeats` times; prints the medians, their ratio, and each pair's ratio (min, median, max).
 
-    python bench/model_load.py [--repeats 3] [--smoke]
+    python -m bench.model_load [--repeats 3] [--smoke]
 """
 
 from __future__ import annotations
@@ -14,6 +14,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+
+from bench.ab_driver import alternate, describe, ratio_stats
+from bench.report_writer import markdown_table
 
 CHILD = r"""
 import json, sys, time
@@ -45,16 +48,20 @@ def main() -> None:
     repeats = 1 if args.smoke else args.repeats
     with tempfile.TemporaryDirectory() as cache_dir:
         run("cache", cache_dir)  # fill the cache once
-        times: dict[str, list[float]] = {"gguf": [], "cache": []}
-        for _ in range(repeats):
-            for mode in times:
-                times[mode].append(run(mode, cache_dir)["load_s"])
-    gguf, cache = (statistics.median(times[m]) for m in ("gguf", "cache"))
-    print("| path | median s to parameters on device |")
-    print("|---|---|")
-    print(f"| GGUF (read + dequantize + tokenizer) | {gguf:.2f} |")
-    print(f"| jserve cache (orbax + tokenizer.json) | {cache:.2f} |")
-    print(f"speedup from cache: {gguf / cache:.2f}x over {repeats} run(s) each")
+        pairs = alternate(
+            lambda: run("gguf", cache_dir)["load_s"], lambda: run("cache", cache_dir)["load_s"],
+            repeats,
+        )  # fmt: skip
+    gguf, cache = statistics.median(pairs.a), statistics.median(pairs.b)
+    print(markdown_table(["path", "median s to parameters on device"], [
+        ["GGUF (read + dequantize + tokenizer)", f"{gguf:.2f}"],
+        ["jserve cache (orbax + tokenizer.json)", f"{cache:.2f}"],
+    ]))  # fmt: skip
+    by_pair = describe(ratio_stats(pairs.ratios(lambda g, c: g / c)))
+    print(
+        f"speedup from cache: {gguf / cache:.2f}x over {repeats} run(s) each (by pair: "
+        f"{by_pair}); 1-minute load {pairs.load_before:.2f} -> {pairs.load_after:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -2,33 +2,42 @@
 decode speed at fixed batch sizes next to a plain dense-KV decode loop of the same model.
 
 Both engines (same settings except `scheduling`) load one shared copy of the model and run the
-same requests side by side: their steps alternate, and each engine's clock runs only during its
-own steps, so load from other processes hits both alike. Throughput is reported per wall second
-and per CPU second of this process (the second is less sensitive to a shared machine). The
-decode comparison alternates too: one engine step, then one step of the dense loop.
+same requests (bench.workloads) side by side, through the A/B driver (bench.ab_driver): their
+steps alternate, and each engine's clock runs only during its own steps, so load from other
+processes hits both alike. Throughput is reported per wall second and per CPU second of this
+process (the second is less sensitive to a shared machine). The decode comparison alternates
+too: one engine step, then one step of the dense loop, and gives the ratio of each pair.
 
-    python bench/offline.py --json bench/results/offline_cpu.json   # full run
-    python bench/offline.py --smoke                                 # tiny, for CI
+    python -m bench.offline --json bench/results/offline_cpu.json   # full run
+    python -m bench.offline --smoke                                 # tiny, for CI
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import inspect
-import json
+import itertools
 import math
 import os
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from bench.ab_driver import alternate, describe, ratio_stats
+from bench.report_writer import markdown_table, write_json
+from bench.workloads import (
+    OFFLINE_WORKLOAD,
+    OFFLINE_WORKLOAD_SMOKE,
+    Workload,
+    add_requests,
+    greedy,
+    make_workload,
+    text_token_pool,
+)
 from jserve.config.engine_args import EngineArgs
 from jserve.engine.llm_engine import LLMEngine
 from jserve.layers.norm import rms_norm
@@ -37,19 +46,15 @@ from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.models.config import ModelConfig
 from jserve.runtime.compilation import forbid_compilation
 from jserve.runtime.params import make_mesh, place_model
-from jserve.sampling_params import SamplingParams
 
-TEXT_MODULES = ("argparse", "collections", "dataclasses", "functools", "json", "logging",
-                "pathlib", "statistics", "textwrap", "threading")  # fmt: skip
-# prompt_len / output_len: (median, min, max) of a log-normal with sigma 1.
 FULL = {
-    "num_requests": 64, "prompt_len": (80, 10, 500), "output_len": (48, 4, 256),
+    **OFFLINE_WORKLOAD,
     "max_num_seqs": 32, "max_num_batched_tokens": 512, "max_model_len": 1024,
     "num_kv_blocks": None,
     "decode_batches": (1, 8, 32), "decode_context": 256, "decode_warmup": 2, "decode_steps": 12,
 }  # fmt: skip
 SMOKE = {
-    "num_requests": 8, "prompt_len": (20, 10, 40), "output_len": (8, 4, 16),
+    **OFFLINE_WORKLOAD_SMOKE,
     "max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 128, "num_kv_blocks": 64,
     "decode_batches": (1, 4), "decode_context": 16, "decode_warmup": 1, "decode_steps": 3,
 }  # fmt: skip
@@ -57,76 +62,45 @@ ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_k
 CHECK_TOKENS = 8  # greedy tokens the dense loop must reproduce
 
 
-@dataclass
-class Workload:
-    prompts: list[list[int]]
-    output_lens: list[int]
+class _TimedEngine:
+    """One engine of the side-by-side run: a step at a time, its own clocks, its outputs."""
 
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.clock = {"wall_s": 0.0, "cpu_s": 0.0, "steps": 0}
+        self.lengths: dict[str, int] = {}
 
-def text_token_pool(tokenizer) -> list[int]:
-    """Real English prose that is the same on every run: some standard-library docstrings."""
-    docs = []
-    for name in TEXT_MODULES:
-        module = importlib.import_module(name)
-        docs.append(inspect.getdoc(module))
-        for attr in sorted(vars(module)):
-            obj = getattr(module, attr)
-            is_documented = inspect.isclass(obj) or inspect.isfunction(obj)
-            if is_documented and getattr(obj, "__module__", None) == name:
-                docs.append(inspect.getdoc(obj))
-    return tokenizer.encode("\n\n".join(d for d in docs if d), add_special_tokens=False)
-
-
-def lognormal_lengths(rng, n: int, spec: tuple[int, int, int]) -> list[int]:
-    """`n` lengths, log-normal around `median` (sigma 1), clipped to [lo, hi]."""
-    median, lo, hi = spec
-    draws = rng.lognormal(math.log(median), 1.0, size=n)
-    return [int(x) for x in np.clip(np.rint(draws), lo, hi)]
-
-
-def make_workload(pool: list[int], n: int, prompt_len, output_len, seed: int) -> Workload:
-    """Prompts are slices of the text pool at random offsets, of log-normal token lengths."""
-    rng = np.random.default_rng(seed)
-    lens = lognormal_lengths(rng, n, prompt_len)
-    starts = [int(rng.integers(0, len(pool) - length)) for length in lens]
-    prompts = [pool[s : s + length] for s, length in zip(starts, lens, strict=True)]
-    return Workload(prompts, lognormal_lengths(rng, n, output_len))
-
-
-def greedy(max_tokens: int) -> SamplingParams:
-    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def add_requests(engine: LLMEngine, workload: Workload) -> None:
-    """Queue the workload; request ids are the indices "0", "1", ..."""
-    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy(out_len))
+    def step(self) -> None:
+        if not self.engine.has_unfinished_requests():
+            return
+        wall, cpu = time.perf_counter(), time.process_time()
+        outputs = self.engine.step()
+        self.clock["wall_s"] += time.perf_counter() - wall
+        self.clock["cpu_s"] += time.process_time() - cpu
+        self.clock["steps"] += 1
+        for out in outputs:
+            if out.finished:
+                self.lengths[out.request_id] = len(out.outputs[0].token_ids)
 
 
 def run_side_by_side(engines: dict[str, LLMEngine], workload: Workload) -> dict[str, dict]:
-    """Run the workload through every engine, alternating steps; per-engine step clocks."""
-    for engine in engines.values():
-        add_requests(engine, workload)
-    clocks = {name: {"wall_s": 0.0, "cpu_s": 0.0, "steps": 0} for name in engines}
-    lengths: dict[str, dict[str, int]] = {name: {} for name in engines}
-    while any(e.has_unfinished_requests() for e in engines.values()):
-        for name, engine in engines.items():
-            if not engine.has_unfinished_requests():
-                continue
-            wall, cpu = time.perf_counter(), time.process_time()
-            outputs = engine.step()
-            clocks[name]["wall_s"] += time.perf_counter() - wall
-            clocks[name]["cpu_s"] += time.process_time() - cpu
-            clocks[name]["steps"] += 1
-            for out in outputs:
-                if out.finished:
-                    lengths[name][out.request_id] = len(out.outputs[0].token_ids)
+    """Run the workload through both engines, alternating steps; per-engine step clocks."""
+    (name_a, a), (name_b, b) = ((name, _TimedEngine(e)) for name, e in engines.items())
+    for side in (a, b):
+        add_requests(side.engine, workload)
+
+    def unfinished() -> bool:
+        return a.engine.has_unfinished_requests() or b.engine.has_unfinished_requests()
+
+    alternate(a.step, b.step, pairs=unfinished)
     prompt_tokens = sum(map(len, workload.prompts))
     output_tokens = sum(workload.output_lens)
-    for name, clock in clocks.items():
-        got = [lengths[name][str(i)] for i in range(len(workload.prompts))]
+    clocks = {}
+    for name, side in ((name_a, a), (name_b, b)):
+        got = [side.lengths[str(i)] for i in range(len(workload.prompts))]
         if got != workload.output_lens:
             raise RuntimeError(f"{name}: output lengths {got} differ from the workload's")
+        clock = clocks[name] = side.clock
         clock["output_tok_per_s"] = output_tokens / clock["wall_s"]
         clock["total_tok_per_s"] = (prompt_tokens + output_tokens) / clock["wall_s"]
         clock["output_tok_per_cpu_s"] = output_tokens / clock["cpu_s"]
@@ -230,9 +204,11 @@ class DenseDecodeLoop:
         return tokens.block_until_ready(), cache, time.perf_counter() - start
 
 
-def decode_rates(engine: LLMEngine, dense: DenseDecodeLoop, prompts, context: int, cfg: dict):
+def decode_rates(
+    engine: LLMEngine, dense: DenseDecodeLoop, prompts, context: int, cfg: dict
+) -> tuple[dict, dict, dict]:
     """Engine and dense-loop decode at one batch size, one step of each in turn (so load from
-    other processes hits both alike).
+    other processes hits both alike): each one's rate, and the dense / engine rate of each pair.
 
     Only engine steps (schedule, run, sample, postprocess) in which every sequence decodes
     count; requests get enough tokens to outlast a chunked prefill and are aborted once
@@ -244,28 +220,42 @@ def decode_rates(engine: LLMEngine, dense: DenseDecodeLoop, prompts, context: in
     ids = [f"decode-{batch}-{i}" for i in range(batch)]
     for rid, prompt in zip(ids, prompts, strict=True):
         engine.add_request(rid, {"prompt_token_ids": prompt}, greedy(max_tokens))
-    tokens, cache = dense.start([0] * batch)
+    dense_state = list(dense.start([0] * batch))  # [tokens, cache]
     for pos in range(context, context + warmup):  # the first call compiles this batch size
-        tokens, cache, _ = dense.timed_step(tokens, cache, pos)
+        dense_state[0], dense_state[1], _ = dense.timed_step(*dense_state, pos)
     produced = dict.fromkeys(ids, 0)
-    decode_steps, engine_times, dense_times = 0, [], []
+
+    def engine_step() -> tuple[float, bool]:
+        """(seconds, whether every sequence decoded) of one engine step."""
+        all_decoding = all(0 < n < max_tokens for n in produced.values())
+        start = time.perf_counter()
+        outputs = engine.step()
+        elapsed = time.perf_counter() - start
+        for out in outputs:
+            produced[out.request_id] = len(out.outputs[0].token_ids)
+        return elapsed, all_decoding
+
+    def decode_step() -> float:
+        while True:
+            elapsed, all_decoding = engine_step()
+            if all_decoding:
+                return elapsed
+
+    positions = itertools.count(context + warmup)
+
+    def dense_step() -> float:
+        dense_state[0], dense_state[1], seconds = dense.timed_step(*dense_state, next(positions))
+        return seconds
+
     with forbid_compilation():
-        while len(engine_times) < steps:
-            all_decoding = all(0 < n < max_tokens for n in produced.values())
-            start = time.perf_counter()
-            outputs = engine.step()
-            elapsed = time.perf_counter() - start
-            for out in outputs:
-                produced[out.request_id] = len(out.outputs[0].token_ids)
-            decode_steps += all_decoding
-            if all_decoding and decode_steps > warmup:
-                engine_times.append(elapsed)
-                pos = context + warmup + len(dense_times)
-                tokens, cache, seconds = dense.timed_step(tokens, cache, pos)
-                dense_times.append(seconds)
+        decode_steps = 0
+        while decode_steps < warmup:  # prefill, then the untimed decode steps
+            decode_steps += engine_step()[1]
+        pairs = alternate(decode_step, dense_step, steps)
     for rid in ids:
         engine.abort_request(rid)
-    return rate(batch, engine_times), rate(batch, dense_times)
+    ratios = ratio_stats(pairs.ratios(lambda engine_s, dense_s: engine_s / dense_s))
+    return rate(batch, pairs.a), rate(batch, pairs.b), ratios
 
 
 def decode_table(
@@ -286,8 +276,10 @@ def decode_table(
         print(f"decode at batch {batch} ...", file=sys.stderr, flush=True)
         starts = rng.integers(0, len(pool) - context, size=batch)
         prompts = [pool[s : s + context] for s in starts]
-        engine_rate, dense_rate = decode_rates(engine, dense, prompts, context, cfg)
-        rows.append({"batch": batch, "engine": engine_rate, "dense": dense_rate})
+        engine_rate, dense_rate, ratio = decode_rates(engine, dense, prompts, context, cfg)
+        rows.append(
+            {"batch": batch, "engine": engine_rate, "dense": dense_rate, "dense_over_engine": ratio}
+        )
     return {
         "dense_matches_engine": dense_tokens == engine_tokens,
         "dense_tokens": dense_tokens,
@@ -298,33 +290,32 @@ def decode_table(
 
 def markdown(report: dict) -> str:
     t, d = report["throughput"], report["decode"]
-    lines = [
-        "| scheduling | wall s | steps | output tok/s | total tok/s | output tok/CPU-s |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name in ("continuous", "static"):
-        r = t[name]
-        lines.append(
-            f"| {name} | {r['wall_s']:.1f} | {r['steps']} | {r['output_tok_per_s']:.1f} | "
-            f"{r['total_tok_per_s']:.1f} | {r['output_tok_per_cpu_s']:.1f} |"
-        )
-    lines += [
-        f"| **continuous / static** | | | **{t['ratio_wall']:.2f}x** | {t['ratio_wall']:.2f}x "
-        f"| {t['ratio_cpu']:.2f}x |",
+    rows = [
+        [name, f"{r['wall_s']:.1f}", str(r["steps"]), f"{r['output_tok_per_s']:.1f}",
+         f"{r['total_tok_per_s']:.1f}", f"{r['output_tok_per_cpu_s']:.1f}"]
+        for name, r in ((name, t[name]) for name in ("continuous", "static"))
+    ]  # fmt: skip
+    rows.append(["**continuous / static**", "", "", f"**{t['ratio_wall']:.2f}x**",
+                 f"{t['ratio_wall']:.2f}x", f"{t['ratio_cpu']:.2f}x"])  # fmt: skip
+    header = ["scheduling", "wall s", "steps", "output tok/s", "total tok/s", "output tok/CPU-s"]
+    decode_rows = []
+    for row in d["rows"]:
+        e, n, ratio = row["engine"], row["dense"], row["dense_over_engine"]
+        decode_rows.append([
+            str(row["batch"]), f"{e['step_ms']:.1f}", f"{e['tok_per_s']:.1f}",
+            f"{n['step_ms']:.1f}", f"{n['tok_per_s']:.1f}",
+            f"{n['tok_per_s'] / e['tok_per_s']:.2f}x", describe(ratio),
+        ])  # fmt: skip
+    decode_header = ["batch", "engine ms/step", "engine tok/s", "dense ms/step", "dense tok/s",
+                     "dense/engine", "dense/engine by step pair"]  # fmt: skip
+    return "\n".join([
+        markdown_table(header, rows),
         "",
         f"Decode-only steps at context {report['config']['decode_context']}, median step; "
         f"dense loop's greedy tokens match the engine's: {d['dense_matches_engine']}",
         "",
-        "| batch | engine ms/step | engine tok/s | dense ms/step | dense tok/s | dense/engine |",
-        "|---|---|---|---|---|---|",
-    ]
-    for row in d["rows"]:
-        e, n = row["engine"], row["dense"]
-        lines.append(
-            f"| {row['batch']} | {e['step_ms']:.1f} | {e['tok_per_s']:.1f} | "
-            f"{n['step_ms']:.1f} | {n['tok_per_s']:.1f} | {n['tok_per_s'] / e['tok_per_s']:.2f}x |"
-        )
-    return "\n".join(lines)
+        markdown_table(decode_header, decode_rows),
+    ])  # fmt: skip
 
 
 def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
@@ -382,8 +373,7 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(report))
     print(f"load average (1 min) before / after: {load_before:.1f} / {os.getloadavg()[0]:.1f}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -1,14 +1,16 @@
-"""One engine's side of `bench/peer.py`: run a token-id workload offline and time it.
+"""One engine's side of `bench.peer_compare`: run a token-id workload offline and time it.
 
-    python bench/peer_driver.py --engine jserve --workloads W1.json W2.json --out R.json
-    VENV/bin/python bench/peer_driver.py --engine vllm --model HF_DIR --workloads ... --out R.json
+    python -m bench.peer_driver --engine jserve --workloads W1.json W2.json --out R.json
+    VENV/bin/python -m bench.peer_driver --engine vllm --model HF_DIR --workloads ... --out R.json
 
-It runs under either engine's interpreter (the vLLM virtualenv has no jserve, and jserve's has
-no vLLM), so it imports only the engine it drives. The protocol is the same for both: build the
-engine once, run one short warm-up request, then for each workload wait for a quiet machine,
-submit every request at once (greedy, EOS ignored, so each generates exactly its max_tokens)
-and time that one `generate` call: its wall time, the CPU seconds of this process and its
-children (vLLM's engine core is a child process), and how quiet the machine was (quiet.py).
+Run from the repository root (bench.peer_compare does). It runs under either engine's
+interpreter (the vLLM virtualenv has no jserve, and jserve's has no vLLM), so it imports only
+the engine it drives, and from bench only bench.quiet (which needs aiohttp, as vLLM does).
+The protocol is the same for both: build the engine once, run one short warm-up request, then
+for each workload wait for a quiet machine, submit every request at once (greedy, EOS ignored,
+so each generates exactly its max_tokens) and time that one `generate` call: its wall time,
+the CPU seconds of this process and its children (vLLM's engine core is a child process), and
+how quiet the machine was (bench.quiet).
 """
 
 from __future__ import annotations
@@ -16,19 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-
-def _unshadow_engine_imports() -> None:
-    """Drop bench/ from sys.path before an engine is imported: its scripts (kernels.py, which
-    transformers mistakes for the `kernels` package) must not shadow third-party packages.
-    vLLM's engine process is spawned and re-imports this module with the pruned path, so the
-    module imports nothing from bench/ at its top: main() imports quiet.py before pruning."""
-    here = Path(__file__).resolve().parent
-    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-
+from bench.quiet import QuietMeter, wait_for_quiet
 
 FIRST_IDS = 16  # greedy ids per request kept to check both engines generated the same thing
 
@@ -63,8 +56,6 @@ def _vllm(args: argparse.Namespace):
 
 def run_workload(llm, params, token_ids, workload: dict, args: argparse.Namespace) -> dict:
     """Submit every request of `workload` at once and time that one generate call."""
-    from quiet import QuietMeter, wait_for_quiet  # loaded by main() before the path was pruned
-
     requests = workload["requests"]
     prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests]
     sampling = [params(r["max_tokens"]) for r in requests]
@@ -96,10 +87,6 @@ def main() -> None:
     parser.add_argument("--settle-timeout", type=float, default=120.0, help="seconds, at most")
     args = parser.parse_args()
     workloads = [json.loads(Path(w).read_text()) for w in args.workloads]
-
-    import quiet  # noqa: F401  (now, while bench/ is still on sys.path)
-
-    _unshadow_engine_imports()
     started = time.perf_counter()
     llm, params, token_ids = (_jserve if args.engine == "jserve" else _vllm)(args)
     startup_s = time.perf_counter() - started

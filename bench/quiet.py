@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import asdict, dataclass
 
-from server_stats import process_tree_cpu_seconds
+from bench.server_stats import process_tree_cpu_seconds
 
 
 def machine_busy_seconds() -> float:

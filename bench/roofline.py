@@ -13,26 +13,24 @@ measure them and pass them. For the peak, an FMA loop on every core gives the co
 the best GEMM rate at the model's shapes the bound a real kernel has; for the bandwidth, a large
 sum or copy.
 
-    python bench/roofline.py --workload shared-prefix --peak-gflops 230 --bandwidth-gbs 30
-    python bench/roofline.py --workload random --max-num-seqs 64
-    python bench/roofline.py --smoke --json /tmp/roofline.json     # tiny, for CI
+    python -m bench.roofline --workload shared-prefix --peak-gflops 230 --bandwidth-gbs 30
+    python -m bench.roofline --workload random --max-num-seqs 64
+    python -m bench.roofline --smoke --json /tmp/roofline.json     # tiny, for CI
 
-The workloads are bench/peer.py's (random, shared-prefix, batch-1), run with the peer's
-settings (64 sequences, 2,048-token context), every request queued at once.
+The workloads are bench.peer_compare's (bench.workloads' `peer_workloads`: random,
+shared-prefix, batch-1), run with the peer's settings (64 sequences, 2,048-token context),
+every request queued at once; a step observer (bench.bucket_costs' StepLog) records each step.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 from collections import defaultdict
-from pathlib import Path
 
-from buckets import logged_steps
-from offline import Workload, add_requests, greedy
-from peer import make_workloads
-
+from bench.bucket_costs import logged_steps
+from bench.report_writer import markdown_table, write_json
+from bench.workloads import Workload, add_requests, greedy, peer_workloads
 from jserve.config.engine_args import add_engine_arguments, engine_args_from_namespace
 from jserve.engine.llm_engine import LLMEngine
 from jserve.models.config import ModelConfig
@@ -95,15 +93,13 @@ def roofline_table(config: ModelConfig, steps: list[dict], peak: float, bandwidt
 
 
 def markdown(report: dict) -> str:
-    lines = [
-        "| steps | n | wall s | floor s | floor / wall | GFLOP/s | compute-bound |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in report["groups"]:
-        lines.append(
-            f"| {r['steps']} | {r['n']} | {r['wall_s']:.2f} | {r['floor_s']:.2f} "
-            f"| {100 * r['of_floor']:.0f}% | {r['gflops']:.0f} | {r['compute_bound']} |"
-        )
+    header = ["steps", "n", "wall s", "floor s", "floor / wall", "GFLOP/s", "compute-bound"]
+    rows = [
+        [r["steps"], str(r["n"]), f"{r['wall_s']:.2f}", f"{r['floor_s']:.2f}",
+         f"{100 * r['of_floor']:.0f}%", f"{r['gflops']:.0f}", str(r["compute_bound"])]
+        for r in report["groups"]
+    ]  # fmt: skip
+    lines = [markdown_table(header, rows, align="lrrrrrr")]
     t = report["total"]
     lines += [
         "",
@@ -133,7 +129,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    (workload,) = [w for w in make_workloads(args.smoke) if w["name"] == args.workload]
+    (workload,) = [w for w in peer_workloads(args.smoke) if w["name"] == args.workload]
     engine = LLMEngine(engine_args_from_namespace(args))
     warmup = {"prompt_token_ids": workload["requests"][0]["prompt_token_ids"][:8]}
     engine.add_request("warm-up", warmup, greedy(2))
@@ -162,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     }
     print(markdown(report))
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        write_json(args.json, report)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""`python bench/compare.py router`: routing policies in front of the same jserve replicas.
+"""`python -m bench.serve_compare router`: routing policies in front of the same jserve replicas.
 
 1. Start the preset's replicas once, in parallel (each on a free port, each publishing its
    KV-cache events on its own ZMQ ports), and keep them for every side.
@@ -32,15 +32,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import aiohttp
-import numpy as np
-from compare_presets import RouterPreset
-from serve import benchmark, first_model, to_json
-from serve_client import LoadConfig
-from server_process import ServerProcess, jserve_command, mock_command
-from server_stats import scrape
-from workloads import TextMaker
-
+from bench.report_writer import fmt, text_table, write_json
+from bench.serve import benchmark, first_model
+from bench.serve_client import LoadConfig
+from bench.serve_presets import RouterPreset
+from bench.server_process import ServerProcess, jserve_command, mock_command
+from bench.server_stats import scrape
+from bench.workloads import preset_workload
 from jserve.server.fleet import router_command
 
 HIT, QUERY = "jserve:prefix_cache_hits_total", "jserve:prefix_cache_queries_total"
@@ -85,17 +83,6 @@ async def hit_counts(urls: list[str]) -> tuple[float, float]:
     return sum(s.get(HIT, 0.0) for s in scraped), sum(s.get(QUERY, 0.0) for s in scraped)
 
 
-async def build_specs(
-    preset: RouterPreset, base_url: str, text_seed: int, order_seed: int, smoke: bool
-) -> list:
-    """The workload: texts from `text_seed` (each side its own), the order of tenants and the
-    lengths from `order_seed` (the same for every side, so sides differ only in routing)."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        maker = TextMaker(session, base_url, text_seed)
-        await maker.setup()
-        return await preset.build(maker, np.random.default_rng(order_seed), smoke)
-
-
 def run_policy(
     preset: RouterPreset, policy: str, replicas: list[ServerProcess], endpoints: list,
     args: argparse.Namespace, seed: int, out: Path, kill_after_s: float | None = None,
@@ -113,7 +100,9 @@ def run_policy(
     print(f"\n### {preset.name} / {label}: {router} policy {policy}", flush=True)
     log_path = out / "logs" / f"router_{label}.log"
     with ServerProcess(command, log_path, base_url=f"http://127.0.0.1:{port}") as proxy:
-        specs = asyncio.run(build_specs(preset, replicas[0].base_url, seed, args.seed, args.smoke))
+        specs = asyncio.run(
+            preset_workload(preset.build, replicas[0].base_url, seed, args.seed, args.smoke)
+        )
         if kill_after_s is not None and not args.smoke:  # longer answers: streams to cut
             specs = [dataclasses.replace(s, max_tokens=preset.fault_output_len)
                      for s in specs[: preset.fault_requests]]  # fmt: skip
@@ -166,21 +155,19 @@ _ROWS = [  # (label, value of a report, higher is better)
 
 def table(policies: list[str], reports: dict[str, dict]) -> tuple[str, dict]:
     base = reports[policies[0]]
-    head = f"{'metric':<24}" + "".join(f"{p:>16}" for p in policies)
-    lines, gains = [head, "-" * len(head)], {}
+    rows, gains = [["metric", *policies]], {}
     for label, value, higher in _ROWS:
         cells = [value(reports[p]) for p in policies]
-        lines.append(f"{label:<24}" + "".join("-".rjust(16) if v is None else f"{v:16.3f}"
-                                              for v in cells))  # fmt: skip
+        rows.append([label, *(fmt(v, ".3f") for v in cells)])
         b = value(base)
         row_gains = {}
         for p, v in zip(policies[1:], cells[1:], strict=True):
             ok = v is not None and b is not None and min(v, b) > 0
             row_gains[p] = (v / b if higher else b / v) if ok else None
         gains[label] = row_gains
-        lines.append(f"{'  gain over ' + policies[0]:<24}{'':>16}" + "".join(
-            "-".rjust(16) if g is None else f"{g:15.2f}x" for g in row_gains.values()))  # fmt: skip
-    return "\n".join(lines), gains
+        rows.append([f"  gain over {policies[0]}", "",
+                     *("-" if g is None else f"{g:.2f}x" for g in row_gains.values())])  # fmt: skip
+    return text_table(rows, align="l" + "r" * len(policies), rule=True), gains
 
 
 def verdicts(preset: RouterPreset, reports: dict[str, dict]) -> list[dict]:
@@ -230,5 +217,5 @@ def run_router_preset(preset: RouterPreset, args: argparse.Namespace, out: Path)
               "policies": list(preset.policies), "gains": gains, "goals": goals,
               "fault": counts,
               "reports": reports, "fault_report": fault}  # fmt: skip
-    (out / f"serve_{preset.name}.json").write_text(to_json(result))
+    write_json(out / f"serve_{preset.name}.json", result)
     return result

@@ -1,14 +1,14 @@
 """Serving benchmark for any OpenAI-compatible endpoint (jserve, vLLM, SGLang).
 
-    python bench/serve.py --base-url http://127.0.0.1:8000 --num-requests 64 \\
+    python -m bench.serve --base-url http://127.0.0.1:8000 --num-requests 64 \\
         --prompt-len lognormal:128:0.8:1024 --output-len lognormal:64:1.0:512 --out bench/results
-    python bench/serve.py --base-url ... --workload shared-prefix --prefix-len 1024 \\
+    python -m bench.serve --base-url ... --workload shared-prefix --prefix-len 1024 \\
         --prompt-len 32 --output-len 16 --max-concurrency 4
-    python bench/serve.py --base-url ... --smoke      # a tiny workload, seconds
+    python -m bench.serve --base-url ... --smoke      # a tiny workload, seconds
 
 Sends greedy requests with `ignore_eos` (and `min_tokens = max_tokens`) so output lengths are
 what the workload says, streams them, and prints requests/s, tokens/s and TTFT/TPOT/ITL/E2E
-statistics (see serve_metrics.py for the definitions). With --out DIR it writes NAME.json and
+statistics (jserve.simulate.metrics defines them). With --out DIR it writes NAME.json and
 NAME.png (latency CDFs and throughput over time). Failed requests are counted, never fatal.
 """
 
@@ -16,25 +16,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import math
 import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 import aiohttp
-from serve_client import LoadConfig, RequestRecord, run_load
-from serve_metrics import format_summary, plot_run, summarize, summarize_by_group
-from server_stats import process_tree_cpu_seconds, run_stats, scrape
-from workloads import RequestSpec, add_workload_arguments, build_workload, workload_digest
 
-SMOKE_ARGS = {
-    "num_requests": 8,
-    "prompt_len": "uniform:8:48",
-    "output_len": "uniform:4:24",
-    "prefix_len": 64,
-}
+from bench.report_writer import write_json
+from bench.serve_client import LoadConfig, run_load
+from bench.serve_plot import plot_run
+from bench.server_stats import process_tree_cpu_seconds, run_stats, scrape
+from bench.workloads import (
+    SERVE_SMOKE,
+    RequestSpec,
+    add_workload_arguments,
+    build_workload,
+    workload_digest,
+)
+from jserve.simulate.metrics import RequestRecord, format_summary, summarize, summarize_by_group
 
 
 async def first_model(base_url: str) -> str:
@@ -110,26 +110,10 @@ async def benchmark(
     return report, records, duration
 
 
-def to_json(obj: object) -> str:
-    """JSON text with infinite floats written as the string "inf" (strict JSON has none)."""
-
-    def clean(value: object) -> object:
-        if isinstance(value, float) and math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        if isinstance(value, dict):
-            return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, list | tuple):
-            return [clean(v) for v in value]
-        return value
-
-    return json.dumps(clean(obj), indent=1, allow_nan=False) + "\n"
-
-
 def write_outputs(
     report: dict, records: list[RequestRecord], duration: float, out: Path, name: str
 ) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(to_json(report))
+    write_json(out / f"{name}.json", report)
     plot_run(records, duration, out / f"{name}.png", title=name)
 
 
@@ -203,12 +187,12 @@ async def main_async(args: argparse.Namespace) -> dict:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.smoke:
-        for key, value in SMOKE_ARGS.items():
+        for key, value in SERVE_SMOKE.items():
             setattr(args, key, value)
     try:
         report = asyncio.run(main_async(args))
     except (ValueError, aiohttp.ClientError) as exc:
-        print(f"serve.py: error: {exc}", file=sys.stderr)
+        print(f"bench.serve: error: {exc}", file=sys.stderr)
         return 2
     return 0 if report["summary"]["completed"] else 1
 

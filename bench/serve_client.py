@@ -9,6 +9,8 @@ Walkthrough of `run_load`:
    server sends one, else 1). The final usage chunk gives the prompt and output token counts.
 3. Failures (HTTP errors, in-band error events, disconnects, a timeout, or the overall
    `max_duration`) become records with `success=False` and a short reason; nothing raises.
+Records are jserve.simulate.metrics' RequestRecord, so a simulated run and a measured one are
+summarized by the same code.
 """
 
 from __future__ import annotations
@@ -17,43 +19,14 @@ import asyncio
 import contextlib
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import numpy as np
 from tqdm import tqdm
-from workloads import RequestSpec
 
-
-@dataclass
-class RequestRecord:
-    """What one request measured. Times are seconds; `start` and `chunk_times` are offsets from
-    the benchmark start, `ttft` and `e2e` durations from the request's own start."""
-
-    index: int
-    group: str
-    expected_output_tokens: int
-    success: bool = False
-    error: str = ""
-    start: float = 0.0
-    ttft: float = 0.0
-    e2e: float = 0.0
-    prompt_tokens: int = 0
-    output_tokens: int = 0
-    chunk_times: list[float] = field(default_factory=list)
-    chunk_tokens: list[int] = field(default_factory=list)
-
-    @property
-    def itl(self) -> list[float]:
-        """Gaps between consecutive text chunks."""
-        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean time per output token after the first (None with fewer than two tokens)."""
-        if self.output_tokens < 2:
-            return None
-        return (self.e2e - self.ttft) / (self.output_tokens - 1)
+from bench.workloads import RequestSpec
+from jserve.simulate.metrics import RequestRecord
 
 
 @dataclass(frozen=True)

@@ -1,28 +1,46 @@
-"""Serving-benchmark workloads: what each request asks for, built before the clock starts.
+"""Every benchmark's workloads, built before any clock starts: what each request asks for.
 
-A workload is a list of `RequestSpec`s. Prompt lengths are in tokens of the *server's*
-tokenizer: a seeded pool of English words is tokenized once with the server's /tokenize, and a
-prompt of L tokens is the /detokenize of L consecutive pool tokens, so counts are exact up to
-the merge at the edges. A server without those endpoints gets an estimate (`WORDS_PER_TOKEN`).
-The same seed and tokenizer give the same prompts on every server (`workload_digest` proves it).
+Serving workloads (bench.serve, bench.serve_compare and its presets, bench.load_curve,
+bench.router_bench) are lists of `RequestSpec`s of text. Prompt lengths are in tokens of the
+*server's* tokenizer: a seeded pool of English words is tokenized once with the server's
+/tokenize, and a prompt of L tokens is the /detokenize of L consecutive pool tokens, so counts
+are exact up to the merge at the edges. A server without those endpoints gets an estimate
+(`WORDS_PER_TOKEN`). The same seed and tokenizer give the same prompts on every server
+(`workload_digest` proves it). Kinds:
+- synthetic: prompt and output lengths drawn from a `LengthDist` (constant, uniform, lognormal);
+- shared-prefix: one long system prompt shared by every request, plus a distinct user turn;
+- a JSONL file of {"prompt", "max_tokens"} lines (optional "group");
+- the serving presets' own (`varying_lengths`, `shared_prefix`, ... below).
 
-Kinds:
-- synthetic: prompt and output lengths drawn from a `LengthDist` (constant, uniform, lognormal).
-- shared-prefix: one long system prompt shared by every request, plus a distinct user turn.
-- a JSONL file of {"prompt", "max_tokens"} lines (optional "group").
+Engine workloads (bench.offline, bench.bucket_costs, bench.roofline, bench.peer_compare) are
+token ids: `make_workload` slices real English prose (`text_token_pool`) at log-normal
+lengths, and `peer_workloads` draws ids from the vocabulary (random, shared-prefix, batch-1),
+identical for jserve and its peer.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib
+import inspect
 import json
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import aiohttp
 import numpy as np
+
+from jserve.sampling_params import SamplingParams
+from jserve.simulate.workload import LengthDist
+
+if TYPE_CHECKING:
+    from jserve.engine.llm_engine import LLMEngine
+
+# ---- serving: text of a given length in the server's tokens ---------------------------------
 
 WORDS_PER_TOKEN = 0.75  # common English words in a byte-level BPE: about 1.3 tokens per word
 _POOL_WORDS = 6000
@@ -66,52 +84,6 @@ class RequestSpec:
     group: str = "all"
     arrival_s: float | None = None
     tenant: str | None = None
-
-
-@dataclass(frozen=True)
-class LengthDist:
-    """Token lengths: "N" (constant), "uniform:LO:HI" or "lognormal:MEDIAN:SIGMA[:MAX]"."""
-
-    kind: str
-    a: float
-    b: float = 0.0
-    cap: int = 0
-
-    @classmethod
-    def parse(cls, text: str) -> LengthDist:
-        parts = text.split(":")
-        try:
-            if len(parts) == 1:
-                dist = cls("constant", int(parts[0]))
-            elif parts[0] == "uniform" and len(parts) == 3:
-                dist = cls("uniform", int(parts[1]), int(parts[2]))
-            elif parts[0] == "lognormal" and len(parts) in (3, 4):
-                median, sigma = float(parts[1]), float(parts[2])
-                cap = int(parts[3]) if len(parts) == 4 else int(8 * median)
-                dist = cls("lognormal", median, sigma, cap)
-            else:
-                raise ValueError(text)
-        except ValueError:
-            raise ValueError(
-                f"bad length distribution {text!r}: use N, uniform:LO:HI or "
-                "lognormal:MEDIAN:SIGMA[:MAX]"
-            ) from None
-        if dist.a < 1 or dist.b < 0 or (dist.kind == "uniform" and dist.b < dist.a):
-            raise ValueError(
-                f"bad length distribution {text!r}: N, LO and MEDIAN must be >= 1, LO <= HI, "
-                "SIGMA >= 0"
-            )
-        if dist.kind == "lognormal" and dist.cap < 1:
-            raise ValueError(f"bad length distribution {text!r}: MAX must be >= 1")
-        return dist
-
-    def sample(self, rng: np.random.Generator, n: int) -> list[int]:
-        if self.kind == "constant":
-            return [int(self.a)] * n
-        if self.kind == "uniform":
-            return [int(x) for x in rng.integers(int(self.a), int(self.b) + 1, size=n)]
-        draws = rng.lognormal(math.log(self.a), self.b, size=n)
-        return [int(x) for x in np.clip(np.rint(draws), 1, self.cap)]
 
 
 class TextMaker:
@@ -207,3 +179,219 @@ def workload_digest(specs: list[RequestSpec]) -> str:
     """sha256 of the requests, so two runs can show they sent the same workload."""
     blob = json.dumps([asdict(s) for s in specs], sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# Sizes of the serving workloads: bench.serve's --smoke, bench.load_curve's sweep (short,
+# narrow lengths: a long-tailed mix would bury the queueing signal in its noise) and its smoke,
+# and the online half of bench.peer_compare (its flags to bench.serve).
+SERVE_SMOKE = {"num_requests": 8, "prompt_len": "uniform:8:48", "output_len": "uniform:4:24",
+               "prefix_len": 64}  # fmt: skip
+LATENCY_CURVE = {"num_requests": 40, "prompt_len": "uniform:32:96", "output_len": "uniform:16:48"}
+LATENCY_CURVE_SMOKE = {
+    "num_requests": 8,
+    "prompt_len": "uniform:8:32",
+    "output_len": "uniform:4:24",
+}
+PEER_ONLINE = [
+    "--num-requests", "64", "--prompt-len", "lognormal:128:0.8:1024",
+    "--output-len", "lognormal:64:1.0:512", "--seed", "0",
+]  # fmt: skip
+
+
+# ---- serving presets (bench.serve_presets): each a full size and a tiny smoke size -----------
+
+WorkloadBuilder = Callable[[TextMaker, np.random.Generator, bool], Awaitable[list[RequestSpec]]]
+
+
+async def preset_workload(
+    build: WorkloadBuilder, base_url: str, text_seed: int, order_seed: int, smoke: bool
+) -> list[RequestSpec]:
+    """A preset's workload in a server's tokens: texts from `text_seed`, lengths and order from
+    `order_seed` (bench.router_bench gives each side its own texts, so no side's cached blocks
+    are another's hits, and the same order, so sides differ only in routing)."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
+        maker = TextMaker(session, base_url, text_seed)
+        await maker.setup()
+        return await build(maker, np.random.default_rng(order_seed), smoke)
+
+
+async def _specs(
+    maker: TextMaker, rng: np.random.Generator, n: int, prompt: str, output: str, **kw: object
+) -> list[RequestSpec]:
+    prompt_lens = LengthDist.parse(prompt).sample(rng, n)
+    output_lens = LengthDist.parse(output).sample(rng, n)
+    return [
+        RequestSpec(await maker.text(p), o, **kw)  # type: ignore[arg-type]
+        for p, o in zip(prompt_lens, output_lens, strict=True)
+    ]
+
+
+async def varying_lengths(maker: TextMaker, rng: np.random.Generator, smoke: bool) -> list:
+    """All at once, six times the sequence cap; short prompts and log-normal output lengths with
+    a long tail (median 24, a few past 200: what static batching hates)."""
+    if smoke:
+        return await _specs(maker, rng, 12, "uniform:8:32", "uniform:2:40")
+    return await _specs(maker, rng, 96, "lognormal:32:0.5:256", "lognormal:24:1.2:256")
+
+
+async def shared_prefix(maker: TextMaker, rng: np.random.Generator, smoke: bool) -> list:
+    """One long system prompt, short distinct user turns, short answers."""
+    n, prefix_len, user, output = (8, 96, "8", "4") if smoke else (24, 1024, "32", "16")
+    system = await maker.text(prefix_len)
+    return await _specs(maker, rng, n, user, output, system=system)
+
+
+async def decodes_then_long_prompts(
+    maker: TextMaker, rng: np.random.Generator, smoke: bool
+) -> list:
+    """Group "decode": short prompts with long outputs, all sent at t=0. Group "prefill": long
+    prompts with tiny outputs arriving one by one while those decodes run."""
+    if smoke:
+        decode_n, decode_out, prefill_n, prefill_len, gap = 4, "60", 2, "100", 0.2
+    else:
+        decode_n, decode_out, prefill_n, prefill_len, gap = 8, "160", 4, "1536", 4.0
+    decodes = await _specs(maker, rng, decode_n, "32", decode_out, group="decode", arrival_s=0.0)
+    prefills = [
+        RequestSpec(s.prompt, s.max_tokens, group="prefill", arrival_s=gap * (i + 1))
+        for i, s in enumerate(await _specs(maker, rng, prefill_n, prefill_len, "4"))
+    ]
+    return decodes + prefills
+
+
+async def flood_then_light_tenant(maker: TextMaker, rng: np.random.Generator, smoke: bool) -> list:
+    """Tenant A floods the queue with four times tenant B's requests at t=0 and stays
+    backlogged behind the sequence cap; B's arrive one every `gap` seconds from t=0.5, about
+    1.4x the half of the engine that is B's fair share (4 sequences serve about 2 of these
+    requests a second on a 2-core CPU), so B keeps a queue too. Groups and tenants are "A"
+    and "B".
+
+    B's requests arrive over time, not all at once: a burst of B's gets, with equal weights,
+    at best every other free slot, so its last request still waits for about twice its
+    burst's admissions, which caps the p99 gain near 2.3x whatever the policy. B's 40 keep
+    both tenants waiting for about 28 s: long against what fair share may let a tenant's
+    admitted requests run ahead (4 sequences' worth, jserve.core.fairness), so B's share of
+    the tokens served meanwhile shows the policy, not that allowance."""
+    heavy, light, gap = (8, 2, 0.05) if smoke else (160, 40, 0.7)
+    a = await _specs(maker, rng, heavy, "uniform:48:96", "32", group="A", arrival_s=0.0)
+    b = await _specs(maker, rng, light, "uniform:48:96", "32", group="B")
+    return [RequestSpec(s.prompt, s.max_tokens, group=s.group, tenant=s.group,
+                        arrival_s=0.0 if s.group == "A" else 0.5 + gap * (i - heavy))
+            for i, s in enumerate(a + b)]  # fmt: skip
+
+
+async def tenants(
+    maker: TextMaker, rng: np.random.Generator, n: int, num_systems: int, system_len: int,
+    user_len: int, output_len: int,
+) -> list[RequestSpec]:  # fmt: skip
+    """`n` requests, each with one of `num_systems` system prompts (its tenant's) and its own
+    user turn, in a seeded random order (an order that alternated tenants would let round
+    robin partition them by parity, which no real traffic does)."""
+    systems = [await maker.text(system_len) for _ in range(num_systems)]
+    owners = rng.permutation(np.arange(n) % num_systems)
+    return [RequestSpec(await maker.text(user_len), output_len, system=systems[int(o)],
+                        tenant=f"tenant{int(o)}") for o in owners]  # fmt: skip
+
+
+async def shared_system_prompts(maker: TextMaker, rng: np.random.Generator, smoke: bool) -> list:
+    """8 tenants' system prompts of 512 tokens (32 blocks; a replica's KV pool holds about 4
+    of them besides its running requests), 128 requests with their own 32-token user turns and
+    16-token answers (16 a tenant, so the 8 first requests, which no router can place on a
+    cached prompt, are a sixteenth of the run)."""
+    if smoke:
+        return await tenants(maker, rng, 12, 4, 64, 8, 20)
+    return await tenants(maker, rng, 128, 8, 512, 32, 16)
+
+
+# ---- engines: token ids --------------------------------------------------------------------
+
+# bench.offline's workload (also run by bench.bucket_costs): prompt_len / output_len are
+# (median, min, max) of a log-normal with sigma 1.
+OFFLINE_WORKLOAD = {"num_requests": 64, "prompt_len": (80, 10, 500), "output_len": (48, 4, 256)}
+OFFLINE_WORKLOAD_SMOKE = {"num_requests": 8, "prompt_len": (20, 10, 40), "output_len": (8, 4, 16)}
+TEXT_MODULES = ("argparse", "collections", "dataclasses", "functools", "json", "logging",
+                "pathlib", "statistics", "textwrap", "threading")  # fmt: skip
+
+
+@dataclass
+class Workload:
+    """Token-id prompts and how many tokens each request generates (greedy, EOS ignored)."""
+
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+
+def text_token_pool(tokenizer) -> list[int]:
+    """Real English prose that is the same on every run: some standard-library docstrings."""
+    docs = []
+    for name in TEXT_MODULES:
+        module = importlib.import_module(name)
+        docs.append(inspect.getdoc(module))
+        for attr in sorted(vars(module)):
+            obj = getattr(module, attr)
+            is_documented = inspect.isclass(obj) or inspect.isfunction(obj)
+            if is_documented and getattr(obj, "__module__", None) == name:
+                docs.append(inspect.getdoc(obj))
+    return tokenizer.encode("\n\n".join(d for d in docs if d), add_special_tokens=False)
+
+
+def lognormal_lengths(rng, n: int, spec: tuple[int, int, int]) -> list[int]:
+    """`n` lengths, log-normal around `median` (sigma 1), clipped to [lo, hi]."""
+    median, lo, hi = spec
+    draws = rng.lognormal(math.log(median), 1.0, size=n)
+    return [int(x) for x in np.clip(np.rint(draws), lo, hi)]
+
+
+def make_workload(pool: list[int], n: int, prompt_len, output_len, seed: int) -> Workload:
+    """Prompts are slices of the text pool at random offsets, of log-normal token lengths."""
+    rng = np.random.default_rng(seed)
+    lens = lognormal_lengths(rng, n, prompt_len)
+    starts = [int(rng.integers(0, len(pool) - length)) for length in lens]
+    prompts = [pool[s : s + length] for s, length in zip(starts, lens, strict=True)]
+    return Workload(prompts, lognormal_lengths(rng, n, output_len))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def add_requests(engine: LLMEngine, workload: Workload) -> None:
+    """Queue the workload; request ids are the indices "0", "1", ..."""
+    for i, (prompt, out_len) in enumerate(zip(workload.prompts, workload.output_lens, strict=True)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy(out_len))
+
+
+VOCAB_SIZE = 49_152  # SmolLM2's; ids below FIRST_TEXT_ID are control tokens
+FIRST_TEXT_ID = 17
+
+
+def _ids(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(FIRST_TEXT_ID, VOCAB_SIZE, n).tolist()
+
+
+def peer_workloads(smoke: bool, seed: int = 0) -> list[dict]:
+    """bench.peer_compare's offline workloads, as JSON-able dicts both engines read:
+    - random: 64 requests, prompts 16-512 and outputs 8-256 tokens (uniform, seeded);
+    - shared-prefix: 32 requests of one 384-token prefix plus 32 own tokens, 64 outputs each;
+    - batch-1: one 32-token prompt, 128 output tokens.
+    Smoke: every count and length an eighth (batch-1's prompt stays 32 tokens)."""
+    rng = np.random.default_rng(seed)
+    scale = 8 if smoke else 1
+    random_requests = [
+        {"prompt_token_ids": _ids(rng, int(p)), "max_tokens": int(o)}
+        for p, o in zip(
+            rng.integers(16, 513, 64 // scale) // scale,
+            rng.integers(8, 257, 64 // scale) // scale,
+            strict=True,
+        )
+    ]
+    prefix = _ids(rng, 384 // scale)
+    shared = [
+        {"prompt_token_ids": prefix + _ids(rng, 32 // scale), "max_tokens": 64 // scale}
+        for _ in range(32 // scale)
+    ]
+    single = [{"prompt_token_ids": _ids(rng, 32), "max_tokens": 128 // scale}]
+    return [
+        {"name": "random", "requests": random_requests},
+        {"name": "shared-prefix", "requests": shared},
+        {"name": "batch-1", "requests": single},
+    ]

@@ -1,4 +1,5 @@
-"""The library's commands of the `jserve` program: generate and convert (serve is the app's)."""
+"""The library's commands of the `jserve` program: generate, convert and simulate (serve is the
+app's)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import sys
 
 from jserve.config.engine_args import add_engine_arguments
+from jserve.simulate import cli as simulate_cli
 
 log = logging.getLogger("jserve")
 
@@ -52,7 +54,8 @@ def _convert(args: argparse.Namespace) -> int:
 
 
 def add_library_commands(sub: argparse._SubParsersAction) -> None:
-    """Add `generate` and `convert`: the commands that need the engine but no server.
+    """Add `generate` and `convert` (the engine without a server) and `simulate` (the scheduler
+    without a model).
 
     The `jserve` program itself (with `serve`) is assembled by `jserve.server.cli`, so this library
     never imports the app built on top of it.
@@ -71,6 +74,16 @@ def add_library_commands(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("src", help="a .gguf file or model directory; 'default' for SmolLM2")
     conv.add_argument("dst", help="output directory")
     conv.set_defaults(func=_convert)
+
+    sim = sub.add_parser(
+        "simulate",
+        help="the real scheduler in virtual time, priced by a cost model: capacity and policy "
+        "comparisons in seconds, no model",
+        description=simulate_cli.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    simulate_cli.add_simulate_arguments(sim)
+    sim.set_defaults(func=simulate_cli.run_simulate)
 
 
 def run_command(args: argparse.Namespace) -> int:

@@ -100,7 +100,7 @@ class EngineArgs:
     )
     step_costs_file: str | None = setting(
         None,
-        "a bench/buckets.py JSON report whose per-bucket step times seed the step-cost table "
+        "a bench.bucket_costs JSON report whose per-bucket step times seed the step-cost table "
         "that deadline admission and target_itl_ms price steps with (learned online either "
         "way)",
         default_text="measured at start-up when target_itl_ms is set, else learned online",
@@ -108,7 +108,7 @@ class EngineArgs:
     save_step_costs: str | None = setting(
         None,
         "at shutdown, write the step-cost table learned while serving to this JSON file, in "
-        "the format --step-costs-file and bench/simulate.py --bucket-report read: step costs "
+        "the format --step-costs-file and jserve simulate --bucket-report read: step costs "
         "measured under the real load, for the next start or for capacity simulation",
         default_text="not written",
     )

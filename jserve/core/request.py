@@ -28,7 +28,7 @@ class Request:
     `all_token_ids` is prompt + output; tokens before `num_computed_tokens` have their KV in
     `block_ids`. Token storage is `array("q")` (int64), not lists: arrays hold no object
     references, so the garbage collector never walks them (lists of tokens made each full
-    collection's cost grow with every live request's length; `python bench/scheduler.py`
+    collection's cost grow with every live request's length; `python -m bench.scheduler_cost`
     shows the p99 it costs). The last known token is computed in
     the step that samples the next one, so a decoding request has exactly one uncomputed token.
 

@@ -2,7 +2,7 @@
 adaptive token budget price steps with.
 
 Every step runs padded to a (tokens, seqs) bucket (jserve.core.buckets), so its time depends
-on the bucket, not on the exact batch. The table starts from a seed (a `bench/buckets.py`
+on the bucket, not on the exact batch. The table starts from a seed (a `bench.bucket_costs`
 report, or the engine's own warm timing at start-up) and each served step updates its
 bucket's entry by an exponential moving average, so the estimates follow the machine's actual
 load. A bucket never measured is priced from the nearest measured one, scaled by tokens.
@@ -126,8 +126,8 @@ class StepCosts:
 
 
 def learned_report(costs: StepCosts) -> dict:
-    """The table as the engine learned it while serving, in the shape of a bench/buckets.py
-    report (each bucket's time under "mixed"), so `--step-costs-file` and bench/simulate.py's
+    """The table as the engine learned it while serving, in the shape of a bench.bucket_costs
+    report (each bucket's time under "mixed"), so `--step-costs-file` and `jserve simulate`'s
     `--bucket-report` read it; "between_steps_ms" is the host time between two steps."""
     return {
         "source": "learned while serving",
@@ -140,7 +140,7 @@ def learned_report(costs: StepCosts) -> dict:
 
 
 def load_bucket_report(path: str) -> dict[tuple[int, int], float]:
-    """(tokens, seqs) -> seconds from a `bench/buckets.py` JSON report (its "mixed" steps:
+    """(tokens, seqs) -> seconds from a `bench.bucket_costs` JSON report (its "mixed" steps:
     decodes plus prefill chunks, what serving under load runs)."""
     try:
         report = json.loads(Path(path).read_text())
@@ -150,7 +150,7 @@ def load_bucket_report(path: str) -> dict[tuple[int, int], float]:
         }
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(
-            f"{path} is not a bench/buckets.py report with per-bucket 'mixed' step times: "
+            f"{path} is not a bench.bucket_costs report with per-bucket 'mixed' step times: "
             f"{type(exc).__name__}: {exc}"
         ) from None
 

@@ -38,6 +38,7 @@ from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine.output_processor import RequestState
 from jserve.engine.setup import build_engine_parts, measure_step_costs
+from jserve.engine.step_observer import ModelStep, StepObserver
 from jserve.errors import RequestRejected
 from jserve.kv_events.publisher import ZmqEventPublisher
 from jserve.kv_events.records import AllBlocksCleared
@@ -50,6 +51,7 @@ from jserve.runtime.compilation import (
     serving_compilation_count,
 )
 from jserve.runtime.sampling_tensors import SamplingRow
+from jserve.runtime.step_inputs import StepInputs
 from jserve.sampling_params import SamplingParams
 from jserve.structured.decoding import SequenceMatcher, StructuredDecoding
 from jserve.structured.grammar import GrammarError
@@ -108,6 +110,7 @@ class LLMEngine:
         # running decode's inter-token latency, which target_itl_ms prices.
         self._last_step_end: float | None = None
         self._kv_events: ZmqEventPublisher | None = None
+        self._step_observers: list[tuple[StepObserver, bool]] = []  # (observer, runner_time)
         if args.kv_events_endpoint:
             self._kv_events = ZmqEventPublisher(
                 args.kv_events_endpoint, args.kv_events_replay_endpoint
@@ -259,7 +262,11 @@ class LLMEngine:
             started = time.perf_counter()
             if self._last_step_end is not None:
                 costs.observe_between_steps(started - self._last_step_end)
-            logits = self.runner.run(self.inputs_builder.build(plan))
+            inputs = self.inputs_builder.build(plan)
+            if self._step_observers:
+                logits = self._run_observed(plan, inputs)
+            else:
+                logits = self.runner.run(inputs)
             sampled = self._sample(plan, logits, changed)
             # The sampler brought the tokens to the host: the step's device work is done.
             self._last_step_end = time.perf_counter()
@@ -272,6 +279,31 @@ class LLMEngine:
         if not self._states:
             self._last_step_end = None
         return outputs
+
+    def add_step_observer(self, observer: StepObserver, *, runner_time: bool = False) -> None:
+        """Call `observer` with a ModelStep once per model step (after the model ran, before
+        sampling), from the stepping thread. `runner_time` asks for the runner's time up to its
+        logits, which syncs each step there (jserve.engine.step_observer); with no observer a
+        step pays one `if` for them."""
+        self._step_observers.append((observer, runner_time))
+
+    def remove_step_observer(self, observer: StepObserver) -> None:
+        kept = [(o, timed) for o, timed in self._step_observers if o != observer]
+        if len(kept) == len(self._step_observers):
+            raise ValueError(f"{observer!r} is not a step observer of this engine")
+        self._step_observers = kept
+
+    def _run_observed(self, plan: StepPlan, inputs: StepInputs) -> jax.Array:
+        started = time.perf_counter()
+        logits = self.runner.run(inputs)
+        runner_s = None
+        if any(timed for _, timed in self._step_observers):
+            jax.block_until_ready(logits)
+            runner_s = time.perf_counter() - started
+        step = ModelStep.of(plan, inputs, runner_s)
+        for observer, _ in self._step_observers:
+            observer(step)
+        return logits
 
     def _sample(
         self, plan: StepPlan, logits: jax.Array, changed: dict

@@ -8,7 +8,7 @@ Two layouts of the same weight, chosen once per model by `choose_matmul_impl`:
   panels [L, ceil(N / 16), K, 16], and `native/packed_matmul_cpu.cc` streams the layer's panels
   where they lie, register-blocked over the step's rows. Measured on a 2-core AVX2/AVX-512 CPU
   against XLA's dot over SmolLM2's projections: faster at every step size up to 128 tokens
-  (about 1.5x at 1 to 32) and level at 512 (`bench/kernels.py`'s matmul rows).
+  (about 1.5x at 1 to 32) and level at 512 (`bench.kernel_timings`' matmul rows).
 Other backends and dtypes, sharded models and machines where the kernel cannot be built use
 "xla".
 """

@@ -3,8 +3,8 @@
 cpu -> ragged_native (a native C++ kernel, decode and prefill rows alike) for float32 where the
 kernel builds, else the plain-XLA loops of ragged_xla (Pallas only interprets on CPU; the
 interpret kernel stays for checking the kernel's semantics in tests). gpu -> the Triton kernel,
-tpu -> the Mosaic kernel; any other backend -> the jnp reference. bench/kernels.py times them
-side by side.
+tpu -> the Mosaic kernel; any other backend -> the jnp reference. bench.kernel_timings times
+them side by side.
 """
 
 from __future__ import annotations

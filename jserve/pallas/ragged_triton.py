@@ -35,7 +35,7 @@ from jserve.pallas.ragged_common import (
 )
 
 # Untuned: 32-row query tiles, 64-token KV chunks, 8 KV splits have not been timed on a GPU yet
-# (bench/RESULTS.md, "Kernels", says what has run where; `python bench/kernels.py` on a CUDA
+# (bench/RESULTS.md, "Kernels", says what has run where; `python -m bench.kernel_timings` on a CUDA
 # machine times them against a device-to-device copy).
 DEFAULT_ROWS = 32
 DEFAULT_CHUNK_TOKENS = 64

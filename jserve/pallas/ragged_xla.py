@@ -16,7 +16,7 @@ them into one copy that stays in cache, then two head-batched dots and an online
 dynamic update per group; rows no sequence owns stay exactly 0.
 
 Why not one big gather per step: materializing every sequence's K/V up to a shared bound
-(bench/kernels.py measured the jnp reference, which gathers whole block tables) writes as many
+(bench.kernel_timings measured the jnp reference, which gathers whole block tables) writes as many
 bytes as it reads and loses to reading each page straight into a cache-sized chunk.
 """
 

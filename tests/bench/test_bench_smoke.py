@@ -9,28 +9,23 @@ from __future__ import annotations
 import json
 import shutil
 import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-from serve import SMOKE_ARGS
-from workloads import LengthDist
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+from bench.workloads import SERVE_SMOKE
+from jserve.simulate.workload import LengthDist
+from tests.bench.conftest import run_bench
 
 
-def run_script(script: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(BENCH_DIR / script), *args, "--no-progress"],
-        capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
+def run_script(module: str, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return run_bench(module, *args, "--no-progress", timeout=timeout)
 
 
 def test_serve_smoke_measures_exactly_the_workload(mock_server, tmp_path):
     slo = ["--slo-ttft", "10000", "--slo-tpot", "10000"]
     result = run_script(
-        "serve.py", "--base-url", mock_server.base_url, "--smoke", "--out", str(tmp_path), *slo
+        "serve", "--base-url", mock_server.base_url, "--smoke", "--out", str(tmp_path), *slo
     )
     assert result.returncode == 0, result.stderr
     assert "Output token throughput" in result.stdout
@@ -38,8 +33,8 @@ def test_serve_smoke_measures_exactly_the_workload(mock_server, tmp_path):
     summary, rows = report["summary"], report["requests"]
 
     rng = np.random.default_rng(0)  # build_workload draws prompt lengths, then output lengths
-    prompt_lens = LengthDist.parse(SMOKE_ARGS["prompt_len"]).sample(rng, 8)
-    output_lens = LengthDist.parse(SMOKE_ARGS["output_len"]).sample(rng, 8)
+    prompt_lens = LengthDist.parse(SERVE_SMOKE["prompt_len"]).sample(rng, 8)
+    output_lens = LengthDist.parse(SERVE_SMOKE["output_len"]).sample(rng, 8)
     assert [r["prompt_tokens"] for r in rows] == prompt_lens
     assert [r["output_tokens"] for r in rows] == output_lens
     assert report["workload"]["exact_token_lengths"] is True
@@ -63,7 +58,7 @@ def test_serve_counts_refused_requests_instead_of_crashing(mock_server, tmp_path
     lines = [{"prompt": "hello there", "max_tokens": 5},
              {"prompt": "far too long for the mock", "max_tokens": 10_000}]  # fmt: skip
     dataset.write_text("\n".join(json.dumps(line) for line in lines) + "\n")
-    result = run_script("serve.py", "--base-url", mock_server.base_url,
+    result = run_script("serve", "--base-url", mock_server.base_url,
                         "--dataset", str(dataset), "--out", str(tmp_path))  # fmt: skip
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "serve.json").read_text())["summary"]
@@ -73,13 +68,13 @@ def test_serve_counts_refused_requests_instead_of_crashing(mock_server, tmp_path
 
 
 def test_serve_reports_an_unreachable_server(tmp_path):
-    result = run_script("serve.py", "--base-url", "http://127.0.0.1:9", "--smoke", timeout=60)
+    result = run_script("serve", "--base-url", "http://127.0.0.1:9", "--smoke", timeout=60)
     assert result.returncode == 2
-    assert "serve.py: error:" in result.stderr and "Traceback" not in result.stderr
+    assert "bench.serve: error:" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_compare_smoke_runs_every_preset_and_the_load_curve(tmp_path):
-    result = run_script("compare.py", "all", "--smoke", "--out", str(tmp_path), timeout=180)
+    result = run_script("serve_compare", "all", "--smoke", "--out", str(tmp_path), timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for preset in ("static-vs-continuous", "prefix-cache", "chunked-prefill"):
         report = json.loads((tmp_path / f"serve_{preset}.json").read_text())
@@ -107,7 +102,7 @@ def test_compare_smoke_runs_every_preset_and_the_load_curve(tmp_path):
     reason="the routers are not installed (jserve[fleet])",
 )
 def test_router_smoke_runs_every_policy_and_a_fault_that_nothing_hangs_on(tmp_path):
-    result = run_script("compare.py", "router", "--smoke", "--out", str(tmp_path), timeout=180)
+    result = run_script("serve_compare", "router", "--smoke", "--out", str(tmp_path), timeout=180)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads((tmp_path / "serve_router.json").read_text())
     assert report["policies"] == ["round_robin", "cache_aware", "kv_aware"]

@@ -1,15 +1,11 @@
-"""bench/decode_step.py: its matmul-only stack holds the model's own projections (roofline's
+"""bench.decode_step: its matmul-only stack holds the model's own projections (bench.roofline's
 `projection_shapes`), and its report adds up."""
 
 from __future__ import annotations
 
 import re
 
-import gguf
-from roofline import projection_shapes
-
-from jserve.loaders.gguf_file import config_from_gguf
-from jserve.loaders.model_source import default_model_path
+from bench.roofline import projection_shapes
 
 FUSED = {
     "wqkv": ("attn_q", "attn_k", "attn_v"),
@@ -19,9 +15,8 @@ FUSED = {
 }
 
 
-def test_stack_shapes_are_the_gguf_layer_weights_fused():
-    reader = gguf.GGUFReader(default_model_path())
-    config = config_from_gguf(reader, "SmolLM2")
+def test_stack_shapes_are_the_gguf_layer_weights_fused(smollm2):
+    reader, config = smollm2
     elements = {t.name.split(".")[2]: int(t.n_elements) for t in reader.tensors
                 if t.name.startswith("blk.0.")}  # fmt: skip
     for name, (k, n) in projection_shapes(config).items():
@@ -29,22 +24,31 @@ def test_stack_shapes_are_the_gguf_layer_weights_fused():
     assert projection_shapes(config)["wqkv"][0] == config.hidden_size
 
 
-def test_smoke_report_adds_up(smoke_report):
-    report, result = smoke_report("decode_step.py", "--rounds", "2")
+def test_smoke_report_adds_up_and_its_profile_accounts_for_the_wall_time(smoke_report):
+    # One run (one engine build) for both: the alternated rounds and the profile.
+    report, result = smoke_report("decode_step", "--rounds", "2", "--profile")
     assert len(report["step_ms"]) == len(report["stack_ms"]) == 2
     assert all(ms > 0 for ms in report["step_ms"] + report["stack_ms"])
     share = report["median_stack_ms"] / report["median_step_ms"]
     assert abs(report["share_of_matmul_rate"] - share) < 1e-12
-    low, high = report["share_range"]
-    assert low <= high
+    shares = [b / a for a, b in zip(report["step_ms"], report["stack_ms"], strict=True)]
+    assert report["share_range"] == [min(shares), max(shares)]
+    assert report["ab"]["ratio"]["ratios"] == shares and report["ab"]["pairs"] == 2
+    assert set(report["loadavg_1min"]) == {"before", "after"}
     assert "runs at" in result.stdout
+
+    profile = report["profile_ms"]
+    assert profile["matmuls"] > 0 and profile["attention"] > 0
+    ops = sum(profile[row] for row in ("matmuls", "attention", "gathers and scatters"))
+    assert ops + profile["other XLA ops"] <= 1.05 * profile["wall"]
+    assert "| attention |" in result.stdout
 
 
 def test_op_rows_sort_a_real_module():
     import jax
     import jax.numpy as jnp
-    from decode_step import op_rows
 
+    from bench.decode_step import op_rows
     from jserve.pallas.layer_matmul import choose_matmul_impl, layer_matmul, pack_layer_weight
 
     impl = choose_matmul_impl(dtype=jnp.float32)
@@ -68,12 +72,3 @@ def test_op_rows_sort_a_real_module():
     if impl == "native":
         calls = [name for name, op in opcodes.items() if op == "custom-call"]
         assert calls and all(rows[name] == "matmuls" for name in calls)
-
-
-def test_smoke_profile_accounts_for_the_wall_time(smoke_report):
-    report, result = smoke_report("decode_step.py", "--rounds", "1", "--profile")
-    profile = report["profile_ms"]
-    assert profile["matmuls"] > 0 and profile["attention"] > 0
-    ops = sum(profile[row] for row in ("matmuls", "attention", "gathers and scatters"))
-    assert ops + profile["other XLA ops"] <= 1.05 * profile["wall"]
-    assert "| attention |" in result.stdout

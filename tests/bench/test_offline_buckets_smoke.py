@@ -1,4 +1,4 @@
-"""bench/offline.py and bench/buckets.py run end to end on the real model in their smoke modes.
+"""bench.offline and bench.bucket_costs run end to end on the real model in their smoke modes.
 
 The reports must add up: every request gets exactly the output tokens the workload asked for,
 the dense decode loop reproduces the engine's greedy tokens, and the padding figures agree with
@@ -8,28 +8,21 @@ the tokens the workload fed to the model.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
 from jserve.core.buckets import make_seq_buckets, make_token_buckets, step_buckets
+from tests.bench.conftest import run_bench
 
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
-
-def run_smoke(script: str, *args: str) -> None:
-    result = subprocess.run(
-        [sys.executable, str(BENCH_DIR / script), "--smoke", *args],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+def run_smoke(module: str, *args: str) -> None:
+    result = run_bench(module, "--smoke", *args, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 
 def test_offline_smoke_reports_both_policies_and_decode_rates(tmp_path):
     out = tmp_path / "offline.json"
-    run_smoke("offline.py", "--json", str(out))
+    run_smoke("offline", "--json", str(out))
     report = json.loads(out.read_text())
     workload = report["workload"]
     assert len(workload["prompt_lens"]) == len(workload["output_lens"]) == 8
@@ -55,11 +48,14 @@ def test_offline_smoke_reports_both_policies_and_decode_rates(tmp_path):
             rate = row[side]
             assert rate["steps"] == 3
             assert rate["tok_per_s"] == pytest.approx(1e3 * row["batch"] / rate["step_ms"])
+        ratio = row["dense_over_engine"]  # each alternated pair's engine step / dense step
+        assert ratio["n"] == ratio["of"] == 3
+        assert ratio["min"] <= ratio["median"] <= ratio["max"]
 
 
 def test_buckets_smoke_times_every_bucket_and_counts_padding(tmp_path):
     prefix = tmp_path / "buckets_smoke"
-    run_smoke("buckets.py", "--out", str(prefix))
+    run_smoke("bucket_costs", "--out", str(prefix))
     report = json.loads(prefix.with_suffix(".json").read_text())
     assert report["compile"]["fresh_cache"] is True
     # The smoke engine: 4 sequences, 16 tokens per step; token buckets start at 1.

@@ -1,22 +1,17 @@
-"""bench/peer.py's jserve-only smoke mode: every workload generates exactly what it asked for."""
+"""bench.peer_compare's jserve-only smoke mode: every workload generates exactly what it asked
+for."""
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-from peer import FIRST_TEXT_ID, VOCAB_SIZE, rounds_table
-
-BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
+from bench.peer_compare import rounds_table
+from bench.workloads import FIRST_TEXT_ID, VOCAB_SIZE
+from tests.bench.conftest import run_bench
 
 
 def test_peer_smoke_runs_every_workload_exactly(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(BENCH_DIR / "peer.py"), "--smoke", "--out", str(tmp_path)],
-        capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-    )  # fmt: skip
+    result = run_bench("peer_compare", "--smoke", "--out", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     runs = json.loads((tmp_path / "peer_jserve.json").read_text())["runs"]
     assert [r["workload"] for r in runs] == ["random", "shared-prefix", "batch-1"]
@@ -54,5 +49,7 @@ def test_rounds_table_gives_each_rounds_ratio_and_their_median():
     random, batch = lines[2].split(" | "), lines[3].split(" | ")
     assert random[0] == "| random" and random[1] == "1.20, 0.90, 1.25"
     assert random[2] == "**1.20x** (3 of 3)"  # the median, not the mean
-    assert random[3:] == ["50.00, 50.00, 40.00", "60.00, 45.00, 50.00 |"]
+    assert random[3] == "0.90 / 1.25"  # min / max
+    assert random[4:] == ["50.00, 50.00, 40.00", "60.00, 45.00, 50.00 |"]
     assert batch[1] == "1.33, 1.10" and batch[2] == "**1.22x** (2 of 3)"  # a loud round left out
+    assert batch[3] == "1.10 / 1.33"

@@ -1,22 +1,13 @@
-"""bench/roofline.py: its counts against the model file and against closed forms of a workload."""
+"""bench.roofline: its counts against the model file and against closed forms of a workload."""
 
 from __future__ import annotations
 
-import gguf
 import pytest
-from peer import make_workloads
-from roofline import projection_flops_per_token, roofline_table, step_cost
 
-from jserve.loaders.gguf_file import config_from_gguf
-from jserve.loaders.model_source import default_model_path
+from bench.roofline import projection_flops_per_token, roofline_table, step_cost
+from bench.workloads import peer_workloads
 
 PROJECTIONS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    reader = gguf.GGUFReader(default_model_path())
-    return reader, config_from_gguf(reader, "SmolLM2")
 
 
 def test_projection_flops_are_twice_the_gguf_layer_weights(smollm2):
@@ -61,8 +52,8 @@ def test_table_floor_is_the_slower_of_compute_and_memory(smollm2):
 
 
 def test_smoke_counts_add_up_to_the_requests_closed_forms(smoke_report):
-    report, result = smoke_report("roofline.py", "--workload", "batch-1")
-    (request,) = next(w for w in make_workloads(True) if w["name"] == "batch-1")["requests"]
+    report, result = smoke_report("roofline", "--workload", "batch-1")
+    (request,) = next(w for w in peer_workloads(True) if w["name"] == "batch-1")["requests"]
     prompt, outputs = len(request["prompt_token_ids"]), request["max_tokens"]
     fed = prompt + outputs - 1  # the last output token is never fed back
     steps = report["steps"]

@@ -1,4 +1,5 @@
-"""The serving benchmark's arithmetic on hand-made inputs: lengths, arrivals, stats, knee, gain."""
+"""The benchmarks' arithmetic on hand-made inputs: arrivals, knee, gain, JSON, Prometheus text,
+CPU seconds, token shares; the report writer's tables and the A/B driver's alternation."""
 
 from __future__ import annotations
 
@@ -8,31 +9,15 @@ import time
 
 import numpy as np
 import pytest
-from compare import gain, shares_while_all_wait
-from load_curve import find_knee, parse_rates
-from serve import to_json
-from serve_client import RequestRecord, send_times
-from serve_metrics import summarize
-from server_stats import parse_cumulative, process_tree_cpu_seconds, run_stats
-from workloads import LengthDist, RequestSpec
 
-
-@pytest.mark.parametrize(
-    "text", ["0", "uniform:5:4", "uniform:0:4", "lognormal:64", "lognormal:0:1", "normal:1:2", "x"]
-)
-def test_bad_length_distributions_are_refused(text):
-    with pytest.raises(ValueError, match="bad length distribution"):
-        LengthDist.parse(text)
-
-
-def test_length_samples_stay_in_bounds():
-    rng = np.random.default_rng(1)
-    assert LengthDist.parse("7").sample(rng, 3) == [7, 7, 7]
-    uniform = LengthDist.parse("uniform:3:5").sample(rng, 500)
-    assert set(uniform) == {3, 4, 5}
-    lognormal = LengthDist.parse("lognormal:40:1.5:100").sample(rng, 2000)
-    assert min(lognormal) >= 1 and max(lognormal) == 100  # the cap is hit with sigma 1.5
-    assert 30 <= float(np.median(lognormal)) <= 50
+from bench.ab_driver import alternate, describe, ratio_stats
+from bench.load_curve import find_knee, parse_rates
+from bench.report_writer import markdown_table, text_table, to_json
+from bench.serve_client import send_times
+from bench.serve_compare import gain, shares_while_all_wait
+from bench.server_stats import parse_cumulative, process_tree_cpu_seconds, run_stats
+from bench.workloads import RequestSpec
+from jserve.simulate.metrics import RequestRecord
 
 
 def test_send_times_poisson_rate_and_fixed_arrivals():
@@ -43,34 +28,6 @@ def test_send_times_poisson_rate_and_fixed_arrivals():
     assert send_times(specs[:3], rate=float("inf"), seed=0) == [0.0, 0.0, 0.0]
     fixed = [RequestSpec("p", 1, arrival_s=2.5), RequestSpec("p", 1)]
     assert send_times(fixed, rate=float("inf"), seed=0) == [2.5, 0.0]
-
-
-def record(index, start, chunk_times, *, output_tokens=None, error=""):
-    r = RequestRecord(index, "all", len(chunk_times), success=not error, error=error, start=start)
-    if not error:
-        r.chunk_times, r.chunk_tokens = chunk_times, [1] * len(chunk_times)
-        r.ttft, r.e2e = chunk_times[0] - start, chunk_times[-1] - start
-        r.prompt_tokens, r.output_tokens = 10, output_tokens or len(chunk_times)
-    return r
-
-
-def test_summary_figures_by_hand():
-    records = [
-        record(0, 0.0, [0.1, 0.2, 0.3]),  # TTFT 100 ms, TPOT 100 ms, ITL 100, 100
-        record(1, 1.0, [1.5, 1.6, 1.9]),  # TTFT 500 ms, TPOT 200 ms, ITL 100, 300
-        record(2, 2.0, [], error="HTTP 400: too long"),
-    ]
-    s = summarize(records, duration=2.0, slo_ttft_ms=200, slo_tpot_ms=150)
-    assert (s["completed"], s["failed"], s["failure_reasons"]) == (2, 1, {"HTTP 400": 1})
-    assert (s["prompt_tokens"], s["output_tokens"]) == (20, 6)
-    assert s["request_throughput"] == 1.0 and s["output_throughput"] == 3.0
-    assert s["total_token_throughput"] == 13.0
-    assert s["ttft_ms"]["mean"] == pytest.approx(300) and s["ttft_ms"]["max"] == pytest.approx(500)
-    assert s["tpot_ms"]["p50"] == pytest.approx(150)
-    assert s["itl_ms"]["p50"] == pytest.approx(100) and s["itl_ms"]["max"] == pytest.approx(300)
-    assert s["e2e_ms"]["mean"] == pytest.approx(600)
-    assert s["goodput"] == 0.5 and s["goodput_fraction"] == pytest.approx(1 / 3)  # only #0
-    assert summarize(records[2:], 1.0)["ttft_ms"]["p99"] is None
 
 
 def test_knee_is_the_highest_rate_within_twice_the_lowest_p99_ttft():
@@ -162,3 +119,46 @@ def test_token_shares_count_only_while_every_group_waits():
     shares = shares_while_all_wait(records)
     assert shares == pytest.approx({"A": 12 / 17, "B": 5 / 17})
     assert shares_while_all_wait(records[:2]) is None  # one group
+
+
+def test_markdown_and_text_tables_lay_out_the_cells_they_are_given():
+    table = markdown_table(["case", "ms"], [["decode", "1.50"], ["prefill", "12.00"]], "lr")
+    assert table.splitlines() == ["| case | ms |", "|---|---:|", "| decode | 1.50 |",
+                                  "| prefill | 12.00 |"]  # fmt: skip
+    with pytest.raises(ValueError, match="2 columns"):
+        markdown_table(["case", "ms"], [["decode"]])
+    text = text_table([["metric", "a"], ["TTFT p50 (ms)", "9.5"]], align="lr", rule=True)
+    assert text.splitlines() == ["metric           a", "-------------  ---",
+                                 "TTFT p50 (ms)  9.5"]  # fmt: skip
+
+
+def test_the_ab_driver_alternates_pair_by_pair_and_reports_each_pairs_ratio():
+    calls = []
+
+    def side(name: str, values: list[float]):
+        return lambda: calls.append(name) or values[sum(c == name for c in calls) - 1]
+
+    run = alternate(side("A", [2.0, 4.0, 3.0]), side("B", [1.0, 1.0, 2.0]), 3)
+    assert calls == ["A", "B"] * 3 and run.a == [2.0, 4.0, 3.0] and run.b == [1.0, 1.0, 2.0]
+    summary = run.summary(lambda a, b: a / b)
+    assert summary["ratio"] == {"ratios": [2.0, 4.0, 1.5], "n": 3, "of": 3, "min": 1.5,
+                                "median": 2.0, "max": 4.0}  # fmt: skip
+    assert summary["pairs"] == 3 and summary["order"] == "AB"
+    assert set(summary["loadavg_1min"]) == {"before", "after"}
+    calls.clear()
+    alternate(side("A", [1.0] * 4), side("B", [1.0] * 4), 4, abba=True)
+    assert calls == ["A", "B", "B", "A", "A", "B", "B", "A"]
+    left = [3]  # a predicate: pairs while work is left
+    run = alternate(lambda: left.__setitem__(0, left[0] - 1), lambda: None, lambda: left[0] > 0)
+    assert len(run.a) == 3
+    with pytest.raises(ValueError, match="at least one pair"):
+        alternate(lambda: 1, lambda: 1, 0)
+
+
+def test_ratio_stats_leave_out_pairs_without_a_ratio():
+    stats = ratio_stats([1.2, None, 0.9, 1.25])
+    assert (stats["n"], stats["of"], stats["min"], stats["median"], stats["max"]) == (
+        3, 4, 0.9, 1.2, 1.25,
+    )  # fmt: skip
+    assert describe(stats) == "1.20x (0.90-1.25, 3 of 4 pairs)"
+    assert describe(ratio_stats([None])) == "- (0 of 1 pairs)"

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "scheduler.py"
+ROOT = Path(__file__).resolve().parents[2]
 _NUMBER = r"([0-9.]+)"
 _RESULT = re.compile(
     rf"(\d+) running decodes, (\d+) waiting: p50 {_NUMBER} ms  p90 {_NUMBER} ms  p99 {_NUMBER} ms "
@@ -18,8 +18,9 @@ _STATE = re.compile(r"state after: running=(\d+) waiting=(\d+) kv_usage=([0-9.]+
 
 def test_scheduler_bench_smoke():
     result = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke"], capture_output=True, text=True, timeout=120
-    )
+        [sys.executable, "-m", "bench.scheduler_cost", "--smoke"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
     assert result.returncode == 0, result.stderr
     states = [tuple(map(float, m.groups())) for m in _STATE.finditer(result.stdout)]
     results = [tuple(map(float, m.groups())) for m in _RESULT.finditer(result.stdout)]

@@ -196,7 +196,7 @@ def test_bucket_reports_load_and_bad_ones_say_why(tmp_path):
     path.write_text(json.dumps({"buckets": [{"T": 8, "S": 8, "mixed": {"step_ms": 120.0}}]}))
     assert load_bucket_report(str(path)) == {(8, 8): 0.12}
     path.write_text(json.dumps({"buckets": [{"T": 8}]}))
-    with pytest.raises(ValueError, match=r"not a bench/buckets\.py report"):
+    with pytest.raises(ValueError, match=r"not a bench\.bucket_costs report"):
         load_bucket_report(str(path))
 
 

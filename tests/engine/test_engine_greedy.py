@@ -2,10 +2,14 @@
 
 With max_num_seqs=8, a 64-token step and a 48-block pool, 16 prompts of 5 to ~400 tokens go
 through chunked prefill and preemption; every request's tokens must still equal transformers'
-greedy continuation of that prompt alone.
+greedy continuation of that prompt alone. The same engine's step observers see every model
+step with the sizes the scheduler planned, and sync a step only when one asks for its time.
 """
 
 from __future__ import annotations
+
+import jax
+import pytest
 
 from jserve.sampling_params import SamplingParams
 from tests.engine.conftest import assert_no_blocks_held, run_to_completion
@@ -61,4 +65,67 @@ def test_batched_greedy_matches_transformers(tight_engine, hf_default_model):
         expected = hf_greedy(hf_default_model, ids, NUM_TOKENS)
         got = final[f"g{i}"].outputs[0].token_ids
         assert got == expected, f"prompt {i} ({len(ids)} tokens)"
+    assert_no_blocks_held(engine)
+
+
+def _planned_sizes(engine, monkeypatch) -> list[tuple]:
+    """Wrap the scheduler: each non-empty plan's (tokens, seqs, decodes, q lens, kv lens)."""
+    planned, schedule = [], engine.scheduler.schedule
+
+    def recording_schedule(*args, **kwargs):
+        plan = schedule(*args, **kwargs)
+        if not plan.is_empty:
+            q = [len(seq.token_ids) for seq in plan.seqs]
+            kv = [seq.start_pos + n for seq, n in zip(plan.seqs, q, strict=True)]
+            planned.append((plan.num_batched_tokens, len(plan.seqs), plan.num_decodes, q, kv))
+        return plan
+
+    monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
+    return planned
+
+
+def test_step_observers_see_every_model_step_and_sync_only_when_asked(tight_engine, monkeypatch):
+    engine = tight_engine
+    syncs = []
+    block_until_ready = jax.block_until_ready
+    monkeypatch.setattr(jax, "block_until_ready", lambda x: syncs.append(1) or block_until_ready(x))
+    planned = _planned_sizes(engine, monkeypatch)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    prompt_lens = (5, 70, 150)  # within one 64-token step, over two, over three
+
+    def generate(first_id: int) -> list:
+        """Distinct prompts each run (no prefix hits); the plans of the run's steps."""
+        before = len(planned)
+        for k, n in enumerate(prompt_lens):
+            ids = list(range(first_id + 200 * k, first_id + 200 * k + n))
+            engine.add_request(f"p{first_id}-{n}", {"prompt_token_ids": ids}, params)
+        run_to_completion(engine)
+        return planned[before:]
+
+    assert generate(1000) and not syncs  # no observer: no sync besides the engine's own
+    untimed, timed = [], []
+    engine.add_step_observer(untimed.append)
+    second = generate(2000)
+    assert len(untimed) == len(second) and not syncs
+    engine.add_step_observer(timed.append, runner_time=True)
+    third = generate(3000)
+    assert len(syncs) == len(timed) == len(third)  # one sync a step, for both observers
+    assert all(a is b for a, b in zip(untimed[len(second) :], timed, strict=True))
+    engine.remove_step_observer(timed.append)
+    engine.remove_step_observer(untimed.append)
+    with pytest.raises(ValueError, match="not a step observer"):
+        engine.remove_step_observer(untimed.append)
+    generate(4000)
+    assert len(untimed) == len(second) + len(third) and len(syncs) == len(third)
+
+    for step, (tokens, seqs, decodes, q, kv) in zip(untimed, second + third, strict=True):
+        assert (step.num_tokens, step.num_seqs, step.num_decodes) == (tokens, seqs, decodes)
+        assert step.q_lens.tolist() == q and step.kv_lens.tolist() == kv
+        assert step.token_bucket in engine.inputs_builder.token_buckets
+        assert step.token_bucket >= tokens and step.seq_bucket >= seqs
+    assert all(step.runner_s is None for step in untimed[: len(second)])
+    assert all(step.runner_s > 0 for step in timed)
+    # Every prompt token and every fed-back output token (all but each last) once.
+    fed = sum(prompt_lens) + len(prompt_lens) * (params.max_tokens - 1)
+    assert sum(int(step.q_lens.sum()) for step in timed) == fed
     assert_no_blocks_held(engine)

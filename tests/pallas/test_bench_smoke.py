@@ -7,16 +7,17 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels.py"
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_kernel_bench_smoke(tmp_path):
     out_json = tmp_path / "kernels.json"
     result = subprocess.run(
-        [sys.executable, str(BENCH), "--smoke", "--json", str(out_json)],
+        [sys.executable, "-m", "bench.kernel_timings", "--smoke", "--json", str(out_json)],
         capture_output=True,
         text=True,
         timeout=300,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
     assert "| case | impl | tokens | median ms | CPU ms | MB moved | GB/s |" in result.stdout

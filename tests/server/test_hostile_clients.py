@@ -187,7 +187,7 @@ class _BodyArriving:
 async def test_a_client_leaving_as_its_body_arrives_still_cancels_the_handler(turns):
     # A cancel (the client left) landing in the loop turn where the read completes was
     # swallowed by asyncio.wait_for on Python 3.11: the abandoned request then ran to its end,
-    # holding KV blocks for nobody (seen once in bench/adversarial.py's disconnect storm).
+    # holding KV blocks for nobody (seen once in bench.adversarial_phases' disconnect storm).
     task = asyncio.create_task(read_body(_BodyArriving()))
     for _ in range(turns):
         await asyncio.sleep(0)
@@ -198,7 +198,7 @@ async def test_a_client_leaving_as_its_body_arrives_still_cancels_the_handler(tu
 
 async def test_an_idle_keepalive_connection_outlives_the_header_timeout():
     # Closing idle connections at the header timeout lost requests of clients that reused a
-    # pooled connection just as it closed (30 of a 200-request burst in bench/adversarial.py).
+    # pooled connection just as it closed (30 of a 200-request burst in bench.adversarial_phases).
     get = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
     async with serve_guarded(MockEngine(), header_timeout=0.3, keepalive_timeout=5) as address:
         reader, writer = await asyncio.open_connection(*address)

@@ -7,9 +7,9 @@ median of several runs. "Bytes" is what attention must move at least: the live K
 plus q and the output; bandwidth = bytes / median time. On CUDA a device-to-device copy is
 timed in the same run and bandwidth is also given as a fraction of it.
 
-    python bench/kernels.py                 # full run, markdown table on stdout
-    python bench/kernels.py --json out.json # also write the figures as JSON
-    python bench/kernels.py --smoke         # tiny shapes, seconds (CI)
+    python -m bench.kernel_timings                 # full run, markdown table on stdout
+    python -m bench.kernel_timings --json out.json # also write the figures as JSON
+    python -m bench.kernel_timings --smoke         # tiny shapes, seconds (CI)
 
 It also times the layers' projections (`layer_matmul`, each implementation on the weight laid
 out as it reads it) on SmolLM2's four weight shapes at 1 to 512 tokens, stacked over 30 layers
@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import statistics
 import time
 from pathlib import Path
@@ -32,6 +31,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bench.report_writer import markdown_table, write_json
 from jserve.pallas import choose_impl, kv_cache_shape, ragged_paged_attention
 from jserve.pallas.layer_matmul import MATMUL_IMPLS, layer_matmul, pack_layer_weight
 
@@ -205,23 +205,19 @@ def run_matmuls(
 
 
 def markdown(rows: list[dict], copy_gbps: float | None) -> str:
-    head = "| case | impl | tokens | median ms | CPU ms | MB moved | GB/s |"
-    sep = "|---|---|---:|---:|---:|---:|---:|"
+    header = ["case", "impl", "tokens", "median ms", "CPU ms", "MB moved", "GB/s"]
+    cells = [
+        [r["case"], r["impl"], str(r["tokens"]), f"{r['ms']:.2f}", f"{r['cpu_ms']:.2f}",
+         f"{r['mbytes']:.1f}", f"{r['gbps']:.1f}"]
+        + ([f"{r['gbps'] / copy_gbps:.0%}"] if copy_gbps else [])
+        for r in rows
+    ]  # fmt: skip
     if copy_gbps:
-        head += " of copy BW |"
-        sep += "---:|"
-    lines = [head, sep]
-    for r in rows:
-        line = (
-            f"| {r['case']} | {r['impl']} | {r['tokens']} | {r['ms']:.2f} | {r['cpu_ms']:.2f} | "
-            f"{r['mbytes']:.1f} | {r['gbps']:.1f} |"
-        )
-        if copy_gbps:
-            line += f" {r['gbps'] / copy_gbps:.0%} |"
-        lines.append(line)
+        header.append("of copy BW")
+    table = markdown_table(header, cells, align="llrrrrr" + "r" * bool(copy_gbps))
     if copy_gbps:
-        lines.append(f"\nDevice-to-device copy: {copy_gbps:.0f} GB/s (read + write).")
-    return "\n".join(lines)
+        table += f"\n\nDevice-to-device copy: {copy_gbps:.0f} GB/s (read + write)."
+    return table
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -255,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
     print(markdown(rows, copy_gbps))
     if args.json:
         payload = dict(backend=backend, dtype=args.dtype, copy_gbps=copy_gbps, rows=rows)
-        args.json.write_text(json.dumps(payload, indent=2))
+        write_json(args.json, payload)
 
 
 if __name__ == "__main__":

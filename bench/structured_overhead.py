@@ -1,29 +1,32 @@
 """Structured outputs: a JSON-schema workload constrained vs the same workload unconstrained.
 
-One engine runs both, in ABBA order (constrained, free, free, constrained) so that drift in
-machine load hits both alike. The free run is the same prompts and the same sampling, with each
-request's max_tokens set to the length its constrained output had and EOS ignored, so both
-runs generate exactly the same number of tokens and only the grammar differs. Reported:
-output tokens/s of each and their ratio (goal >= 0.85; also per CPU second of this process,
-which other load moves less), host time per step in the grammar engine (matcher sync, bitmask
-fill, token consume), and the share of constrained outputs that parse and validate against
-their schema (goal 100%). Any compile during the runs fails it.
+One engine runs both, in ABBA order (constrained, free, free, constrained; bench.ab_driver) so
+that drift in machine load hits both alike. The free run is the same prompts and the same
+sampling, with each request's max_tokens set to the length its constrained output had and EOS
+ignored, so both runs generate exactly the same number of tokens and only the grammar differs.
+Reported: output tokens/s of each and their ratio (goal >= 0.85; also per CPU second of this
+process, which other load moves less, and each pair's ratio: min, median, max), host time per
+step in the grammar engine (matcher sync, bitmask fill, token consume), and the share of
+constrained outputs that parse and validate against their schema (goal 100%). Any compile
+during the runs fails it.
 
-    python bench/structured.py                      # 64 requests, about 2-4 minutes
-    python bench/structured.py --requests 8 --json out.json
+    python -m bench.structured_overhead                      # 64 requests, about 2-4 minutes
+    python -m bench.structured_overhead --requests 8 --json out.json
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
-import os
 import statistics
 import sys
 import time
 
 import jsonschema
 
+from bench.ab_driver import Alternation, alternate, describe
+from bench.report_writer import write_json
 from jserve.config.engine_args import EngineArgs
 from jserve.engine.llm_engine import LLMEngine
 from jserve.loaders.model_source import load_model
@@ -130,52 +133,49 @@ def valid(text: str, schema: dict) -> bool:
     return True
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--json", help="write the figures here")
-    args = parser.parse_args()
-    load0 = os.getloadavg()[0]
-    loaded = load_model(None)
-    t0 = time.perf_counter()
-    engine = LLMEngine(EngineArgs(**ENGINE), loaded=loaded)
-    print(f"engine built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-    reqs = requests(engine.tokenizer, args.requests)
-    constrained = [(rid, ids, params) for rid, ids, params, _ in reqs]
-    warm = run(engine, [(f"warm-{r}", i, p) for r, i, p in constrained[:4]])  # grammar cache
-    del warm
-    first = run(engine, [(f"c1-{r}", i, p) for r, i, p in constrained])
-    lengths = {rid[3:]: len(o.token_ids) for rid, o in first["outputs"].items()}
+def abba(engine: LLMEngine, constrained: list) -> Alternation:
+    """Constrained, free, free, constrained; the free runs ask for the lengths the first
+    constrained run produced. Request ids are the run's tag ("c1-", "u1-", ...) and the id."""
+    lengths: dict[str, int] = {}
+    c_tags, u_tags = itertools.count(1), itertools.count(1)
 
-    def free(tag: str) -> list:
-        return [
+    def constrained_run() -> dict:
+        tag = f"c{next(c_tags)}"
+        result = run(engine, [(f"{tag}-{r}", i, p) for r, i, p in constrained])
+        if not lengths:
+            lengths.update({rid[3:]: len(o.token_ids) for rid, o in result["outputs"].items()})
+        return result
+
+    def free_run() -> dict:
+        tag = f"u{next(u_tags)}"
+        return run(engine, [
             (f"{tag}-{rid}", ids, SamplingParams(
                 temperature=params.temperature, seed=params.seed, max_tokens=lengths[rid],
                 ignore_eos=True,
             ))
             for rid, ids, params in constrained
-        ]  # fmt: skip
+        ])  # fmt: skip
 
-    free1, free2 = run(engine, free("u1")), run(engine, free("u2"))
-    second = run(engine, [(f"c2-{r}", i, p) for r, i, p in constrained])
+    return alternate(constrained_run, free_run, 2, abba=True)
+
+
+def figures(runs: Alternation, reqs: list, num_requests: int) -> dict:
+    (first, second), (free1, free2) = runs.a, runs.b
     schemas = {rid: schema for rid, _, _, schema in reqs}
-    checked = [
-        valid(o.text, schemas[rid[3:]])
-        for result in (first, second)
-        for rid, o in result["outputs"].items()
-    ]
+    checked = [valid(o.text, schemas[rid[3:]]) for r in runs.a for rid, o in r["outputs"].items()]
     c_rate = statistics.mean([first["tokens_per_s"], second["tokens_per_s"]])
     u_rate = statistics.mean([free1["tokens_per_s"], free2["tokens_per_s"]])
     c_steps = first["steps"] + second["steps"]
     c_cpu = (first["cpu_seconds"] + second["cpu_seconds"]) / (2 * first["output_tokens"])
     u_cpu = (free1["cpu_seconds"] + free2["cpu_seconds"]) / (2 * first["output_tokens"])
-    figures = {
-        "requests": args.requests,
+    return {
+        "requests": num_requests,
         "schemas": len(SCHEMAS),
         "engine": ENGINE,
         "constrained_tokens_per_s": round(c_rate, 1),
         "unconstrained_tokens_per_s": round(u_rate, 1),
         "throughput_ratio": round(c_rate / u_rate, 3),
+        "ab": runs.summary(lambda c, u: c["tokens_per_s"] / u["tokens_per_s"]),
         # CPU seconds of this process per output token: less sensitive to other load
         "cpu_ms_per_token_constrained": round(1e3 * c_cpu, 2),
         "cpu_ms_per_token_unconstrained": round(1e3 * u_cpu, 2),
@@ -189,12 +189,27 @@ def main() -> None:
         ),
         "output_tokens_per_run": first["output_tokens"],
         "valid_share": round(sum(checked) / len(checked), 4),
-        "load_1min_before_after": [round(load0, 2), round(os.getloadavg()[0], 2)],
+        "load_1min_before_after": [round(runs.load_before, 2), round(runs.load_after, 2)],
     }
-    print(json.dumps(figures, indent=2))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    loaded = load_model(None)
+    t0 = time.perf_counter()
+    engine = LLMEngine(EngineArgs(**ENGINE), loaded=loaded)
+    print(f"engine built in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    reqs = requests(engine.tokenizer, args.requests)
+    constrained = [(rid, ids, params) for rid, ids, params, _ in reqs]
+    run(engine, [(f"warm-{r}", i, p) for r, i, p in constrained[:4]])  # fills the grammar cache
+    result = figures(abba(engine, constrained), reqs, args.requests)
+    print(json.dumps({k: v for k, v in result.items() if k != "ab"}, indent=2))
+    print(f"constrained / free output tok/s by pair: {describe(result['ab']['ratio'])}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(figures, f, indent=2)
+        write_json(args.json, result)
 
 
 if __name__ == "__main__":

@@ -7,20 +7,20 @@ For every (token bucket T, sequence bucket S) the engine precompiles:
   tokens/s, on three kinds of inputs: decode (min(S, T) sequences, one token each, at context
   C), prefill (one sequence, T tokens from position 0) and mixed (S - 1 decodes at context C
   plus one prefill chunk filling T).
-Then bench/offline.py's workload runs through the engine, recording each step's bucket, real
-tokens and runner time: padding share = sum(T - real tokens) / sum(T), each bucket's share of
-the run's time, and how much of the engine's step time the model step itself took.
+Then bench.offline's workload runs through the engine, each step recorded by a step observer
+(`StepLog`: bucket, real tokens, runner time): padding share = sum(T - real tokens) / sum(T),
+each bucket's share of the run's time, and how much of the engine's step time the model step
+itself took.
 
-    python bench/buckets.py                        # default engine settings
-    python bench/buckets.py --max-num-seqs 16      # any engine flag
-    python bench/buckets.py --smoke --out /tmp/b   # tiny, for CI
+    python -m bench.bucket_costs                        # default engine settings
+    python -m bench.bucket_costs --max-num-seqs 16      # any engine flag
+    python -m bench.bucket_costs --smoke --out /tmp/b   # tiny, for CI
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import shutil
@@ -34,16 +34,24 @@ from pathlib import Path
 
 import jax
 import numpy as np
-import offline
 from jax import monitoring
 
+from bench.report_writer import RESULTS_DIR, figure, markdown_table, write_json, write_text
+from bench.workloads import (
+    OFFLINE_WORKLOAD,
+    OFFLINE_WORKLOAD_SMOKE,
+    add_requests,
+    make_workload,
+    text_token_pool,
+)
 from jserve.config.engine_args import add_engine_arguments, engine_args_from_namespace
 from jserve.core.block_manager import SINK_BLOCK_ID
 from jserve.core.plan import ScheduledSeq, StepPlan
 from jserve.engine.llm_engine import LLMEngine
+from jserve.engine.step_observer import ModelStep
 from jserve.loaders.model_source import load_model
 from jserve.runtime.compilation import forbid_compilation
-from jserve.runtime.step_inputs import StepInputBuilder, StepInputs
+from jserve.runtime.step_inputs import StepInputBuilder
 
 KINDS = ("decode", "prefill", "mixed")
 SMOKE = {
@@ -149,64 +157,58 @@ def bucket_table(engine: LLMEngine, compiles: list[float], args) -> list[dict]:
 
 
 class StepLog:
-    """Wraps the engine's input builder and runner: each step's bucket, contents, runner time.
+    """An engine step observer that keeps each model step's bucket, contents and runner time.
 
-    The runner's time is taken up to its logits being ready, which adds one sync point per
-    step between the model step and the sampler.
+    It asks for the runner's time up to its logits, which adds one sync point per step between
+    the model step and the sampler.
     """
 
-    def __init__(self, engine: LLMEngine) -> None:
-        self._build, self._run = engine.inputs_builder.build, engine.runner.run
-        engine.inputs_builder.build = self.build  # instance attributes shadow the methods
-        engine.runner.run = self.run
+    def __init__(self) -> None:
         self.steps: list[dict] = []
 
-    def build(self, plan: StepPlan) -> StepInputs:
-        inputs = self._build(plan)
-        n = int(inputs.num_seqs[0])
-        q_lens = np.diff(inputs.cu_q_lens[: n + 1].astype(np.int64))
-        kv_lens = inputs.kv_lens[:n].astype(np.int64)
+    def __call__(self, step: ModelStep) -> None:
+        q_lens, kv_lens = step.q_lens, step.kv_lens
         self.steps.append(
             {
-                "T": inputs.num_tokens,
-                "S": inputs.max_seqs,
-                "tokens": plan.num_batched_tokens,
-                "seqs": len(plan.seqs),
-                "kind": step_kind(plan.num_decodes, len(plan.seqs)),
+                "T": step.token_bucket,
+                "S": step.seq_bucket,
+                "tokens": step.num_tokens,
+                "seqs": step.num_seqs,
+                "kind": step_kind(step.num_decodes, step.num_seqs),
                 # (query token, cached position) pairs the causal attention scores: a sequence's
                 # q new tokens after kv - q cached ones see kv - q + 1 ... kv positions
                 "attended": int(np.sum(q_lens * (kv_lens - q_lens) + q_lens * (q_lens + 1) // 2)),
                 "context": int(kv_lens.sum()),  # cached positions the step's sequences read
+                "runner_s": step.runner_s,
             }
         )
-        return inputs
-
-    def run(self, inputs: StepInputs) -> jax.Array:
-        start = time.perf_counter()
-        logits = jax.block_until_ready(self._run(inputs))
-        self.steps[-1]["runner_s"] = time.perf_counter() - start
-        return logits
 
 
 def logged_steps(engine: LLMEngine) -> list[dict]:
-    """Step the engine until its queued requests are done: StepLog's record of every step, with
-    the step's whole wall time (`wall_s`) next to the runner's."""
-    log = StepLog(engine)
-    while engine.has_unfinished_requests():
-        start = time.perf_counter()
-        engine.step()
-        log.steps[-1]["wall_s"] = time.perf_counter() - start
+    """Step the engine until its queued requests are done: StepLog's record of every model
+    step, with the engine step's whole wall time (`wall_s`) next to the runner's."""
+    log = StepLog()
+    engine.add_step_observer(log, runner_time=True)
+    try:
+        while engine.has_unfinished_requests():
+            logged = len(log.steps)
+            start = time.perf_counter()
+            engine.step()
+            if len(log.steps) > logged:  # a step that only finished requests ran no model
+                log.steps[-1]["wall_s"] = time.perf_counter() - start
+    finally:
+        engine.remove_step_observer(log)
     return log.steps
 
 
 def workload_padding(engine: LLMEngine, args) -> dict:
-    """Run bench/offline.py's workload; padding shares and where the step time went."""
-    preset = offline.SMOKE if args.smoke else offline.FULL
-    pool = offline.text_token_pool(engine.tokenizer)
-    workload = offline.make_workload(
+    """Run bench.offline's workload; padding shares and where the step time went."""
+    preset = OFFLINE_WORKLOAD_SMOKE if args.smoke else OFFLINE_WORKLOAD
+    pool = text_token_pool(engine.tokenizer)
+    workload = make_workload(
         pool, args.num_requests, preset["prompt_len"], preset["output_len"], args.seed
     )
-    offline.add_requests(engine, workload)
+    add_requests(engine, workload)
     print(f"running {args.num_requests} requests ...", file=sys.stderr, flush=True)
     steps = logged_steps(engine)
     by_bucket = defaultdict(lambda: {"steps": 0, "computed": 0, "real": 0, "wall_s": 0.0})
@@ -245,19 +247,18 @@ def workload_padding(engine: LLMEngine, args) -> dict:
 
 
 def markdown(report: dict) -> str:
-    lines = [
-        "| T | S | compile s | decode ms (tok/s) | prefill ms (tok/s) | mixed ms (tok/s) "
-        "| workload steps | workload time share |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    header = ["T", "S", "compile s", "decode ms (tok/s)", "prefill ms (tok/s)",
+              "mixed ms (tok/s)", "workload steps", "workload time share"]  # fmt: skip
     usage = {(b["T"], b["S"]): b for b in report["workload"]["by_bucket"]}
+    rows = []
     for row in report["buckets"]:
-        cells = " | ".join(f"{row[k]['step_ms']:.1f} ({row[k]['tok_per_s']:.0f})" for k in KINDS)
         b = usage.get((row["T"], row["S"]), {"steps": 0, "time_share": 0.0})
-        lines.append(
-            f"| {row['T']} | {row['S']} | {row['compile_s']:.2f} | {cells} | {b['steps']} "
-            f"| {100 * b['time_share']:.1f}% |"
-        )
+        rows.append([
+            str(row["T"]), str(row["S"]), f"{row['compile_s']:.2f}",
+            *(f"{row[k]['step_ms']:.1f} ({row[k]['tok_per_s']:.0f})" for k in KINDS),
+            str(b["steps"]), f"{100 * b['time_share']:.1f}%",
+        ])  # fmt: skip
+    lines = [markdown_table(header, rows)]
     w, c = report["workload"], report["compile"]
     compile_total = sum(r["compile_s"] for r in report["buckets"])
     lines += [
@@ -280,36 +281,29 @@ def markdown(report: dict) -> str:
 
 
 def heatmap(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.colors import LogNorm
 
     rows = report["buckets"]
     ts, ss = sorted({r["T"] for r in rows}), sorted({r["S"] for r in rows})
     all_ms = [r[kind]["step_ms"] for r in rows for kind in KINDS]
     norm = LogNorm(min(all_ms), max(all_ms) * 1.001)  # one scale for every panel
-    fig, axes = plt.subplots(
-        1, len(KINDS), figsize=(4 * len(KINDS) + 1, 0.45 * len(ts) + 2), layout="constrained"
-    )
-    for ax, kind in zip(axes, KINDS, strict=True):
-        grid = np.full((len(ts), len(ss)), np.nan)
-        for r in rows:
-            grid[ts.index(r["T"]), ss.index(r["S"])] = r[kind]["step_ms"]
-        image = ax.imshow(grid, cmap="viridis", norm=norm, aspect="auto", origin="lower")
-        for (i, j), ms in np.ndenumerate(grid):
-            if not np.isnan(ms):
-                color = "black" if norm(ms) > 0.6 else "white"
-                ax.text(j, i, f"{ms:.0f}", ha="center", va="center", color=color, fontsize=8)
-        ax.set_title(f"{kind} (median ms per step)")
-        ax.set_xlabel("sequence bucket S")
-        ax.set_ylabel("token bucket T")
-        ax.set_xticks(range(len(ss)), [str(s) for s in ss])
-        ax.set_yticks(range(len(ts)), [str(t) for t in ts])
-    fig.colorbar(image, ax=axes, label="ms per step", fraction=0.02)
-    fig.savefig(path, dpi=80)
-    plt.close(fig)
+    size = (4 * len(KINDS) + 1, 0.45 * len(ts) + 2)
+    with figure(path, len(KINDS), figsize=size, dpi=80, layout="constrained") as (fig, axes):
+        for ax, kind in zip(axes, KINDS, strict=True):
+            grid = np.full((len(ts), len(ss)), np.nan)
+            for r in rows:
+                grid[ts.index(r["T"]), ss.index(r["S"])] = r[kind]["step_ms"]
+            image = ax.imshow(grid, cmap="viridis", norm=norm, aspect="auto", origin="lower")
+            for (i, j), ms in np.ndenumerate(grid):
+                if not np.isnan(ms):
+                    color = "black" if norm(ms) > 0.6 else "white"
+                    ax.text(j, i, f"{ms:.0f}", ha="center", va="center", color=color, fontsize=8)
+            ax.set_title(f"{kind} (median ms per step)")
+            ax.set_xlabel("sequence bucket S")
+            ax.set_ylabel("token bucket T")
+            ax.set_xticks(range(len(ss)), [str(s) for s in ss])
+            ax.set_yticks(range(len(ts)), [str(t) for t in ts])
+        fig.colorbar(image, ax=axes, label="ms per step", fraction=0.02)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -320,14 +314,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=5, help="timed runs per input (median)")
     parser.add_argument("--num-requests", type=int, help="workload size (default 64, smoke 8)")
     parser.add_argument(
-        "--out", default="bench/results/buckets_cpu", help="writes OUT.json, OUT.md and OUT.png"
+        "--out", default=str(RESULTS_DIR / "buckets_cpu"), help="writes OUT.json, .md and .png"
     )
     parser.add_argument("--smoke", action="store_true", help="tiny buckets and workload, for CI")
     if parser.parse_known_args(argv)[0].smoke:
         parser.set_defaults(**SMOKE)
     args = parser.parse_args(argv)
     if args.num_requests is None:
-        args.num_requests = offline.SMOKE["num_requests"] if args.smoke else 64
+        args.num_requests = (OFFLINE_WORKLOAD_SMOKE if args.smoke else OFFLINE_WORKLOAD)[
+            "num_requests"
+        ]
     return args
 
 
@@ -357,9 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     table = markdown(report)
     print(table)
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps(report, indent=1))
-    out.with_suffix(".md").write_text(table + "\n")
+    write_json(out.with_suffix(".json"), report)
+    write_text(out.with_suffix(".md"), table)
     heatmap(report, out.with_suffix(".png"))
 
 

@@ -1,4 +1,4 @@
-"""Summaries and plots of a serving run's `RequestRecord`s.
+"""Serving figures of a run's requests, measured (`python -m bench.serve`) or simulated alike.
 
 Definitions (as in vLLM's benchmark_serving):
 - TTFT: request start to its first text chunk. E2E: request start to the end of its stream.
@@ -12,12 +12,42 @@ Latencies are reported in milliseconds.
 from __future__ import annotations
 
 from collections import Counter
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import numpy as np
-from serve_client import RequestRecord
 
 PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestRecord:
+    """What one request measured. Times are seconds; `start` and `chunk_times` are offsets from
+    the run's start, `ttft` and `e2e` durations from the request's own start."""
+
+    index: int
+    group: str
+    expected_output_tokens: int
+    success: bool = False
+    error: str = ""
+    start: float = 0.0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def itl(self) -> list[float]:
+        """Gaps between consecutive text chunks."""
+        return [b - a for a, b in zip(self.chunk_times, self.chunk_times[1:], strict=False)]
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (None with fewer than two tokens)."""
+        if self.output_tokens < 2:
+            return None
+        return (self.e2e - self.ttft) / (self.output_tokens - 1)
 
 
 def latency_stats(values_s: list[float]) -> dict[str, float | None]:
@@ -116,50 +146,3 @@ def format_summary(summary: dict, title: str) -> str:
         )
         lines.append(f"{key[:-3].upper():<10}{cells}")
     return "\n".join(lines)
-
-
-def plot_run(records: list[RequestRecord], duration: float, path: Path, title: str) -> None:
-    """Latency CDFs (TTFT, TPOT, ITL, E2E) and output tokens/s plus requests in flight over time,
-    in one small PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in records if r.success]
-    series = {
-        "TTFT": [r.ttft for r in ok],
-        "TPOT": [t for r in ok if (t := r.tpot) is not None],
-        "ITL": [g for r in ok for g in r.itl],
-        "E2E": [r.e2e for r in ok],
-    }
-    fig, axes = plt.subplots(1, 5, figsize=(17, 3.4))
-    for ax, (name, values) in zip(axes, series.items(), strict=False):
-        unit, scale = "ms", 1000.0
-        if values:
-            if max(values) > 10.0:  # long runs read better in seconds
-                unit, scale = "s", 1.0
-            sorted_values = np.sort(np.asarray(values) * scale)
-            ax.plot(sorted_values, np.arange(1, len(sorted_values) + 1) / len(sorted_values))
-            p99 = np.percentile(sorted_values, 99)
-            ax.axvline(p99, color="tab:red", ls=":", lw=1, label="p99")
-            ax.legend(loc="lower right", fontsize=8)
-        ax.set(title=f"{name} CDF", xlabel=unit, ylim=(0, 1.02))
-        ax.grid(alpha=0.3)
-    ax = axes[4]
-    width = max(duration / 60.0, 0.05)  # about 60 bins whatever the run length
-    edges = np.arange(0.0, duration + width, width)
-    times = [t for r in ok for t in r.chunk_times]
-    weights = [n for r in ok for n in r.chunk_tokens]
-    tokens, _ = np.histogram(times, bins=edges, weights=weights)
-    ax.stairs(tokens / width, edges, label="output tokens/s")
-    in_flight = [sum(r.start <= t < r.start + r.e2e for r in ok) for t in edges[:-1]]
-    twin = ax.twinx()
-    twin.stairs(in_flight, edges, color="tab:orange", alpha=0.7)
-    twin.set_ylabel("requests sent, not finished", color="tab:orange")
-    ax.set(title="throughput over time", xlabel="s since start", ylabel="output tokens/s")
-    ax.grid(alpha=0.3)
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=70)
-    plt.close(fig)

@@ -1,18 +1,19 @@
 """Side-by-side serving comparisons of jserve configurations, one invocation each.
 
-    python bench/compare.py static-vs-continuous      # throughput ratio (goal >= 2x)
-    python bench/compare.py prefix-cache              # TTFT ratio on a shared prefix (goal >= 3x)
-    python bench/compare.py chunked-prefill           # decode ITL p99 while long prompts arrive
-    python bench/compare.py latency-vs-load --rates 0.25,0.5,1,2,inf
-    python bench/compare.py router                    # routing policies over 2 replicas
-    python bench/compare.py all --smoke               # every preset on mock servers, seconds
+    python -m bench.serve_compare static-vs-continuous  # throughput ratio (goal >= 2x)
+    python -m bench.serve_compare prefix-cache          # TTFT ratio on a shared prefix (>= 3x)
+    python -m bench.serve_compare chunked-prefill       # decode ITL p99 while long prompts arrive
+    python -m bench.serve_compare latency-vs-load --rates 0.25,0.5,1,2,inf
+    python -m bench.serve_compare router                # routing policies over 2 replicas
+    python -m bench.serve_compare all --smoke           # every preset on mock servers, seconds
 
-For a preset: start `jserve serve` with config A on a free loopback port, run the preset's
-workload with bench/serve.py's core, stop the server (SIGTERM), then the same for config B, and
-print a table of both sides with the gain of B over A (B/A for throughputs, A/B for latencies,
-so > 1 always means B is better). Writes serve_PRESET.json and serve_PRESET_LABEL.png under
---out, and each server's learned step costs as serve_PRESET_LABEL_step_costs.json. `--server-args
-"..."` is added to both sides' command lines (e.g. a --model).
+For a preset (bench.serve_presets), through the A/B driver (bench.ab_driver): start `jserve
+serve` with config A on a free loopback port, run the preset's workload with bench.serve's
+core, stop the server (SIGTERM), then the same for config B, and print a table of both sides
+with the gain of B over A (B/A for throughputs, A/B for latencies, so > 1 always means B is
+better). Writes serve_PRESET.json and serve_PRESET_LABEL.png under --out, and each server's
+learned step costs as serve_PRESET_LABEL_step_costs.json. `--server-args "..."` is added to
+both sides' command lines (e.g. a --model).
 """
 
 from __future__ import annotations
@@ -23,16 +24,17 @@ import shlex
 import sys
 from pathlib import Path
 
-import aiohttp
-import numpy as np
-from compare_presets import PRESETS, ROUTER_PRESETS, Preset
-from load_curve import add_curve_arguments, run_latency_vs_load
-from router_bench import run_router_preset
-from serve import benchmark, first_model, to_json
-from serve_client import LoadConfig
-from serve_metrics import format_summary, plot_run
-from server_process import ServerProcess, jserve_command, mock_command
-from workloads import TextMaker, workload_digest
+from bench.ab_driver import alternate, describe
+from bench.load_curve import add_curve_arguments, run_latency_vs_load
+from bench.report_writer import RESULTS_DIR, fmt, text_table, write_json
+from bench.router_bench import run_router_preset
+from bench.serve import benchmark, first_model
+from bench.serve_client import LoadConfig
+from bench.serve_plot import plot_run
+from bench.serve_presets import PRESETS, ROUTER_PRESETS, Preset
+from bench.server_process import ServerProcess, jserve_command, mock_command
+from bench.workloads import preset_workload, workload_digest
+from jserve.simulate.metrics import format_summary
 
 # (label, summary key, stat, higher is better)
 TABLE_ROWS = [
@@ -115,21 +117,10 @@ def ratio_table(preset: Preset, reports: dict[str, dict]) -> tuple[str, list[dic
         if group and shares != [None, None]:
             rows.append({"metric": prefix + "token share while all groups wait", "a": shares[0],
                          "b": shares[1], "gain": None})  # fmt: skip
-    width = max(len(r["metric"]) for r in rows) + 2
-    head = f"{'metric':<{width}}{preset.a.label:>18}{preset.b.label:>18}{'gain of B':>12}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        cells = "".join("-".rjust(18) if v is None else f"{v:18.2f}" for v in (r["a"], r["b"]))
-        g = "-" if r["gain"] is None else f"{r['gain']:.2f}x"
-        lines.append(f"{r['metric']:<{width}}{cells}{g:>12}")
-    return "\n".join(lines), rows
-
-
-async def build_specs(preset: Preset, base_url: str, seed: int, smoke: bool) -> list:
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=120)) as session:
-        maker = TextMaker(session, base_url, seed)
-        await maker.setup()
-        return await preset.build(maker, np.random.default_rng(seed), smoke)
+    cells = [[r["metric"], fmt(r["a"], ".2f"), fmt(r["b"], ".2f"),
+              "-" if r["gain"] is None else f"{r['gain']:.2f}x"] for r in rows]  # fmt: skip
+    header = ["metric", preset.a.label, preset.b.label, "gain of B"]
+    return text_table([header, *cells], align="lrrr", rule=True), rows
 
 
 def run_side(preset: Preset, side_index: int, args: argparse.Namespace, out: Path) -> dict:
@@ -140,7 +131,7 @@ def run_side(preset: Preset, side_index: int, args: argparse.Namespace, out: Pat
         command = mock_command([*side.mock_args, *extra])
     else:
         # The server writes the step costs it learned while serving at shutdown: a table
-        # measured under the run's real load, for bench/simulate.py --bucket-report.
+        # measured under the run's real load, for `jserve simulate --bucket-report`.
         costs = out / f"{name}_step_costs.json"
         command = jserve_command([*preset.extra_server_args, *side.server_args, *extra,
                                   "--save-step-costs", str(costs)])  # fmt: skip
@@ -150,7 +141,9 @@ def run_side(preset: Preset, side_index: int, args: argparse.Namespace, out: Pat
         print(f"ready in {server.startup_s:.1f} s at {server.base_url}", flush=True)
 
         async def go() -> tuple:
-            specs = await build_specs(preset, server.base_url, args.seed, args.smoke)
+            specs = await preset_workload(
+                preset.build, server.base_url, args.seed, args.seed, args.smoke
+            )
             config = LoadConfig(
                 base_url=server.base_url,
                 model=await first_model(server.base_url),
@@ -174,21 +167,28 @@ def run_side(preset: Preset, side_index: int, args: argparse.Namespace, out: Pat
 
 
 def run_preset(preset: Preset, args: argparse.Namespace, out: Path) -> dict:
-    reports = {
-        side.label: run_side(preset, i, args, out) for i, side in enumerate((preset.a, preset.b))
-    }
-    table, rows = ratio_table(preset, reports)
     headline = preset.headline
+
+    def headline_gain(a: dict, b: dict) -> float | None:
+        return gain(headline.value(a), headline.value(b), headline.higher_is_better)
+
+    sides = alternate(*(lambda i=i: run_side(preset, i, args, out) for i in (0, 1)), pairs=1)
+    reports = {preset.a.label: sides.a[0], preset.b.label: sides.b[0]}
+    table, rows = ratio_table(preset, reports)
     a_value, b_value = (headline.value(reports[s.label]) for s in (preset.a, preset.b))
-    headline_gain = gain(a_value, b_value, headline.higher_is_better)
+    ab = sides.summary(headline_gain)
+    headline_gain_value = ab["ratio"]["median"]
     verdict = (
-        "n/a" if headline_gain is None else ("met" if headline_gain >= headline.goal else "NOT met")
+        "n/a"
+        if headline_gain_value is None
+        else ("met" if headline_gain_value >= headline.goal else "NOT met")
     )
     print(f"\n==== {preset.name}: {preset.description}")
     print(table)
     print(
-        f"headline: {headline.describe()} gain {headline_gain and round(headline_gain, 2)}x "
-        f"(goal >= {headline.goal}x: {verdict}){' [smoke: mock servers]' if args.smoke else ''}"
+        f"headline: {headline.describe()} gain {describe(ab['ratio'])} (goal >= "
+        f"{headline.goal}x: {verdict}); 1-minute load {sides.load_before:.2f} -> "
+        f"{sides.load_after:.2f}{' [smoke: mock servers]' if args.smoke else ''}"
     )
     result = {
         "preset": preset.name,
@@ -196,11 +196,12 @@ def run_preset(preset: Preset, args: argparse.Namespace, out: Path) -> dict:
         "smoke": args.smoke,
         "sides": {"a": preset.a.label, "b": preset.b.label},
         "headline": {"metric": headline.describe(), "a": a_value, "b": b_value,
-                     "gain": headline_gain, "goal": headline.goal, "verdict": verdict},
+                     "gain": headline_gain_value, "goal": headline.goal, "verdict": verdict},
+        "ab": ab,
         "table": rows,
         "reports": reports,
     }  # fmt: skip
-    (out / f"serve_{preset.name}.json").write_text(to_json(result))
+    write_json(out / f"serve_{preset.name}.json", result)
     return result
 
 
@@ -209,7 +210,7 @@ def build_parser() -> argparse.ArgumentParser:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("mode", choices=[*PRESETS, *ROUTER_PRESETS, "latency-vs-load", "all"])
-    parser.add_argument("--out", default="bench/results", help="directory for JSON and PNG")
+    parser.add_argument("--out", default=str(RESULTS_DIR), help="directory for JSON and PNG")
     parser.add_argument("--smoke", action="store_true", help="mock servers, tiny workloads")
     parser.add_argument("--server-args", default="", help="added to every server command line")
     parser.add_argument("--start-timeout", type=float, default=600.0, help="seconds to /health")
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 run_preset(PRESETS[mode], args, out)
     except (RuntimeError, ValueError) as exc:
-        print(f"compare.py: error: {exc}", file=sys.stderr)
+        print(f"bench.serve_compare: error: {exc}", file=sys.stderr)
         return 1
     return 0
 

@@ -5,8 +5,8 @@ sampling tensors, the bucket's precompiled executable runs, and its outputs come
 host. Logits are random with SmolLM2's vocabulary (49,152), every row of a call has the same
 parameters; the figure is the minimum over the repetitions, in ms.
 
-    python bench/sampler.py
-    python bench/sampler.py --buckets 8 32 64 --reps 25
+    python -m bench.sampler_timings
+    python -m bench.sampler_timings --buckets 8 32 64 --reps 25
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import time
 import jax.numpy as jnp
 import numpy as np
 
+from bench.report_writer import markdown_table
 from jserve.runtime.sampler import Sampler
 from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.sampling_params import SamplingParams
@@ -55,11 +56,8 @@ def time_calls(buckets: list[int], reps: int) -> dict[str, dict[int, float]]:
 
 def markdown(table: dict[str, dict[int, float]]) -> str:
     buckets = list(next(iter(table.values())))
-    lines = ["| ms | " + " | ".join(f"S={s}" for s in buckets) + " |"]
-    lines.append("|---" * (len(buckets) + 1) + "|")
-    for name, row in table.items():
-        lines.append(f"| {name} | " + " | ".join(f"{row[s]:.2f}" for s in buckets) + " |")
-    return "\n".join(lines)
+    rows = [[name, *(f"{row[s]:.2f}" for s in buckets)] for name, row in table.items()]
+    return markdown_table(["ms", *(f"S={s}" for s in buckets)], rows)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -5,8 +5,8 @@ prompt, so prefix caching works), random output lengths, and arrivals that keep 
 queue at its target size, so every iteration mixes decodes, finishes and prefill chunks.
 The sampled-token dict (the engine's job) is built outside the timed region.
 
-    python bench/scheduler.py            # full run (about a minute)
-    python bench/scheduler.py --smoke    # a few seconds, for CI
+    python -m bench.scheduler_cost            # full run (about a minute)
+    python -m bench.scheduler_cost --smoke    # a few seconds, for CI
 """
 
 from __future__ import annotations

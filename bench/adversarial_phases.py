@@ -1,7 +1,7 @@
 """Rerun issue 10's adversarial phases against a `jserve serve` on loopback and print a table.
 
-    python bench/adversarial.py --url http://127.0.0.1:8000 [--api-key KEY]
-    python bench/adversarial.py --start        # starts its own server (short timeouts)
+    python -m bench.adversarial_phases --url http://127.0.0.1:8000 [--api-key KEY]
+    python -m bench.adversarial_phases --start        # starts its own server (short timeouts)
 
 Per phase: requests sent, served (2xx), 4xx, 5xx, closed (as the phase intends: the client
 left, or the server cut a slow client), lost or hung; whether KV usage and running/waiting
@@ -20,7 +20,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import aiohttp
-from adversarial_client import Client, Tally
+
+from bench.adversarial_client import Client, Tally
+from bench.report_writer import text_table
 
 GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 OK = {"prompt": "Hello, my name is", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
@@ -186,11 +188,8 @@ def table(tallies: list[Tally]) -> str:
     rows = [[t.name, t.sent, t.counts["served"], t.counts["4xx"], t.counts["5xx"],
              t.counts["closed"], t.counts["lost"], "yes" if t.kv_leaked else "0",
              "yes" if t.greedy_ok else "NO", "; ".join(t.notes)] for t in tallies]  # fmt: skip
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = [" | ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
-    rule = "-+-".join("-" * w for w in widths)
-    head = " | ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))
-    return "\n".join([head, rule, *lines])
+    return text_table([header, *([str(c) for c in row] for row in rows)], align="l" * 10,
+                      rule=True)  # fmt: skip
 
 
 def main() -> int:
@@ -221,7 +220,7 @@ def _exit_code(tallies: list[Tally]) -> int:
 
 
 def _run_with_own_server(opts: argparse.Namespace) -> int:
-    from server_process import ServerProcess, jserve_command
+    from bench.server_process import ServerProcess, jserve_command
 
     opts.header_timeout, opts.body_timeout, opts.api_key = 3.0, 3.0, "adversarial-key"
     flags = ["--header-timeout", "3", "--body-timeout", "3", "--api-key", opts.api_key,

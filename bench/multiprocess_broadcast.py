@@ -1,7 +1,7 @@
 """What process 0's per-step broadcast costs in a multi-process run (jserve.runtime.multihost).
 
-    python bench/multiprocess.py                      # SmolLM2, 3 local processes, 1 device each
-    python bench/multiprocess.py --processes 2 --requests 8
+    python -m bench.multiprocess_broadcast                  # SmolLM2, 3 local processes
+    python -m bench.multiprocess_broadcast --processes 2 --requests 8
 
 Starts N processes of one run on this machine (gloo collectives over localhost), tensor
 parallel over their N devices, and has process 0 run a fixed greedy batch offline: each
@@ -101,10 +101,11 @@ def main() -> int:
     common += ["--output-len", str(a.output_len), "--port", str(port)]
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, "--child", str(i), *common],
+            [sys.executable, "-m", "bench.multiprocess_broadcast", "--child", str(i), *common],
             stdout=subprocess.PIPE if i == 0 else subprocess.DEVNULL,
             text=True,
             env=env,
+            cwd=ROOT,
         )
         for i in range(a.processes)
     ]
