@@ -25,6 +25,8 @@ class Tally:
     counts: dict[str, int] = field(default_factory=lambda: dict.fromkeys(OUTCOMES, 0))
     kv_leaked: str = ""  # what was still held after the phase, if anything
     greedy_ok: bool = True
+    probe_ratio: float | None = None  # a greedy probe's worst latency during the phase / idle
+    wrong: list[str] = field(default_factory=list)  # findings beyond the status codes
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -58,6 +60,13 @@ class Client:
     async def post(
         self, path: str, body: dict | bytes, *, timeout: float = 120.0, headers: dict | None = None
     ) -> str:
+        outcome, _, _ = await self.post_read(path, body, timeout=timeout, headers=headers)
+        return outcome
+
+    async def post_read(
+        self, path: str, body: dict | bytes, *, timeout: float = 120.0, headers: dict | None = None
+    ) -> tuple[str, int, dict | None]:
+        """(outcome, HTTP status or 0, the JSON body if it is one) of a POST."""
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
         all_headers = {"Content-Type": "application/json", **self.headers, **(headers or {})}
         try:
@@ -67,10 +76,19 @@ class Client:
             ) as response:  # fmt: skip
                 raw = await response.read()
                 if response.status == 200 and raw.startswith(b"data: "):
-                    return _stream_outcome(raw)
-                return classify(response.status)
+                    return _stream_outcome(raw), response.status, None
+                return classify(response.status), response.status, _json_or_none(raw)
         except (TimeoutError, aiohttp.ClientError):
-            return "lost"
+            return "lost", 0, None
+
+    async def probe(self, body: dict, stop: asyncio.Event) -> float:
+        """Send `body` again and again until `stop` is set; the slowest answer's seconds."""
+        worst = 0.0
+        while not stop.is_set():
+            start = time.monotonic()
+            await self.greedy_text(body)
+            worst = max(worst, time.monotonic() - start)
+        return worst
 
     async def stream_then_leave(self, body: dict, events: int) -> str:
         """Read `events` SSE events (0: none), then drop the connection."""
@@ -155,6 +173,14 @@ class Client:
             return "lost"  # hung: neither an answer nor a close in time
         finally:
             writer.close()
+
+
+def _json_or_none(raw: bytes) -> dict | None:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) else None
 
 
 def _stream_outcome(raw: bytes) -> str:

@@ -1,12 +1,17 @@
-"""Rerun issue 10's adversarial phases against a `jserve serve` on loopback and print a table.
+"""Rerun the adversarial phases against a `jserve serve` on loopback and print a table.
 
     python -m bench.adversarial_phases --url http://127.0.0.1:8000 [--api-key KEY]
     python -m bench.adversarial_phases --start        # starts its own server (short timeouts)
 
 Per phase: requests sent, served (2xx), 4xx, 5xx, closed (as the phase intends: the client
 left, or the server cut a slow client), lost or hung; whether KV usage and running/waiting
-requests went back to 0 afterwards (read from /metrics); and whether a fixed greedy request
-still gives the text it gave before the first phase. Every phase is bounded in count and time.
+requests went back to 0 afterwards (read from /metrics); whether a fixed greedy request
+still gives the text it gave before the first phase; the worst latency of that request, sent
+again and again while the phase runs, over its idle latency ("probe x idle": a phase that
+stalls other tenants shows here); and findings beyond status codes (bench.adversarial_inputs:
+unbounded error bodies, non-JSON admin answers, tool-call markup in content). Every phase is
+bounded in count and time. The first phases are the first adversarial round's (bad inputs,
+bursts, disconnects, slow clients, framing); bench.adversarial_inputs holds the second's.
 SIGTERM is not a phase (it ends the server): tests/server/test_shutdown.py covers it.
 """
 
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
+from bench import adversarial_inputs
 from bench.adversarial_client import Client, Tally
 from bench.report_writer import text_table
 
@@ -161,19 +167,21 @@ async def run(opts: argparse.Namespace) -> list[Tally]:
               ("disconnect+cancel storm", disconnects), ("long prompts", long_prompts),
               ("slow headers x100", slow_headers), ("half-open flood x200", half_open_flood),
               ("stalled bodies x20", stalled_bodies),
-              ("big headers, framing", headers_and_framing)]  # fmt: skip
+              ("big headers, framing", headers_and_framing),
+              *adversarial_inputs.PHASES]  # fmt: skip
     if opts.api_key:
         phases.append(("auth", auth))
     phases = [(name, phase) for name, phase in phases if opts.only in name]
+    opts.storm_seed = 0
     tallies = []
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         client = Client(opts.url, opts.api_key, session)
         known = await client.greedy_text(GREEDY)
-        print(f"greedy reference: {known!r}", file=sys.stderr)
+        idle = await _idle_latency(client)
+        print(f"greedy reference: {known!r}, idle {idle:.3f} s", file=sys.stderr)
         for name, phase in phases:
-            tally = Tally(name)
             print(f"phase: {name}", file=sys.stderr)
-            tally.add(await asyncio.wait_for(phase(client, tally, opts), opts.phase_timeout))
+            tally = await _run_phase(client, Tally(name), phase, opts, idle)
             tally.kv_leaked = await client.leaked()
             if tally.kv_leaked:
                 tally.notes.append(f"after 10 s: {tally.kv_leaked}")
@@ -182,13 +190,41 @@ async def run(opts: argparse.Namespace) -> list[Tally]:
     return tallies
 
 
+async def _idle_latency(client: Client) -> float:
+    """The greedy probe's median latency with nothing else running."""
+    loop = asyncio.get_running_loop()
+    times = []
+    for _ in range(5):
+        start = loop.time()
+        await client.greedy_text(GREEDY)
+        times.append(loop.time() - start)
+    return sorted(times)[len(times) // 2]
+
+
+async def _run_phase(
+    client: Client, tally: Tally, phase: Callable, opts: argparse.Namespace, idle: float
+) -> Tally:
+    """Run one phase with the greedy probe beside it."""
+    stop = asyncio.Event()
+    probe = asyncio.create_task(client.probe(GREEDY, stop))
+    try:
+        tally.add(await asyncio.wait_for(phase(client, tally, opts), opts.phase_timeout))
+    finally:
+        stop.set()
+        worst = await probe
+    tally.probe_ratio = worst / idle if idle > 0 else None
+    return tally
+
+
 def table(tallies: list[Tally]) -> str:
     header = ["phase", "sent", "served", "4xx", "5xx", "closed", "lost/hung", "KV leaked",
-              "greedy ok", "notes"]  # fmt: skip
+              "greedy ok", "probe x idle", "notes"]  # fmt: skip
     rows = [[t.name, t.sent, t.counts["served"], t.counts["4xx"], t.counts["5xx"],
              t.counts["closed"], t.counts["lost"], "yes" if t.kv_leaked else "0",
-             "yes" if t.greedy_ok else "NO", "; ".join(t.notes)] for t in tallies]  # fmt: skip
-    return text_table([header, *([str(c) for c in row] for row in rows)], align="l" * 10,
+             "yes" if t.greedy_ok else "NO",
+             "-" if t.probe_ratio is None else f"{t.probe_ratio:.2f}",
+             "; ".join([*t.wrong, *t.notes])] for t in tallies]  # fmt: skip
+    return text_table([header, *([str(c) for c in row] for row in rows)], align="l" * 11,
                       rule=True)  # fmt: skip
 
 
@@ -213,8 +249,9 @@ def main() -> int:
 
 
 def _exit_code(tallies: list[Tally]) -> int:
-    """1 if any phase had a 5xx, a lost or hung request, leaked KV or changed the greedy text."""
-    bad = any(t.counts["5xx"] or t.counts["lost"] or t.kv_leaked or not t.greedy_ok
+    """1 if any phase had a 5xx, a lost or hung request, leaked KV, a finding beyond the
+    status codes, or changed the greedy text."""
+    bad = any(t.counts["5xx"] or t.counts["lost"] or t.kv_leaked or t.wrong or not t.greedy_ok
               for t in tallies)  # fmt: skip
     return 1 if bad else 0
 

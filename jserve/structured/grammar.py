@@ -8,7 +8,10 @@ off): a small model given the freedom pads with newlines until max_tokens.
 Where compiling runs: `GrammarCache.submit` hands it to a small thread pool and returns a
 future, so the server's requests await their grammar before they reach the step thread
 (jserve.engine.async_engine), and the step loop never waits for one. llguidance releases
-the GIL while it builds a matcher, so a compile in the pool does not stall Python threads.
+the GIL while it builds a matcher, so a compile in the pool does not stall Python threads; and
+the pool's threads run at a lower CPU priority (`COMPILE_NICENESS`, where the OS allows it), so
+on a machine with few cores a storm of compiles takes the cores the engine's step leaves idle
+rather than slowing every other tenant's tokens: the constrained requests wait, not the rest.
 `GrammarCache.template` compiles on the calling thread (the offline engine's path); both go
 through one function and one cache. Requests that ask for the same constraint at the same
 time wait for one compile.
@@ -32,6 +35,8 @@ llguidance's error, never its state dump or the grammar.
 from __future__ import annotations
 
 import json
+import logging
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -60,6 +65,9 @@ LIMITS = llguidance.LLParserLimits(
 )
 ERROR_CHARS = 200  # of llguidance's error message in a GrammarError
 COMPILE_THREADS = 2  # the pool's workers: compiles that run at once
+COMPILE_NICENESS = 10  # added to the pool threads' niceness: the step thread goes first
+
+log = logging.getLogger(__name__)
 
 _JSON_OPTIONS = {"whitespace_flexible": False}
 # llguidance's words for a valid schema that uses something it cannot enforce.
@@ -174,7 +182,9 @@ class GrammarCache:
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
-        self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jserve-grammar")
+        self._pool = ThreadPoolExecutor(
+            COMPILE_THREADS, thread_name_prefix="jserve-grammar", initializer=_lower_priority
+        )
         self.hits = 0
         self.misses = 0
 
@@ -238,3 +248,15 @@ class GrammarCache:
             raise GrammarError(_explain(kind, template.get_error()))
         _probe(kind, template, self._tokenizer.stop_token_ids)
         return template
+
+
+def _lower_priority() -> None:
+    """Make the calling (pool) thread yield the CPU to the engine's threads. Linux applies a
+    thread id's priority to that thread alone; elsewhere, or where it is not allowed, the
+    compile runs at the default priority."""
+    try:
+        tid = threading.get_native_id()
+        niceness = os.getpriority(os.PRIO_PROCESS, tid) + COMPILE_NICENESS
+        os.setpriority(os.PRIO_PROCESS, tid, niceness)
+    except (AttributeError, OSError) as e:
+        log.debug("grammar compiles keep the default CPU priority: %s", e)

@@ -4,6 +4,8 @@ one constraint compile it once, and a compile in the pool does not stall Python 
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
 from concurrent.futures import wait
@@ -144,3 +146,16 @@ def test_a_compile_in_the_pool_does_not_stall_the_calling_thread(grammars, monke
     future.result()
     assert compile_seconds > 0.2  # long enough for a stall to show
     assert longest_pause < compile_seconds / 4, (longest_pause, compile_seconds)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread priority is Linux's")
+def test_compiles_run_below_the_engine_threads_priority(grammars, monkeypatch):
+    """A storm of compiles must take the cores the step leaves idle, not the step's."""
+
+    def priority_of_the_compiling_thread(spec: StructuredOutputsParams) -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    monkeypatch.setattr(grammars, "template", priority_of_the_compiling_thread)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    compiling = grammars.submit(StructuredOutputsParams(regex="[ab]+")).result()
+    assert compiling == min(19, mine + grammar_module.COMPILE_NICENESS)
