@@ -444,11 +444,17 @@ class Sampler:
         """
         start = time.perf_counter()
         for s in self.builder.seq_buckets:
-            logits = jax.ShapeDtypeStruct(
-                (s, self.builder.vocab_size), jnp.float32, sharding=logits_sharding
-            )
-            self._executables[s] = sample.lower(logits, self.builder.build([], s)).compile()
+            self._executables[s] = self.lower(s, logits_sharding).compile()
         return time.perf_counter() - start
+
+    def lower(
+        self, seq_bucket: int, logits_sharding: jax.sharding.Sharding | None = None
+    ) -> jax.stages.Lowered:
+        """`sample` lowered for logits of `seq_bucket` rows placed by `logits_sharding`."""
+        logits = jax.ShapeDtypeStruct(
+            (seq_bucket, self.builder.vocab_size), jnp.float32, sharding=logits_sharding
+        )
+        return sample.lower(logits, self.builder.build([], seq_bucket))
 
     def sample(self, logits: jax.Array, rows: Sequence[SamplingRow]) -> SampledTokens:
         """Sample the real `rows` from `logits` [S, V] (rows past len(rows) are padding).
