@@ -64,6 +64,24 @@ def check_tile_options(**options: int) -> None:
             raise ValueError(f"{name} must be an int >= 1; got {value!r}")
 
 
+def _pool_layout(shape: tuple[int, ...], head_dim: int, impl: str) -> tuple[int, int]:
+    """(block_size, tokens per row) of a pool of `shape`; ValueError unless it is laid out as
+    `impl` reads it (kv_cache_shape)."""
+    num_layers, num_blocks, num_kv_heads, pool_rows, row_width = shape
+    tokens_per_row = max(1, row_width // head_dim)
+    block_size = pool_rows * tokens_per_row
+    want = kv_cache_shape(
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim, impl=impl
+    ) if row_width % head_dim == 0 else None  # fmt: skip
+    if tuple(shape) != want:
+        raise ValueError(
+            f"impl={impl!r} reads pools laid out as kv_cache_shape(..., impl={impl!r}); for "
+            f"q's head_dim {head_dim} and these pools that is {want and list(want)}, got "
+            f"{list(shape)}"
+        )
+    return block_size, tokens_per_row
+
+
 def validate_attention_shapes(
     q: jax.Array,
     k_pool: jax.Array,
@@ -89,18 +107,8 @@ def validate_attention_shapes(
             f"got k_pool {list(k_pool.shape)} and v_pool {list(v_pool.shape)}"
         )
     num_tokens, num_q_heads, head_dim = q.shape
-    num_layers, num_blocks, num_kv_heads, pool_rows, row_width = k_pool.shape
-    tokens_per_row = max(1, row_width // head_dim)
-    block_size = pool_rows * tokens_per_row
-    want = kv_cache_shape(
-        num_layers, num_blocks, block_size, num_kv_heads, head_dim, impl=impl
-    ) if row_width % head_dim == 0 else None  # fmt: skip
-    if tuple(k_pool.shape) != want:
-        raise ValueError(
-            f"impl={impl!r} reads pools laid out as kv_cache_shape(..., impl={impl!r}); for "
-            f"q's head_dim {head_dim} and these pools that is {want and list(want)}, got "
-            f"{list(k_pool.shape)}"
-        )
+    num_layers, num_blocks, num_kv_heads, _, _ = k_pool.shape
+    block_size, tokens_per_row = _pool_layout(k_pool.shape, head_dim, impl)
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"

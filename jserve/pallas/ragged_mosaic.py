@@ -237,28 +237,53 @@ def ragged_paged_attention_mosaic(
     first_seq = token_seq[starts]
     last_seq = jnp.where(last_token >= starts, token_seq[jnp.maximum(last_token, 0)], first_seq - 1)
     tables = pad_table_columns(call.block_tables, pages_per_chunk)
+    operands = (
+        call.cu_q_lens, call.kv_lens, tables.reshape(-1), call.layer.reshape(1),
+        first_seq, last_seq, _spread_lanes(qt, rows, per_row), _copies(row_seq, rows, per_row),
+        _copies(row_ctx, rows, per_row), row_part, call.k_pool, call.v_pool,
+    )  # fmt: skip
+    acc, m, denom = _call_kernel(
+        call, operands, block_q, pages_per_chunk, tables.shape[1], num_blocks_q, interpret
+    )
+    out = _merge_copies(acc, m, denom, rows, per_row, d).astype(call.q.dtype)
+    out = out.reshape(hkv, padded_tokens, group, d)[:, : dims.num_tokens]
+    return out.transpose(1, 0, 2, 3).reshape(dims.num_tokens, hkv * group, d)
+
+
+def _call_kernel(
+    call: RaggedCall,
+    operands: tuple[jax.Array, ...],
+    block_q: int,
+    pages_per_chunk: int,
+    table_stride: int,
+    num_blocks_q: int,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The pallas_call over grid (KV head, query block): each row's partial softmax."""
+    dims = call.dims
     kernel = functools.partial(
         _kernel,
         dims=dims,
         block_q=block_q,
         pages_per_chunk=pages_per_chunk,
-        table_stride=tables.shape[1],
+        table_stride=table_stride,
         sm_scale=call.sm_scale,
         sliding_window=call.sliding_window,
         soft_cap=call.soft_cap,
     )
-    copies, width = per_row * rows, per_row * d
+    copies = dims.tokens_per_row * block_q * dims.group_size
+    width = dims.tokens_per_row * dims.head_dim
     rows_spec = pl.BlockSpec((copies, 1), lambda h, i, *_: (i, 0))
     tile_spec = pl.BlockSpec((None, copies, width), lambda h, i, *_: (h, i, 0))
     stat_spec = pl.BlockSpec((None, copies, 1), lambda h, i, *_: (h, i, 0))
     page_buf = pltpu.VMEM((2, pages_per_chunk, *call.k_pool.shape[3:]), call.k_pool.dtype)
-    total_rows = num_blocks_q * copies
+    out_rows = (dims.num_kv_heads, num_blocks_q * copies)
     f32 = jnp.float32
-    acc, m, denom = pl.pallas_call(
+    return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(hkv, num_blocks_q),
+            grid=(dims.num_kv_heads, num_blocks_q),
             in_specs=[
                 tile_spec,
                 rows_spec,
@@ -271,17 +296,10 @@ def ragged_paged_attention_mosaic(
             scratch_shapes=[page_buf, page_buf, pltpu.SemaphoreType.DMA((2, 2))],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((hkv, total_rows, width), f32),
-            jax.ShapeDtypeStruct((hkv, total_rows, 1), f32),
-            jax.ShapeDtypeStruct((hkv, total_rows, 1), f32),
+            jax.ShapeDtypeStruct((*out_rows, width), f32),
+            jax.ShapeDtypeStruct((*out_rows, 1), f32),
+            jax.ShapeDtypeStruct((*out_rows, 1), f32),
         ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(
-        call.cu_q_lens, call.kv_lens, tables.reshape(-1), call.layer.reshape(1),
-        first_seq, last_seq, _spread_lanes(qt, rows, per_row), _copies(row_seq, rows, per_row),
-        _copies(row_ctx, rows, per_row), row_part, call.k_pool, call.v_pool,
-    )  # fmt: skip
-    out = _merge_copies(acc, m, denom, rows, per_row, d).astype(call.q.dtype)
-    out = out.reshape(hkv, padded_tokens, group, d)[:, : dims.num_tokens]
-    return out.transpose(1, 0, 2, 3).reshape(dims.num_tokens, hkv * group, d)
+    )(*operands)
