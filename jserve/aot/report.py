@@ -171,7 +171,7 @@ class Report:
                     ("total", m.total_bytes),
                 )
             ),
-            f"| HBM | {m.hbm_bytes} | {_gib(m.hbm_bytes)} |",
+            f"| HBM | {m.hbm_bytes or '-'} | {_gib(m.hbm_bytes)} |",
             "",
             f"A model step's scratch is {100 * m.step_scratch_bytes / pool:.2f}% of the KV pool.",
         ]
