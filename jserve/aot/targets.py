@@ -63,8 +63,11 @@ def tpu_target(topology: str) -> Target:
     bounds = tuple(int(d) for d in dims.split("x"))
     bounds = (*bounds, 1) if len(bounds) == 2 else bounds
     chips = math.prod(bounds)
-    # libtpu reads these when it makes the topology: no metadata server, one local host.
+    # libtpu reads these when it makes the topology: no metadata server, one local host, and
+    # no claim on a TPU (compile-only devices run nothing), so several compiles, or a compile
+    # beside a server on a TPU VM, do not lock each other out.
     os.environ.update(
+        ALLOW_MULTIPLE_LIBTPU_LOAD="1",
         TPU_SKIP_MDS_QUERY="1",
         TPU_WORKER_HOSTNAMES="localhost",
         TPU_ACCELERATOR_TYPE=spec.accelerator_type.format(cores=chips * spec.cores_per_chip),

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jserve.pallas import ragged_paged_attention, write_kv
+from jserve.pallas import choose_impl, ragged_paged_attention, write_kv
 
 
 @jax.tree_util.register_static
@@ -103,7 +103,8 @@ def _paged_attention(
     impl: str,
     platform: str | None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    k_pool, v_pool = write_kv(*kv_cache, k, v, slot_mapping, layer)
+    impl = choose_impl(platform, q.dtype) if impl == "auto" else impl  # the pools' layout's
+    k_pool, v_pool = write_kv(*kv_cache, k, v, slot_mapping, layer, impl=impl)
     out = ragged_paged_attention(
         q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
         sm_scale=sm_scale, sliding_window=sliding_window, impl=impl, platform=platform,

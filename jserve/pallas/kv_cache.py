@@ -31,6 +31,8 @@ Block 0 is the sink: pad tokens write there and padded table entries point there
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -127,18 +129,19 @@ def validate_slot_mapping(
         raise ValueError(f"layer = {int(layer)} is outside [0, num_layers={num_layers})")
 
 
-# Scatter one (token, head)'s D values into (layer, block, head, row, first lane) of the pool:
-# the window runs along the minor (lane) axis only, so the layout the kernel reads is also the
-# scatter's, and XLA keeps the pool in it (a window across heads made XLA's TPU compiler lay
-# the pool out heads-minor for the write and copy it for the kernel, twice per step).
-_WRITE_DIMS = lax.ScatterDimensionNumbers(
+# Mosaic's write: each (token, head)'s D values go to (layer, block, head, row, first lane), a
+# window along the minor (lane) axis only, so the layout the kernel reads is also the scatter's.
+# A window across heads (the canonical write, one per token) made XLA's TPU compiler lay the
+# pool out heads-minor for the write and copy it whole around the kernel, at every head_dim. On
+# CPU the canonical write is the faster of the two at large steps.
+_ROW_WRITE = lax.ScatterDimensionNumbers(
     update_window_dims=(2,),
     inserted_window_dims=(0, 1, 2, 3),
     scatter_dims_to_operand_dims=(0, 1, 2, 3, 4),
 )
 
 
-@jax.jit
+@functools.partial(jax.jit, static_argnames="impl")
 def write_kv(
     k_pool: jax.Array,  # [L, num_blocks, Hkv, block_size / p, D * p] (kv_cache_shape)
     v_pool: jax.Array,  # same
@@ -146,19 +149,25 @@ def write_kv(
     v: jax.Array,  # [T, Hkv, D] this step's values
     slot_mapping: jax.Array,  # [T] int32 flat slot: block_id * block_size + offset
     layer: jax.Array,  # [] int32 (traced) layer to write
+    *,
+    impl: str,  # the attention implementation whose layout the pools have (not "auto")
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's K/V of one layer into the pools and return the new pools.
 
     Only the T slots of `layer` named by `slot_mapping` change; pad tokens' slots point into the
     sink block 0. Inside a jitted step that donates the pools (or a `lax.scan` carrying them)
     XLA performs the scatter in place. Slots repeated within one call (pad tokens sharing a sink
-    slot) keep an unspecified one of their values. Works on any layout `kv_cache_shape` gives:
-    token `offset` of a block is row offset // p, lanes from (offset % p) * D.
+    slot) keep an unspecified one of their values. Token `offset` of a block is pool row
+    offset // p, lanes from (offset % p) * D (kv_cache_shape's p).
     """
     per_row = validate_write_kv_shapes(k_pool, v_pool, k, v, slot_mapping)
-    num_tokens, num_kv_heads, head_dim = k.shape
     block_size = k_pool.shape[3] * per_row
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
+    if impl != "mosaic":  # the canonical layout: one [Hkv, D] window per token
+        k_pool = k_pool.at[layer, blocks, :, offsets].set(k, mode="drop")
+        v_pool = v_pool.at[layer, blocks, :, offsets].set(v, mode="drop")
+        return k_pool, v_pool
+    num_tokens, num_kv_heads, head_dim = k.shape
     columns = [
         jnp.asarray(layer, jnp.int32),
         blocks[:, None],
@@ -169,6 +178,6 @@ def write_kv(
     shape = (num_tokens, num_kv_heads)
     where = jnp.stack([jnp.broadcast_to(c, shape) for c in columns], axis=-1)  # [T, Hkv, 5]
     mode = lax.GatherScatterMode.FILL_OR_DROP
-    k_pool = lax.scatter(k_pool, where, k, _WRITE_DIMS, mode=mode)
-    v_pool = lax.scatter(v_pool, where, v, _WRITE_DIMS, mode=mode)
+    k_pool = lax.scatter(k_pool, where, k, _ROW_WRITE, mode=mode)
+    v_pool = lax.scatter(v_pool, where, v, _ROW_WRITE, mode=mode)
     return k_pool, v_pool

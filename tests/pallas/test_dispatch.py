@@ -116,7 +116,7 @@ def test_write_then_attend_inside_layer_scan(impl):
     def step(k_pool, v_pool, new_k, new_v, slots, q, tables, cu, kv_lens, num_seqs):
         def layer_body(pools, xs):
             layer, k, v = xs
-            k_pool, v_pool = write_kv(*pools, k, v, slots, layer)
+            k_pool, v_pool = write_kv(*pools, k, v, slots, layer, impl=impl)
             out = ragged_paged_attention(
                 q, k_pool, v_pool, tables, cu, kv_lens, num_seqs, layer, sm_scale=0.125,
                 impl=impl,

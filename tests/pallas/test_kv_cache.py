@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,11 +13,12 @@ from jserve.pallas import kv_cache_shape, write_kv
 from jserve.pallas.kv_cache import validate_slot_mapping
 
 L, NB, BS, HKV, D = 3, 6, 4, 2, 8
+IMPL = "xla"  # the canonical layout and write (test_write_into_a_packed_pool...: Mosaic's)
 
 
 def _pools(seed: int = 0):
     rng = np.random.default_rng(seed)
-    shape = kv_cache_shape(L, NB, BS, HKV, D, impl="xla")
+    shape = kv_cache_shape(L, NB, BS, HKV, D, impl=IMPL)
     return rng.standard_normal(shape, np.float32), rng.standard_normal(shape, np.float32)
 
 
@@ -54,6 +57,7 @@ def test_write_into_a_packed_pool_is_the_canonical_write_reshaped():
     new_k, new_v = write_kv(
         *map(jnp.asarray, (k_pool.reshape(packed), v_pool.reshape(packed), k, -k, slots)),
         jnp.int32(1),
+        impl="mosaic",
     )
     want_k, want_v = _expected(k_pool, k, slots, 1), _expected(v_pool, -k, slots, 1)
     np.testing.assert_array_equal(np.asarray(new_k), want_k.reshape(packed))
@@ -79,7 +83,9 @@ def test_write_is_exact_and_touches_only_its_slots():
     k = rng.standard_normal((5, HKV, D), np.float32)
     v = rng.standard_normal((5, HKV, D), np.float32)
     slots = np.array([4, 5, 7, 17, 23], np.int32)  # block 1 twice, block 4, last slot
-    new_k, new_v = write_kv(*map(jnp.asarray, (k_pool, v_pool, k, v, slots)), jnp.int32(2))
+    new_k, new_v = write_kv(
+        *map(jnp.asarray, (k_pool, v_pool, k, v, slots)), jnp.int32(2), impl=IMPL
+    )
     np.testing.assert_array_equal(np.asarray(new_k), _expected(k_pool, k, slots, 2))
     np.testing.assert_array_equal(np.asarray(new_v), _expected(v_pool, v, slots, 2))
 
@@ -88,7 +94,7 @@ def test_pad_tokens_only_change_the_sink_block():
     k_pool, v_pool = _pools()
     k = np.full((3, HKV, D), 7.0, np.float32)
     slots = np.array([9, 0, 0], np.int32)  # one real token, two pad tokens in the sink
-    new_k, _ = write_kv(*map(jnp.asarray, (k_pool, v_pool, k, k, slots)), jnp.int32(0))
+    new_k, _ = write_kv(*map(jnp.asarray, (k_pool, v_pool, k, k, slots)), jnp.int32(0), impl=IMPL)
     new_k = np.asarray(new_k)
     np.testing.assert_array_equal(new_k[0, 0, :, 0], k[1])
     changed = np.argwhere(np.any(new_k != k_pool, axis=(2, 4)))  # (layer, block, offset)
@@ -99,7 +105,7 @@ def test_donated_write_is_in_place():
     k_pool, v_pool = map(jnp.asarray, _pools())
     before = (k_pool.unsafe_buffer_pointer(), v_pool.unsafe_buffer_pointer())
     k = jnp.ones((2, HKV, D), jnp.float32)
-    step = jax.jit(write_kv, donate_argnums=(0, 1))
+    step = jax.jit(functools.partial(write_kv, impl=IMPL), donate_argnums=(0, 1))
     new_k, new_v = step(k_pool, v_pool, k, k, jnp.array([3, 8], jnp.int32), jnp.int32(1))
     assert (new_k.unsafe_buffer_pointer(), new_v.unsafe_buffer_pointer()) == before
 
@@ -115,7 +121,7 @@ def test_write_inside_layer_scan_with_traced_layer():
     def all_layers(k_pool, v_pool, ks):
         def body(pools, xs):
             layer, k = xs
-            return write_kv(*pools, k, -k, jnp.asarray(slots), layer), None
+            return write_kv(*pools, k, -k, jnp.asarray(slots), layer, impl=IMPL), None
 
         layers = jnp.arange(L, dtype=jnp.int32)
         return jax.lax.scan(body, (k_pool, v_pool), (layers, ks))[0]
@@ -145,7 +151,10 @@ def test_write_kv_static_validation(change, message):
     args = dict(k_pool=k_pool, v_pool=v_pool, k=np.zeros((2, HKV, D), np.float32))
     args |= dict(slots=np.zeros(2, np.int32)) | change
     with pytest.raises(ValueError, match=message):
-        write_kv(args["k_pool"], args["v_pool"], args["k"], args["k"], args["slots"], jnp.int32(0))
+        write_kv(
+            args["k_pool"], args["v_pool"], args["k"], args["k"], args["slots"], jnp.int32(0),
+            impl=IMPL,
+        )  # fmt: skip
 
 
 def test_slot_mapping_value_validation():
