@@ -124,7 +124,7 @@ def _compile_steps(
                 shards = args.tensor_parallel_size
                 context = shapes.max_model_len
                 kernel = attention_cost(cfg, tokens, seqs, context, itemsize, shards)
-            _with_cost(row, loop_corrected_cost(compiled, cfg.num_layers), kernel, target)
+            _with_cost(row, loop_corrected_cost(compiled, cfg.num_layers, pool), kernel, target)
         rows.append(row)
     return rows
 

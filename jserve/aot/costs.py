@@ -1,11 +1,13 @@
 """FLOPs and bytes of a compiled executable, per device, from XLA's own cost analysis.
 
-Two corrections make XLA's figures a step's:
+Three corrections make XLA's figures a step's:
 - XLA's HloCostAnalysis counts a while loop's body once. The model's layers run in one
   `lax.scan`, so the body (one layer) is analysed on its own and counted trip-count times:
   cost = whole module + (trips - 1) x body, for each top-level loop of `trips` iterations.
 - A kernel (a Pallas or native custom call) is opaque to XLA, which counts it as nothing.
   `attention_cost` is the attention kernels' own count at a stated context, added on top.
+- A fusion that updates the KV pool in place (XLA's GPU scatter) is counted as reading and
+  writing the whole pool; it moves only the step's new rows, so those two pools are taken out.
 
 The analysis is XLA's CPU HloCostAnalysis run on the target's optimized module (the only one
 that can analyse a loop body apart; on a compile-only GPU there is no other).
@@ -13,6 +15,7 @@ that can analyse a loop body apart; on a compile-only GPU there is no other).
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -84,21 +87,46 @@ def _as_entry(text: str, body: str) -> str:
     return "\n".join(lines)
 
 
-def loop_corrected_cost(compiled: jax.stages.Compiled, trips: int) -> Cost:
+_HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+
+
+def _pool_fusions(lines: list[str], pool: jax.ShapeDtypeStruct | None) -> int:
+    """How many fusions in `lines` produce a whole KV pool (an in-place update of it)."""
+    if pool is None:
+        return 0
+    shape = pool.sharding.shard_shape(pool.shape) if pool.sharding is not None else pool.shape
+    result = f"= {_HLO_TYPES[jax.numpy.dtype(pool.dtype).name]}[{','.join(map(str, shape))}]"
+    return sum(1 for line in lines if result in line and " fusion(" in line)
+
+
+def loop_corrected_cost(
+    compiled: jax.stages.Compiled, trips: int, pool: jax.ShapeDtypeStruct | None = None
+) -> Cost:
     """Per-device FLOPs and bytes of `compiled`, each top-level loop of `trips` iterations (the
-    layer scan) counted `trips` times; other loops are left as XLA counts them."""
+    layer scan) counted `trips` times (other loops as XLA counts them), without the whole-pool
+    traffic XLA charges an in-place update of a KV pool shaped as `pool`."""
     module = compiled.runtime_executable().hlo_modules()[0]
     text = module.to_string()
     cost = _analyse(module)
     computations = _computations(text)
-    for line in computations.get("ENTRY", []):
+    entry = computations.get("ENTRY", [])
+    pool_bytes = 0.0 if pool is None else 2.0 * _shard_bytes(pool)
+    cost += Cost(0.0, -pool_bytes * _pool_fusions(entry, pool))
+    for line in entry:
         match = _WHILE.search(line)
         if match is None:
             continue
         condition, body = match.groups()
         if trips > 1 and trips in _constants(computations, condition):
-            cost += _analyse(_hlo.hlo_module_from_text(_as_entry(text, body))) * (trips - 1)
+            body_cost = _analyse(_hlo.hlo_module_from_text(_as_entry(text, body)))
+            cost += body_cost * (trips - 1)
+            cost += Cost(0.0, -pool_bytes * trips * _pool_fusions(computations[body], pool))
     return cost
+
+
+def _shard_bytes(x: jax.ShapeDtypeStruct) -> float:
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    return float(math.prod(shape) * jax.numpy.dtype(x.dtype).itemsize)
 
 
 def attention_cost(
