@@ -174,10 +174,11 @@ def compile_engine(
         raise ValueError(f"no step bucket {unknown} in this engine's buckets {shapes.pairs}")
     graphdef, _ = abstract_model(cfg, shapes.dtype, mesh)
     step = ModelStep.make(cfg, graphdef, mesh, shapes.dtype, shapes.attn_impl)
-    with jax.set_mesh(mesh):
-        rows = _compile_steps(step, shapes, args, target, steps or shapes.pairs)
-        if steps is None:
-            rows += _compile_rest(step, shapes, args, target)
+    # No context mesh, as in the engine: the steps carry their shardings, the sampler runs on one
+    # device of the mesh.
+    rows = _compile_steps(step, shapes, args, target, steps or shapes.pairs)
+    if steps is None:
+        rows += _compile_rest(step, shapes, args, target)
     weights = sum(_shard_bytes(x) for x in jax.tree.leaves(_abstract_state(step)))
     pool = _pool(step, shapes, args)
     memory = memory_per_chip(rows, weights, 2 * _shard_bytes(pool), target, args, shapes, cfg)

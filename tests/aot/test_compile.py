@@ -4,8 +4,9 @@ Each case compiles two of SmolLM2's step buckets (a decode and a mixed one) and 
 report to what can be known without the chip: the KV pool is never copied around the attention
 kernel (a step's scratch stays under 5% of the pool: a copy would be about 200%), the weights
 on a chip are the parameter count times the dtype's size, the layer scan is counted per layer
-(the step's FLOPs cover its projections' 2 x tokens x parameters), and bad targets and splits
-are refused naming the accepted values. The larger matrix is `slow`.
+(the step's FLOPs cover its projections' 2 x tokens x parameters) and an in-place update of the
+pool is not charged as the whole pool, and bad targets and splits are refused naming the
+accepted values. The larger matrix is `slow`.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ def test_smollm2_steps_compile_with_no_pool_copy(smollm2, make_target):
     for row in report.executables:
         assert row.temp_bytes < 0.05 * memory.kv_pool_bytes, (row, memory.kv_pool_bytes)
         assert row.flops >= _projection_flops(cfg, row.tokens), row  # every layer counted
+        assert row.bytes < memory.kv_pool_bytes, row  # an in-place pool update moves its rows
         assert row.roofline_ms > 0 and row.compile_s > 0
     assert memory.fits and memory.capacity[2048] > 0
     assert json.loads(json.dumps(report.to_json()))["memory"]["fits"] is True
@@ -166,3 +168,14 @@ def test_llama_8b_shape_tensor_parallel_on_v5e_2x2_slow(tmp_path):
     assert report.memory.weights_bytes == pytest.approx(parameter_count(cfg) * 2 / 4, rel=1e-3)
     for row in report.executables:
         assert row.temp_bytes < 0.05 * report.memory.kv_pool_bytes
+
+
+def test_everything_compiles_split_over_three_gpus(smollm2):
+    """The whole set (one bucket: step, pool init, sampler) with the model split over 3 H100s:
+    the sampler compiles for one device of the mesh, as the engine runs it."""
+    name, cfg = smollm2
+    args = EngineArgs(max_num_seqs=1, max_num_batched_tokens=1, tensor_parallel_size=3)
+    report = compile_engine(args, cfg, name, cuda_target("h100", 3), kv_cache_fraction=0.5)
+    assert report.errors == []
+    assert [r.name for r in report.executables] == ["decode step", "kv pool init", "sample"]
+    assert report.memory.weights_bytes < parameter_count(cfg) * 2 / 2  # split, embedding whole
