@@ -6,8 +6,9 @@ Three corrections make XLA's figures a step's:
   cost = whole module + (trips - 1) x body, for each top-level loop of `trips` iterations.
 - A kernel (a Pallas or native custom call) is opaque to XLA, which counts it as nothing.
   `attention_cost` is the attention kernels' own count at a stated context, added on top.
-- A fusion that updates the KV pool in place (XLA's GPU scatter) is counted as reading and
-  writing the whole pool; it moves only the step's new rows, so those two pools are taken out.
+- A scatter fusion that updates the KV pool in place (XLA's GPU KV write) is counted as reading
+  and writing the whole pool; it moves only the step's new rows, so those two pools are taken
+  out.
 
 The analysis is XLA's CPU HloCostAnalysis run on the target's optimized module (the only one
 that can analyse a loop body apart; on a compile-only GPU there is no other).
@@ -90,13 +91,22 @@ def _as_entry(text: str, body: str) -> str:
 _HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
 
 
-def _pool_fusions(lines: list[str], pool: jax.ShapeDtypeStruct | None) -> int:
-    """How many fusions in `lines` produce a whole KV pool (an in-place update of it)."""
+def _pool_fusions(
+    computations: dict[str, list[str]], name: str, pool: jax.ShapeDtypeStruct | None
+) -> int:
+    """How many scatter fusions in computation `name` produce a whole KV pool (XLA counts
+    their operand and result whole; an in-place dynamic-update-slice it counts right)."""
     if pool is None:
         return 0
     shape = pool.sharding.shard_shape(pool.shape) if pool.sharding is not None else pool.shape
     result = f"= {_HLO_TYPES[jax.numpy.dtype(pool.dtype).name]}[{','.join(map(str, shape))}]"
-    return sum(1 for line in lines if result in line and " fusion(" in line)
+    count = 0
+    for line in computations.get(name, []):
+        called = re.search(r"calls=%?([\w.\-]+)", line)
+        if result in line and " fusion(" in line and called:
+            roots = [x for x in computations.get(called.group(1), []) if "ROOT " in x]
+            count += any(" scatter(" in root for root in roots)
+    return count
 
 
 def loop_corrected_cost(
@@ -111,7 +121,7 @@ def loop_corrected_cost(
     computations = _computations(text)
     entry = computations.get("ENTRY", [])
     pool_bytes = 0.0 if pool is None else 2.0 * _shard_bytes(pool)
-    cost += Cost(0.0, -pool_bytes * _pool_fusions(entry, pool))
+    cost += Cost(0.0, -pool_bytes * _pool_fusions(computations, "ENTRY", pool))
     for line in entry:
         match = _WHILE.search(line)
         if match is None:
@@ -120,7 +130,7 @@ def loop_corrected_cost(
         if trips > 1 and trips in _constants(computations, condition):
             body_cost = _analyse(_hlo.hlo_module_from_text(_as_entry(text, body)))
             cost += body_cost * (trips - 1)
-            cost += Cost(0.0, -pool_bytes * trips * _pool_fusions(computations[body], pool))
+            cost += Cost(0.0, -pool_bytes * trips * _pool_fusions(computations, body, pool))
     return cost
 
 

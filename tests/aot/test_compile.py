@@ -180,4 +180,6 @@ def test_everything_compiles_split_over_three_gpus(smollm2):
     report = compile_engine(args, cfg, name, cuda_target("h100", 3), kv_cache_fraction=0.5)
     assert report.errors == []
     assert [r.name for r in report.executables] == ["decode step", "kv pool init", "sample"]
+    step = report.executables[0]  # at 1 token XLA writes the pool in place, not by scatter
+    assert 0 < step.bytes < report.memory.kv_pool_bytes
     assert report.memory.weights_bytes < parameter_count(cfg) * 2 / 2  # split, embedding whole
