@@ -88,7 +88,9 @@ def make_inputs(case: Case, dtype, seed: int = 0) -> tuple[jax.Array, ...]:
     needed = [-(-kv // BLOCK_SIZE) for _, kv in case.seqs]
     shared = [min(case.shared_blocks, kv // BLOCK_SIZE) for _, kv in case.seqs]
     num_blocks = 1 + max(shared) + sum(needed) - sum(shared)
-    shape = kv_cache_shape(NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM)
+    shape = kv_cache_shape(
+        NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, impl="reference"
+    )  # the canonical layout; `laid_out` gives each implementation its own
     k_pool = rng.standard_normal(shape, np.float32)
     v_pool = rng.standard_normal(shape, np.float32)
     free = 1 + rng.permutation(num_blocks - 1)
@@ -138,6 +140,13 @@ def copy_bandwidth(num_bytes: int, reps: int) -> float:
     return 2 * num_bytes / median_seconds(copy, (x,), reps)[0]
 
 
+def laid_out(args: tuple[jax.Array, ...], impl: str) -> tuple[jax.Array, ...]:
+    """`make_inputs`'s arguments with the pools in `impl`'s layout (a row-major reshape)."""
+    _, num_blocks, _, _, _ = args[1].shape
+    shape = kv_cache_shape(NUM_LAYERS, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, impl=impl)
+    return (args[0], args[1].reshape(shape), args[2].reshape(shape), *args[3:])
+
+
 def run(cases: list[Case], impls: tuple[str, ...], dtype, reps: int) -> list[dict]:
     rows = []
     for case in cases:
@@ -147,7 +156,7 @@ def run(cases: list[Case], impls: tuple[str, ...], dtype, reps: int) -> list[dic
             fn = jax.jit(
                 functools.partial(ragged_paged_attention, sm_scale=HEAD_DIM**-0.5, impl=impl)
             )
-            seconds, cpu_seconds = median_seconds(fn, args, reps)
+            seconds, cpu_seconds = median_seconds(fn, laid_out(args, impl), reps)
             rows.append(
                 dict(
                     case=case.name,

@@ -134,7 +134,7 @@ def make_dense_decode_step(cfg: ModelConfig):
             x, k_cache, v_cache = carry
             w, layer = xs
             h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            qkv = jnp.einsum("BD,DKJH->BKJH", h, w["wqkv"])  # [B, Hkv, G + 2, Hd]
+            qkv = (h @ w["wqkv"]).reshape(batch, cfg.num_kv_heads, groups + 2, cfg.head_dim)
             q = qkv[:, :, :groups].reshape(batch, cfg.num_heads, cfg.head_dim)
             q = apply_rope(q, cos, sin)  # [B, Hq, Hd]
             k = apply_rope(qkv[:, :, groups], cos, sin)  # [B, Hkv, Hd]
@@ -149,8 +149,8 @@ def make_dense_decode_step(cfg: ModelConfig):
             a = jnp.einsum("BKGM,BMKD->BKGD", probs, values).reshape(batch, cfg.num_heads, -1)
             x = x + jnp.einsum("BNH,NHD->BD", a, w["wo"])
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            gate_up = jnp.einsum("BD,DJF->BJF", h, w["w_gate_up"])  # [B, 2, F]
-            gate, up = gate_up[:, 0], gate_up[:, 1]
+            gate_up = (h @ w["w_gate_up"]).reshape(batch, -1, 2)  # [B, F, 2] (fused layout)
+            gate, up = gate_up[..., 0], gate_up[..., 1]
             x = x + (jax.nn.silu(gate) * up) @ w["w_down"]
             return (x, k_cache, v_cache), None
 

@@ -1,10 +1,11 @@
-"""The library's commands of the `jserve` program: generate, convert and simulate (serve is the
-app's)."""
+"""The library's commands of the `jserve` program: generate, convert, compile and simulate
+(serve is the app's)."""
 
 from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from jserve.config.engine_args import add_engine_arguments
@@ -53,9 +54,78 @@ def _convert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compile(args: argparse.Namespace) -> int:
+    # Before JAX starts: compile-only devices need no accelerator, and none may be claimed.
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    from jserve.aot.compiler import compile_engine
+    from jserve.aot.targets import cpu_target, cuda_target, tpu_target
+    from jserve.config.engine_args import engine_args_from_namespace
+    from jserve.loaders.model_source import load_config
+
+    engine_args = engine_args_from_namespace(args)
+    name, cfg = load_config(engine_args.model)
+    if args.target == "tpu":
+        target = tpu_target(args.topology)
+    elif args.target == "cuda":
+        target = cuda_target(args.gpu, engine_args.tensor_parallel_size)
+    else:
+        target = cpu_target()
+    report = compile_engine(engine_args, cfg, name, target, args.kv_cache_fraction, args.steps)
+    sys.stdout.write(report.table())
+    if args.report:
+        report.write(args.report)
+    for error in report.errors:
+        print(f"jserve compile: {error}", file=sys.stderr)
+    return 1 if report.errors else 0
+
+
+def _step_buckets(text: str) -> list[tuple[int, int]]:
+    """ "8x8,64x8" -> [(8, 8), (64, 8)]."""
+    try:
+        pairs = [tuple(int(n) for n in pair.split("x")) for pair in text.split(",")]
+    except ValueError:
+        pairs = []
+    if not pairs or any(len(p) != 2 for p in pairs):
+        raise argparse.ArgumentTypeError(f"expected TOKENSxSEQS[,TOKENSxSEQS...], got {text!r}")
+    return pairs
+
+
+def _add_compile_command(sub: argparse._SubParsersAction) -> None:
+    from jserve.aot.chips import GPUS, TPU_TOPOLOGIES
+
+    comp = sub.add_parser(
+        "compile",
+        help="compile every executable the engine would run for a TPU slice or NVIDIA GPUs "
+        "(no accelerator needed, no weights read) and report compile times, costs, memory and "
+        "what fits; exits 1 if anything fails to compile or does not fit",
+    )
+    comp.add_argument("--target", choices=["tpu", "cuda", "cpu"], required=True)
+    comp.add_argument(
+        "--topology", default="v5e:1x1", choices=TPU_TOPOLOGIES, help="TPU slice (--target tpu)"
+    )
+    comp.add_argument(
+        "--gpu",
+        default="h200",
+        choices=GPUS,
+        help="GPU (--target cuda); --tensor-parallel-size of them",
+    )
+    comp.add_argument(
+        "--kv-cache-fraction", type=float, default=None,
+        help="size the KV pool as this fraction of each chip's HBM (overrides --kv-cache-memory)",
+    )  # fmt: skip
+    comp.add_argument(
+        "--steps", default=None, type=_step_buckets,
+        help="only the model step of these buckets, TOKENSxSEQS comma-separated (e.g. 8x8,64x8),"
+        " and no sampler: a quick check",
+    )  # fmt: skip
+    comp.add_argument("--report", default=None, help="also write the report as JSON to this file")
+    add_engine_arguments(comp)
+    comp.set_defaults(func=_compile)
+
+
 def add_library_commands(sub: argparse._SubParsersAction) -> None:
-    """Add `generate` and `convert` (the engine without a server) and `simulate` (the scheduler
-    without a model).
+    """Add `generate` and `convert` (the engine without a server), `compile` (every step for a
+    target, on compile-only devices) and `simulate` (the scheduler without a model).
 
     The `jserve` program itself (with `serve`) is assembled by `jserve.server.cli`, so this library
     never imports the app built on top of it.
@@ -74,6 +144,7 @@ def add_library_commands(sub: argparse._SubParsersAction) -> None:
     conv.add_argument("src", help="a .gguf file or model directory; 'default' for SmolLM2")
     conv.add_argument("dst", help="output directory")
     conv.set_defaults(func=_convert)
+    _add_compile_command(sub)
 
     sim = sub.add_parser(
         "simulate",

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 
+# The suite runs on CPU: TPU and GPU code is compiled for them (jserve compile) or interpreted,
+# never run, and the dev extra's compilers (libtpu, the CUDA plugin) must not claim a device.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Converted GGUF models are cached per test session, never in the user's cache.
 os.environ.setdefault(
     "JSERVE_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest-cache-jserve")

@@ -12,6 +12,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import jax
 
@@ -28,7 +29,7 @@ from jserve.models.config import ModelConfig
 from jserve.pallas.native_build import load as load_native_kernels
 from jserve.runtime import multihost
 from jserve.runtime.compilation import enable_persistent_cache
-from jserve.runtime.model_runner import ModelRunner, kv_block_bytes
+from jserve.runtime.model_runner import ModelRunner, kv_block_bytes, resolve_attn_impl
 from jserve.runtime.params import check_tensor_parallel, make_mesh, place_model, resolve_dtype
 from jserve.runtime.sampler import Sampler
 from jserve.runtime.startup import StartupPhase, describe_bucket
@@ -37,6 +38,51 @@ from jserve.runtime.step_inputs import StepInputBuilder
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MODEL_LEN = 2048
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """What the engine compiles and allocates for, decided from EngineArgs, the model and the
+    platform its mesh is (jserve.aot asks the same for chips this machine lacks)."""
+
+    dtype: Any
+    attn_impl: str  # resolved for the platform: the KV pool is laid out for it
+    max_model_len: int
+    block_bytes: int  # one KV block across all layers, K and V, on all devices together
+    num_blocks: int
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+
+    @property
+    def pairs(self) -> list[tuple[int, int]]:
+        """Every (token bucket, sequence bucket) step shape: the set to precompile."""
+        return step_buckets(self.token_buckets, self.seq_buckets)
+
+    def input_builder(self, block_size: int) -> StepInputBuilder:
+        max_blocks = math.ceil(self.max_model_len / block_size)
+        return StepInputBuilder(self.token_buckets, self.seq_buckets, block_size, max_blocks)
+
+    def sampler(self, vocab_size: int) -> Sampler:
+        """The sampler, one executable per sequence bucket a step can have."""
+        return Sampler(vocab_size, sorted({s for _, s in self.pairs}), self.max_model_len)
+
+
+def step_shapes(args: EngineArgs, cfg: ModelConfig, platform: str) -> StepShapes:
+    """The dtype, attention implementation, KV pool size and buckets `args` mean for model
+    `cfg` on a mesh of `platform` devices; raises ValueError for a split the model refuses."""
+    dtype = resolve_dtype(args.dtype, platform)
+    check_tensor_parallel(cfg, args.tensor_parallel_size)
+    attn_impl = resolve_attn_impl(args.attention_impl, platform, dtype)
+    max_model_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+    block_bytes = kv_block_bytes(cfg, args.block_size, dtype, attn_impl)
+    num_blocks = args.num_kv_blocks or args.kv_cache_memory // block_bytes
+    # On CPU a step's cost grows with its tokens from about 16 on, so decode sizes get midpoints.
+    token_buckets, seq_buckets = engine_buckets(
+        args.max_num_batched_tokens, args.max_num_seqs, platform == "cpu"
+    )
+    return StepShapes(
+        dtype, attn_impl, max_model_len, block_bytes, num_blocks, token_buckets, seq_buckets
+    )
 
 
 @dataclass
@@ -61,24 +107,16 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
         load_native_kernels(cache_dir)
     loaded = loaded or load_model(args.model, cache_dir=cache_dir)
     cfg = loaded.config
-    dtype = resolve_dtype(args.dtype)
-    check_tensor_parallel(cfg, args.tensor_parallel_size)
+    shapes = step_shapes(args, cfg, jax.devices()[0].platform)  # the mesh's devices' platform
     if args.num_processes > 1 and args.tensor_parallel_size != jax.device_count():
         raise ValueError(
             f"a run of {args.num_processes} processes has {jax.device_count()} devices in all; "
             f"set --tensor-parallel-size {jax.device_count()} (got {args.tensor_parallel_size})"
         )
     mesh = make_mesh(args.tensor_parallel_size)
-    graphdef, state = place_model(cfg, loaded.params, dtype, mesh)
-
-    max_model_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    block_bytes = kv_block_bytes(cfg, args.block_size, dtype)
-    num_blocks = args.num_kv_blocks or args.kv_cache_memory // block_bytes
-    # On CPU a step's cost grows with its tokens from about 16 on, so decode sizes get midpoints.
-    token_buckets, seq_buckets = engine_buckets(
-        args.max_num_batched_tokens, args.max_num_seqs, jax.default_backend() == "cpu"
-    )
-    pairs = step_buckets(token_buckets, seq_buckets)
+    graphdef, state = place_model(cfg, loaded.params, shapes.dtype, mesh)
+    max_model_len, num_blocks = shapes.max_model_len, shapes.num_blocks
+    token_buckets, seq_buckets, pairs = shapes.token_buckets, shapes.seq_buckets, shapes.pairs
     seed = load_bucket_report(args.step_costs_file) if args.step_costs_file else None
     scheduler = Scheduler(
         args.scheduler_config(max_model_len),
@@ -86,19 +124,17 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
         load_tenant_policy(args.tenants_file),
         StepCosts(token_buckets, seq_buckets, seed),
     )
-    inputs_builder = StepInputBuilder(
-        token_buckets, seq_buckets, args.block_size, math.ceil(max_model_len / args.block_size)
-    )
+    inputs_builder = shapes.input_builder(args.block_size)
     # Process 0 of a multi-process run announces each step to the others (runtime.multihost).
     leads = args.num_processes > 1 and args.process_id == 0
     runner = (multihost.LeaderRunner if leads else ModelRunner)(
         cfg, graphdef, state, mesh, num_blocks=num_blocks, block_size=args.block_size,
-        dtype=dtype, attn_impl=args.attention_impl,
+        dtype=shapes.dtype, attn_impl=shapes.attn_impl,
     )  # fmt: skip
-    sampler = Sampler(cfg.vocab_size, sorted({s for _, s in pairs}), max_model_len)
+    sampler = shapes.sampler(cfg.vocab_size)
     log.info(
         "model %s: %d KV blocks of %d tokens (%.0f MiB), token buckets %s, seq buckets %s",
-        loaded.name, num_blocks, args.block_size, num_blocks * block_bytes / 2**20,
+        loaded.name, num_blocks, args.block_size, num_blocks * shapes.block_bytes / 2**20,
         token_buckets, seq_buckets,
     )  # fmt: skip
     return EngineParts(

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jserve.pallas import ragged_paged_attention, write_kv
+from jserve.pallas import choose_impl, ragged_paged_attention, write_kv
 
 
 @jax.tree_util.register_static
@@ -55,6 +55,9 @@ class PagedAttentionMetadata:
     num_seqs: jax.Array  # [1] int32 real sequences
     impl: str = dataclasses.field(default="auto", metadata={"static": True})
     heads: HeadSharding | None = dataclasses.field(default=None, metadata={"static": True})
+    # The platform the step is compiled for (None: JAX's default backend), which may be a chip
+    # this process lacks: kernels for it are then compiled natively, not interpreted.
+    platform: str | None = dataclasses.field(default=None, metadata={"static": True})
 
 
 def attention(
@@ -73,8 +76,9 @@ def attention(
         return dense_causal_attention(q, k, v, sm_scale, sliding_window), kv_cache
     if isinstance(meta, PagedAttentionMetadata):
         paged = functools.partial(
-            _paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, impl=meta.impl
-        )
+            _paged_attention, sm_scale=sm_scale, sliding_window=sliding_window, impl=meta.impl,
+            platform=meta.platform,
+        )  # fmt: skip
         if meta.heads is not None:
             paged = _per_head_shard(paged, meta.heads)
         tables = (meta.slot_mapping, meta.block_tables, meta.cu_q_lens, meta.kv_lens)
@@ -97,11 +101,13 @@ def _paged_attention(
     sm_scale: float,
     sliding_window: int | None,
     impl: str,
+    platform: str | None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    k_pool, v_pool = write_kv(*kv_cache, k, v, slot_mapping, layer)
+    impl = choose_impl(platform, q.dtype) if impl == "auto" else impl  # the pools' layout's
+    k_pool, v_pool = write_kv(*kv_cache, k, v, slot_mapping, layer, impl=impl)
     out = ragged_paged_attention(
         q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
-        sm_scale=sm_scale, sliding_window=sliding_window, impl=impl,
+        sm_scale=sm_scale, sliding_window=sliding_window, impl=impl, platform=platform,
     )  # fmt: skip
     return out, (k_pool, v_pool)
 
@@ -111,7 +117,7 @@ def _per_head_shard(paged: Any, heads: HeadSharding) -> Any:
     step's tables replicated. check_vma is off: kernels (pallas_call) carry no varying-axis
     types, and every output is split, so there is no replication claim to check."""
     tokens_heads = P(None, heads.axis, None)  # q [T, Hq, D], k and v [T, Hkv, D]
-    pool = P(None, None, heads.axis, None, None)  # kv_cache_shape's head axis
+    pool = P(None, None, heads.axis, None, None)  # kv_cache_shape's head axis, in every layout
     replicated = P()
     return jax.shard_map(
         paged,

@@ -110,6 +110,22 @@ def load_model(
     return loaded
 
 
+def load_config(model: str | Path | None = None) -> tuple[str, ModelConfig]:
+    """(name, architecture) of a model without reading its weights: from a .gguf file's
+    metadata, a model or checkpoint directory's config.json, or a config.json itself."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    name = DEFAULT_MODEL_NAME if model is None else path.stem if path.is_file() else path.name
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such model file or directory")
+    if path.is_dir():
+        return name, ModelConfig.from_json_file(path / "config.json")
+    if path.suffix == ".gguf":
+        return name, config_from_gguf(open_gguf(path), str(path))
+    if path.suffix == ".json":
+        return path.parent.name or name, ModelConfig.from_json_file(path)
+    raise ValueError(f"{path}: expected a .gguf file, a config.json or a model directory")
+
+
 def convert(src: str | Path | None, dst: str | Path) -> Path:
     """`jserve convert`: write any loadable model as a jserve checkpoint directory."""
     loaded = load_model(src, use_cache=False)

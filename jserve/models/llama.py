@@ -13,10 +13,14 @@ weight viewed as [L, K, N]: the scan never slices the big weights itself, so on 
 kernel reads each layer's weight in place, from the packed layout `lay_out_weights` gives the
 parameters once at load time (jserve.pallas.layer_matmul). The attention output is
 flattened to [T, Hq * Hd] before `wo`, so XLA never transposes that weight per step.
-Fused layouts:
-- `wqkv` [L, D, Hkv, G + 2, Hd]: for each KV head, its G query heads, then its key, then its
-  value, so sharding the KV-head axis keeps every device's query heads with their K/V head;
-- `w_gate_up` [L, D, 2, F]: gate and up side by side, sharded on F.
+Fused weights are stored as the [L, K, N] matrices the projections read, their columns ordered
+so that an even split of N over the mesh is the split tensor parallelism needs (a reshape of a
+sharded weight inside the step would make XLA gather it whole, every step, and on TPU re-tile
+it):
+- `wqkv` [L, D, Hkv * (G + 2) * Hd]: for each KV head, its G query heads, then its key, then its
+  value, so splitting N splits the KV heads and keeps every device's query heads with theirs;
+- `w_gate_up` [L, D, F * 2]: column 2 f is gate unit f, column 2 f + 1 up unit f, so splitting N
+  splits the hidden units F.
 Loaders produce the unfused HF names; `fuse_projections` converts once at load time.
 """
 
@@ -52,12 +56,12 @@ class DecoderLayers(nnx.Module):
         m = MODEL_AXIS
         G = Hq // Hkv
         self.attn_norm = _param((L, D), (None, None), dtype)
-        self.wqkv = _param((L, D, Hkv, G + 2, Hd), (None, None, m, None, None), dtype)
+        self.wqkv = _param((L, D, Hkv * (G + 2) * Hd), (None, None, m), dtype)
         if cfg.attention_bias:
             self.bqkv = _param((L, Hkv, G + 2, Hd), (None, m, None, None), dtype)
         self.wo = _param((L, Hq, Hd, D), (None, m, None, None), dtype)
         self.mlp_norm = _param((L, D), (None, None), dtype)
-        self.w_gate_up = _param((L, D, 2, F), (None, None, None, m), dtype)
+        self.w_gate_up = _param((L, D, F * 2), (None, None, m), dtype)
         self.w_down = _param((L, F, D), (None, m, None), dtype)
 
 
@@ -127,8 +131,8 @@ class LlamaModel(nnx.Module):
             )  # fmt: skip
             x = x + matmul(a.reshape(t, -1), "wo", layer)  # [T, D]
             h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            gate_up = matmul(h, "w_gate_up", layer).reshape(t, 2, -1)  # [T, 2, F]
-            gate, up = gate_up[:, 0], gate_up[:, 1]  # [T, F] each
+            gate_up = matmul(h, "w_gate_up", layer).reshape(t, -1, 2)  # [T, F, 2]
+            gate, up = gate_up[..., 0], gate_up[..., 1]  # [T, F] each
             x = x + matmul(jax.nn.silu(gate) * up, "w_down", layer)  # [T, D]
             return (x, kv_cache), None
 
@@ -154,10 +158,12 @@ class LlamaModel(nnx.Module):
 
 
 def _as_layer_matrices(name: str, w: jax.Array) -> jax.Array:
-    """A projection's weight [L, ...] viewed as [L, K, N], K being its input features."""
-    if name == "wo":  # [L, Hq, Hd, D]
+    """A projection's weight [L, ...] viewed as [L, K, N], K being its input features: `wo`
+    [L, Hq, Hd, D] merges its leading (major) axes, which moves no data on any backend; the
+    others are stored so."""
+    if name == "wo":
         return w.reshape(w.shape[0], -1, w.shape[-1])
-    return w.reshape(*w.shape[:2], -1)  # wqkv [L, D, Hkv, G + 2, Hd], w_gate_up, w_down
+    return w
 
 
 def lay_out_weights(state: nnx.State, matmul_impl: str) -> nnx.State:
@@ -182,18 +188,20 @@ def lay_out_weights(state: nnx.State, matmul_impl: str) -> nnx.State:
 def fuse_projections(cfg: ModelConfig, layers: dict[str, Any]) -> dict[str, Any]:
     """Loader layer weights (HF names: wq [L, D, Hq, Hd], wk, wv, w_gate [L, D, F], w_up, and
     biases bq, bk, bv) -> this model's fused `wqkv`, `bqkv`, `w_gate_up` (see the module
-    docstring); other entries pass through. Runs on host numpy, once per load."""
+    docstring for their column order); other entries pass through. Runs on host numpy, once
+    per load."""
     out = {k: v for k, v in layers.items() if k not in _UNFUSED}
     L, D, Hkv, Hd = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
     G = cfg.num_heads // Hkv
     q = np.asarray(layers["wq"]).reshape(L, D, Hkv, G, Hd)
     k, v = (np.asarray(layers[n]).reshape(L, D, Hkv, 1, Hd) for n in ("wk", "wv"))
-    out["wqkv"] = np.concatenate([q, k, v], axis=3)
+    out["wqkv"] = np.concatenate([q, k, v], axis=3).reshape(L, D, -1)
     if cfg.attention_bias:
         bq = np.asarray(layers["bq"]).reshape(L, Hkv, G, Hd)
         bk, bv = (np.asarray(layers[n]).reshape(L, Hkv, 1, Hd) for n in ("bk", "bv"))
         out["bqkv"] = np.concatenate([bq, bk, bv], axis=2)
-    out["w_gate_up"] = np.stack([np.asarray(layers["w_gate"]), np.asarray(layers["w_up"])], 2)
+    gate_up = np.stack([np.asarray(layers["w_gate"]), np.asarray(layers["w_up"])], axis=-1)
+    out["w_gate_up"] = gate_up.reshape(L, D, -1)
     return out
 
 

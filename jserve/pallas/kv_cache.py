@@ -1,8 +1,15 @@
-"""The paged KV pool: its one layout, and the write of one step's K/V into it.
+"""The paged KV pool: its layout (one per attention implementation), and the write of one
+step's K/V into it.
 
-Layout (owned by `kv_cache_shape`, shared by every attention implementation):
+Layout (owned by `kv_cache_shape`; every implementation reads the pool as it asks for it):
 
-    k_pool, v_pool: [num_layers, num_blocks, num_kv_heads, block_size, head_dim]
+    k_pool, v_pool: [num_layers, num_blocks, num_kv_heads, block_size / p, head_dim * p]
+
+where p (`kv_tokens_per_row`) is how many tokens one row holds side by side: 1 (the canonical
+layout [L, blocks, heads, block_size, head_dim]) for every implementation but the Mosaic (TPU)
+kernel with a head_dim below a TPU vector's 128 lanes, which packs 128 / head_dim tokens per
+row. Either way the packed pool is the canonical one reshaped in row-major order (row r of a
+block holds tokens p r .. p r + p - 1), so the bytes are the same; only the shape differs.
 
 Why this order:
 - The layer axis leads so the model's `lax.scan` carries the whole pool and each layer touches
@@ -11,24 +18,51 @@ Why this order:
   (num_kv_heads * block_size * head_dim elements): the CPU paths fetch a page for
   all heads with one dynamic slice, and pages concatenate along the token axis straight into the
   [num_kv_heads, tokens, head_dim] operand of a head-batched matmul, with no transpose.
-- Heads come before tokens inside a block, so one (block, head) tile [block_size, head_dim] is
-  contiguous: a GPU program serving one KV head reads whole contiguous rows (coalesced) and a TPU
-  kernel DMAs whole (block_size, head_dim) tiles without lane slicing.
+- Heads come before tokens inside a block, so one (block, head) tile is contiguous: a GPU
+  program serving one KV head reads whole contiguous rows (coalesced) and a TPU kernel DMAs
+  whole tiles without lane slicing.
+- Rows of 128 lanes on TPU: a TPU array's minor dimension is tiled by 128 lanes, so a minor
+  dimension of 64 would make XLA pick a transposed layout for the pool (blocks minor-most,
+  which wastes nothing) and copy the whole pool into the kernel's row-major layout around
+  every call: about twice the pool in scratch. Packed rows are already the kernel's layout.
 - K and V are two arrays of the same shape: the write is two scatters, the attention reads both.
 Block 0 is the sink: pad tokens write there and padded table entries point there.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
+
+LANES, SUBLANES = 128, 8  # a TPU vector register's (8, 128) tile: the tile of every TPU array
+
+
+def kv_tokens_per_row(impl: str, head_dim: int, block_size: int) -> int:
+    """Tokens one pool row holds side by side for implementation `impl` (see the module
+    docstring): 128 / head_dim for "mosaic" when head_dim divides 128 lanes and a block still
+    fills whole 8-row tiles, else 1."""
+    if impl == "auto":
+        raise ValueError("the KV layout belongs to one implementation: resolve 'auto' first")
+    per_row = LANES // head_dim
+    packed = impl == "mosaic" and head_dim < LANES and LANES % head_dim == 0
+    return per_row if packed and block_size % (per_row * SUBLANES) == 0 else 1
 
 
 def kv_cache_shape(
-    num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int
+    num_layers: int,
+    num_blocks: int,
+    block_size: int,
+    num_kv_heads: int,
+    head_dim: int,
+    *,
+    impl: str,
 ) -> tuple[int, int, int, int, int]:
-    """Shape of each of the K and V pools (see the module docstring for why this order)."""
+    """Shape of each of the K and V pools as attention implementation `impl` reads them (see
+    the module docstring for why this order and when rows hold several tokens)."""
     dims = {
         "num_layers": num_layers,
         "num_blocks": num_blocks,
@@ -43,24 +77,27 @@ def kv_cache_shape(
         raise ValueError(
             f"num_blocks must be >= 2 (block 0 is the sink, never allocated); got {num_blocks}"
         )
-    return (num_layers, num_blocks, num_kv_heads, block_size, head_dim)
+    per_row = kv_tokens_per_row(impl, head_dim, block_size)
+    return (num_layers, num_blocks, num_kv_heads, block_size // per_row, head_dim * per_row)
 
 
 def validate_write_kv_shapes(
     k_pool: jax.Array, v_pool: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
-) -> None:
-    """Static (shape and dtype) checks of `write_kv`'s arguments; raises ValueError."""
+) -> int:
+    """Static (shape and dtype) checks of `write_kv`'s arguments; returns the tokens per pool
+    row (see the module docstring). Raises ValueError."""
     if k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
         raise ValueError(
             "k_pool and v_pool must both have the kv_cache_shape layout "
-            "[num_layers, num_blocks, num_kv_heads, block_size, head_dim]; "
+            "[num_layers, num_blocks, num_kv_heads, block_size / p, head_dim * p]; "
             f"got k_pool {k_pool.shape} and v_pool {v_pool.shape}"
         )
-    _, _, num_kv_heads, _, head_dim = k_pool.shape
-    if k.ndim != 3 or k.shape != v.shape or k.shape[1:] != (num_kv_heads, head_dim):
+    _, _, num_kv_heads, _, row_width = k_pool.shape
+    head_dim = k.shape[-1] if k.ndim == 3 else 0
+    if k.ndim != 3 or k.shape != v.shape or k.shape[1] != num_kv_heads or row_width % head_dim:
         raise ValueError(
-            f"k and v must be [T, num_kv_heads={num_kv_heads}, head_dim={head_dim}]; "
-            f"got k {k.shape} and v {v.shape}"
+            f"k and v must be [T, num_kv_heads={num_kv_heads}, head_dim] with head_dim "
+            f"dividing the pool's rows of {row_width}; got k {k.shape} and v {v.shape}"
         )
     if slot_mapping.shape != (k.shape[0],) or slot_mapping.dtype != jnp.int32:
         raise ValueError(
@@ -72,6 +109,7 @@ def validate_write_kv_shapes(
             f"k/v dtypes ({k.dtype}, {v.dtype}) must match the pools' "
             f"({k_pool.dtype}, {v_pool.dtype}); cast before writing"
         )
+    return row_width // head_dim
 
 
 def validate_slot_mapping(
@@ -91,26 +129,55 @@ def validate_slot_mapping(
         raise ValueError(f"layer = {int(layer)} is outside [0, num_layers={num_layers})")
 
 
-@jax.jit
+# Mosaic's write: each (token, head)'s D values go to (layer, block, head, row, first lane), a
+# window along the minor (lane) axis only, so the layout the kernel reads is also the scatter's.
+# A window across heads (the canonical write, one per token) made XLA's TPU compiler lay the
+# pool out heads-minor for the write and copy it whole around the kernel, at every head_dim. On
+# CPU the canonical write is the faster of the two at large steps.
+_ROW_WRITE = lax.ScatterDimensionNumbers(
+    update_window_dims=(2,),
+    inserted_window_dims=(0, 1, 2, 3),
+    scatter_dims_to_operand_dims=(0, 1, 2, 3, 4),
+)
+
+
+@functools.partial(jax.jit, static_argnames="impl")
 def write_kv(
-    k_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
-    v_pool: jax.Array,  # [L, num_blocks, Hkv, block_size, D]
+    k_pool: jax.Array,  # [L, num_blocks, Hkv, block_size / p, D * p] (kv_cache_shape)
+    v_pool: jax.Array,  # same
     k: jax.Array,  # [T, Hkv, D] this step's keys
     v: jax.Array,  # [T, Hkv, D] this step's values
     slot_mapping: jax.Array,  # [T] int32 flat slot: block_id * block_size + offset
     layer: jax.Array,  # [] int32 (traced) layer to write
+    *,
+    impl: str,  # the attention implementation whose layout the pools have (not "auto")
 ) -> tuple[jax.Array, jax.Array]:
     """Scatter this step's K/V of one layer into the pools and return the new pools.
 
     Only the T slots of `layer` named by `slot_mapping` change; pad tokens' slots point into the
     sink block 0. Inside a jitted step that donates the pools (or a `lax.scan` carrying them)
     XLA performs the scatter in place. Slots repeated within one call (pad tokens sharing a sink
-    slot) keep an unspecified one of their values.
+    slot) keep an unspecified one of their values. Token `offset` of a block is pool row
+    offset // p, lanes from (offset % p) * D (kv_cache_shape's p).
     """
-    validate_write_kv_shapes(k_pool, v_pool, k, v, slot_mapping)
-    block_size = k_pool.shape[3]
+    per_row = validate_write_kv_shapes(k_pool, v_pool, k, v, slot_mapping)
+    block_size = k_pool.shape[3] * per_row
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size
-    # Advanced indices separated by the head slice put the token axis first: [T, Hkv, D].
-    k_pool = k_pool.at[layer, blocks, :, offsets].set(k, mode="drop")
-    v_pool = v_pool.at[layer, blocks, :, offsets].set(v, mode="drop")
+    if impl != "mosaic":  # the canonical layout: one [Hkv, D] window per token
+        k_pool = k_pool.at[layer, blocks, :, offsets].set(k, mode="drop")
+        v_pool = v_pool.at[layer, blocks, :, offsets].set(v, mode="drop")
+        return k_pool, v_pool
+    num_tokens, num_kv_heads, head_dim = k.shape
+    columns = [
+        jnp.asarray(layer, jnp.int32),
+        blocks[:, None],
+        jnp.arange(num_kv_heads, dtype=jnp.int32)[None, :],
+        (offsets // per_row)[:, None],
+        (offsets % per_row * head_dim)[:, None],
+    ]
+    shape = (num_tokens, num_kv_heads)
+    where = jnp.stack([jnp.broadcast_to(c, shape) for c in columns], axis=-1)  # [T, Hkv, 5]
+    mode = lax.GatherScatterMode.FILL_OR_DROP
+    k_pool = lax.scatter(k_pool, where, k, _ROW_WRITE, mode=mode)
+    v_pool = lax.scatter(v_pool, where, v, _ROW_WRITE, mode=mode)
     return k_pool, v_pool

@@ -58,6 +58,7 @@ def ragged_paged_attention(
     soft_cap: float | None = None,
     impl: str = "auto",
     interpret: bool | None = None,
+    platform: str | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of queries over a paged KV pool, for one layer.
 
@@ -72,8 +73,9 @@ def ragged_paged_attention(
 
     Args:
       q: [T, Hq, D] queries of all scheduled tokens, T padded to a bucket.
-      k_pool: [L, num_blocks, Hkv, block_size, D] keys of all layers (`kv_cache_shape`).
-      v_pool: [L, num_blocks, Hkv, block_size, D] values of all layers.
+      k_pool: keys of all layers, laid out as `kv_cache_shape(..., impl=<the implementation>)`
+        gives ([L, num_blocks, Hkv, block_size, D] but for Mosaic with head_dim < 128).
+      v_pool: values of all layers, the same layout.
       block_tables: [S, max_blocks] int32 pool block of each sequence's i-th block; S padded.
       cu_q_lens: [S + 1] int32 cumulative query lengths; only [:num_seqs + 1] is read.
       kv_lens: [S] int32 context length of each sequence including this step's tokens.
@@ -88,17 +90,21 @@ def ragged_paged_attention(
       interpret: for "triton" / "mosaic": None runs natively on their backend and interprets
         elsewhere; True forces the interpreter. "interpret" always interprets (False is an
         error); "reference", "xla" and "native" take None only.
+      platform: the platform the call is compiled for, which "auto" and `interpret=None`
+        follow (default: jax.default_backend()); compiling for a chip this process lacks
+        (jserve.aot) names it here.
 
     Returns:
       [T, Hq, D] attention outputs in q's dtype.
     """
-    chosen = choose_impl(dtype=q.dtype) if impl == "auto" else impl
+    platform = platform or jax.default_backend()
+    chosen = choose_impl(platform, q.dtype) if impl == "auto" else impl
     if chosen not in _IMPL_TABLE:
         raise ValueError(f"impl must be 'auto' or one of {IMPLS}; got {impl!r}")
     fn, native = _IMPL_TABLE[chosen]
     call = RaggedCall.make(
         q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
-        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=chosen,
     )  # fmt: skip
     if native == "never":
         if interpret is not None:
@@ -109,5 +115,5 @@ def ragged_paged_attention(
             raise ValueError(f"impl={chosen!r} only runs in interpret mode; got interpret=False")
         return fn(call)
     if interpret is None:
-        interpret = jax.default_backend() not in native
+        interpret = platform not in native
     return fn(call, interpret=interpret)

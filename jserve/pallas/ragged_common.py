@@ -9,7 +9,8 @@ Masking rules every kernel follows, so NaN in memory it must not read can never 
 - scores of disallowed positions are replaced (not added to) by `MASK_VALUE`, and their
   probabilities are set to exactly 0;
 - V rows at positions `>= kv_lens[s]` (stale slots, sink pages) are zeroed before `p @ v`,
-  because `0 * NaN` is NaN;
+  because `0 * NaN` is NaN; in a layout with several tokens per pool row (Mosaic's, see
+  `kv_cache`), K's lanes of those positions too, since a live token's row holds them;
 - a row that sees no position (padding) keeps a zero denominator and its output is exactly 0.
 """
 
@@ -23,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from jserve.pallas.kv_cache import kv_cache_shape
 
 # Finite so that `m_prev - m_new` is 0 (not NaN) while a row has seen nothing yet.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -41,6 +44,7 @@ class RaggedDims(NamedTuple):
     block_size: int  # tokens per block
     max_seqs: int  # S, padded sequence bucket
     max_blocks: int  # block table columns per sequence
+    tokens_per_row: int = 1  # p: tokens side by side in one pool row (kv_cache.kv_tokens_per_row)
 
     @property
     def group_size(self) -> int:
@@ -60,6 +64,24 @@ def check_tile_options(**options: int) -> None:
             raise ValueError(f"{name} must be an int >= 1; got {value!r}")
 
 
+def _pool_layout(shape: tuple[int, ...], head_dim: int, impl: str) -> tuple[int, int]:
+    """(block_size, tokens per row) of a pool of `shape`; ValueError unless it is laid out as
+    `impl` reads it (kv_cache_shape)."""
+    num_layers, num_blocks, num_kv_heads, pool_rows, row_width = shape
+    tokens_per_row = max(1, row_width // head_dim)
+    block_size = pool_rows * tokens_per_row
+    want = kv_cache_shape(
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim, impl=impl
+    ) if row_width % head_dim == 0 else None  # fmt: skip
+    if tuple(shape) != want:
+        raise ValueError(
+            f"impl={impl!r} reads pools laid out as kv_cache_shape(..., impl={impl!r}); for "
+            f"q's head_dim {head_dim} and these pools that is {want and list(want)}, got "
+            f"{list(shape)}"
+        )
+    return block_size, tokens_per_row
+
+
 def validate_attention_shapes(
     q: jax.Array,
     k_pool: jax.Array,
@@ -72,20 +94,21 @@ def validate_attention_shapes(
     sm_scale: float,
     sliding_window: int | None,
     soft_cap: float | None,
+    impl: str,
 ) -> RaggedDims:
-    """Static checks (shapes, dtypes, options); returns the sizes. Raises ValueError."""
+    """Static checks (shapes, dtypes, options, the pools' layout for implementation `impl`);
+    returns the sizes. Raises ValueError."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim]; got shape {list(q.shape)}")
     if k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
         raise ValueError(
             "k_pool and v_pool must both have the kv_cache_shape layout "
-            "[num_layers, num_blocks, num_kv_heads, block_size, head_dim]; "
+            "[num_layers, num_blocks, num_kv_heads, block_size / p, head_dim * p]; "
             f"got k_pool {list(k_pool.shape)} and v_pool {list(v_pool.shape)}"
         )
     num_tokens, num_q_heads, head_dim = q.shape
-    num_layers, num_blocks, num_kv_heads, block_size, pool_head_dim = k_pool.shape
-    if pool_head_dim != head_dim:
-        raise ValueError(f"q head_dim ({head_dim}) != pool head_dim ({pool_head_dim})")
+    num_layers, num_blocks, num_kv_heads, _, _ = k_pool.shape
+    block_size, tokens_per_row = _pool_layout(k_pool.shape, head_dim, impl)
     if num_q_heads % num_kv_heads:
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
@@ -118,7 +141,7 @@ def validate_attention_shapes(
         raise ValueError(f"soft_cap must be None or a positive float; got {soft_cap!r}")
     return RaggedDims(
         num_tokens, num_q_heads, head_dim, num_layers, num_blocks, num_kv_heads, block_size,
-        max_seqs, max_blocks,
+        max_seqs, max_blocks, tokens_per_row,
     )  # fmt: skip
 
 
@@ -134,8 +157,8 @@ class RaggedCall:
     """
 
     q: jax.Array  # [T, Hq, D]
-    k_pool: jax.Array  # [L, num_blocks, Hkv, block_size, D]
-    v_pool: jax.Array  # [L, num_blocks, Hkv, block_size, D]
+    k_pool: jax.Array  # [L, num_blocks, Hkv, block_size / p, D * p] (kv_cache_shape)
+    v_pool: jax.Array  # same
     block_tables: jax.Array  # [S, max_blocks] int32
     cu_q_lens: jax.Array  # [S + 1] int32
     kv_lens: jax.Array  # [S] int32
@@ -161,10 +184,12 @@ class RaggedCall:
         sm_scale: float,
         sliding_window: int | None = None,
         soft_cap: float | None = None,
+        impl: str,
     ) -> RaggedCall:
-        """Validate the arguments (ValueError naming the offender) and bundle them."""
+        """Validate the arguments for implementation `impl` (ValueError naming the offender)
+        and bundle them."""
         arrays = (q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer)
-        dims = validate_attention_shapes(*arrays, sm_scale, sliding_window, soft_cap)
+        dims = validate_attention_shapes(*arrays, sm_scale, sliding_window, soft_cap, impl)
         return cls(*arrays, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                    dims=dims)  # fmt: skip
 

@@ -7,8 +7,17 @@ program loops over those sequences and, for each, over chunks of `pages_per_chun
 KV head, copied HBM -> VMEM by DMA into a two-slot buffer (chunk c + 1 is in flight while chunk
 c is computed). Sequence lengths, block tables (flattened: SMEM pads 2-D arrays) and each
 block's first/last sequence are scalar-prefetched into SMEM. Per-row metadata (owning sequence,
-last visible position) comes precomputed as int32 [rows, 1] tiles, which keeps integer division
-out of the kernel. Rows no sequence owns keep a zero denominator and come out exactly 0.
+last visible position, part of the pool row) comes precomputed as int32 [rows, 1] tiles, which
+keeps integer division out of the kernel.
+
+The pool is read in the layout `kv_cache_shape(..., impl="mosaic")` gives it, so XLA never
+copies it around the call: with head_dim below 128 lanes each pool row holds p = 128 / head_dim
+tokens side by side. The kernel then works on p copies of the query rows, copy j holding q in
+lanes j D .. (j + 1) D and zeros elsewhere: copy j's scores against the packed rows are exactly
+those of the tokens in lane part j, and each copy keeps its own online softmax over its own
+tokens. The wrapper merges the p partial softmaxes of each row (as flash-decoding merges KV
+splits) and takes each copy's own lanes. With p = 1 this is plain flash attention. Rows no
+sequence owns keep a zero denominator and come out exactly 0.
 """
 
 from __future__ import annotations
@@ -59,17 +68,20 @@ def _kernel(
     layer_ref,  # [1]
     first_seq_ref,  # [num_q_blocks] first sequence with rows in the block
     last_seq_ref,  # [num_q_blocks] last one (< first when the block is padding)
-    # Inputs:
-    q_ref,  # VMEM [block_q * group, D] rows (token, head in group) of one KV head
-    row_seq_ref,  # VMEM [block_q * group, 1] owning sequence of each row (S: none)
-    row_ctx_ref,  # VMEM [block_q * group, 1] last position each row may see
-    k_hbm,  # HBM [L, num_blocks, Hkv, block_size, D]
-    v_hbm,  # HBM [L, num_blocks, Hkv, block_size, D]
-    # Output:
-    o_ref,  # VMEM [block_q * group, D]
+    # Inputs (R = p * block_q * group rows: p copies of the (token, head in group) rows):
+    q_ref,  # VMEM [R, p * D] rows of one KV head, copy j in lanes j D .. (j + 1) D
+    row_seq_ref,  # VMEM [R, 1] owning sequence of each row (S: none)
+    row_ctx_ref,  # VMEM [R, 1] last position each row may see
+    row_part_ref,  # VMEM [R, 1] the row's copy j: it sees the tokens in lane part j
+    k_hbm,  # HBM [L, num_blocks, Hkv, block_size / p, p * D]
+    v_hbm,  # HBM [L, num_blocks, Hkv, block_size / p, p * D]
+    # Outputs: each row's partial softmax over its lane part's tokens
+    acc_ref,  # VMEM [R, p * D] float32 unnormalized
+    max_ref,  # VMEM [R, 1] float32 running max
+    denom_ref,  # VMEM [R, 1] float32 denominator
     # Scratch:
-    k_buf,  # VMEM [2, pages_per_chunk, block_size, D]
-    v_buf,  # VMEM [2, pages_per_chunk, block_size, D]
+    k_buf,  # VMEM [2, pages_per_chunk, block_size / p, p * D]
+    v_buf,  # VMEM [2, pages_per_chunk, block_size / p, p * D]
     sems,  # DMA semaphores [2 (k, v), 2 (slot)]
     *,
     dims: RaggedDims,
@@ -82,10 +94,16 @@ def _kernel(
 ):
     head, block = pl.program_id(0), pl.program_id(1)
     chunk = pages_per_chunk * dims.block_size
+    per_row, width = dims.tokens_per_row, dims.tokens_per_row * dims.head_dim
     layer = layer_ref[0]
     # Scaled in float32, then back to the pool dtype: bf16 pools feed the MXU bf16 x bf16.
     q = (q_ref[...].astype(jnp.float32) * sm_scale).astype(k_buf.dtype)
-    row_seq, row_ctx = row_seq_ref[...], row_ctx_ref[...]
+    row_seq, row_ctx, row_part = row_seq_ref[...], row_ctx_ref[...], row_part_ref[...]
+    # Token of (pool row r, lane l) of a chunk, less the chunk's first: p r + (l // D).
+    token_of_lane = per_row * lax.broadcasted_iota(jnp.int32, (chunk // per_row, width), 0)
+    if per_row > 1:  # D is a power of two here (it divides 128)
+        lane = lax.broadcasted_iota(jnp.int32, (chunk // per_row, width), 1)
+        token_of_lane += lax.shift_right_logical(lane, dims.head_dim.bit_length() - 1)
 
     def copies(seq, c, slot):
         """The 2 * pages_per_chunk DMAs that bring chunk c of `seq` into buffer `slot`."""
@@ -128,24 +146,28 @@ def _kernel(
                 for cp in copies(seq, c + 1, 1 - slot):
                     cp.start()
 
-            k = k_buf[slot].reshape(chunk, dims.head_dim)
-            v = v_buf[slot].reshape(chunk, dims.head_dim)
-            live = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0) < kv_len
+            k = k_buf[slot].reshape(chunk // per_row, width)
+            v = v_buf[slot].reshape(chunk // per_row, width)
+            live = c * chunk + token_of_lane < kv_len
             v = jnp.where(live, v, jnp.zeros_like(v))
-            scores = cap_scores(qk(q, k), soft_cap)  # [rows, C] float32
-            pos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)
-            mask = allowed(pos, row_ctx, kv_len, sliding_window) & (row_seq == seq)
+            if per_row > 1:  # a live token's row may hold a stale one, whose lanes meet q's 0s
+                k = jnp.where(live, k, jnp.zeros_like(k))
+            scores = cap_scores(qk(q, k), soft_cap)  # [R, C / p] float32
+            # Column i of copy j's scores is the chunk's token p i + j.
+            first = c * chunk + per_row * lax.broadcasted_iota(jnp.int32, (1, chunk // per_row), 1)
+            mask = allowed(first + row_part, row_ctx, kv_len, sliding_window) & (row_seq == seq)
             return online_softmax_step(carry, scores, mask, v)
 
         return lax.fori_loop(c_lo, c_hi, chunk_step, carry)
 
-    init = online_softmax_init((q.shape[0],), dims.head_dim)
-    _, denom, acc = lax.fori_loop(first_seq_ref[block], last_seq_ref[block] + 1, seq_step, init)
-    o_ref[...] = online_softmax_finish(denom, acc).astype(o_ref.dtype)
+    init = online_softmax_init((q.shape[0],), width)
+    m, denom, acc = lax.fori_loop(first_seq_ref[block], last_seq_ref[block] + 1, seq_step, init)
+    acc_ref[...], max_ref[...], denom_ref[...] = acc, m, denom
 
 
 def _row_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens, group):
-    """Per-token owner sequence and last visible position, each row repeated per head."""
+    """Per-token owner sequence, and per row (token, head in group) its owner sequence and last
+    visible position, [T * group, 1] each."""
     max_seqs = kv_lens.shape[0]
     seq = token_seq_ids(cu_q_lens, num_seqs, num_tokens)
     real = seq < max_seqs
@@ -153,6 +175,37 @@ def _row_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens, group):
     ctx = kv_lens[s] - (cu_q_lens[s + 1] - cu_q_lens[s]) + jnp.arange(num_tokens) - cu_q_lens[s]
     ctx = jnp.where(real, ctx, -1).astype(jnp.int32)
     return seq, jnp.repeat(seq, group)[:, None], jnp.repeat(ctx, group)[:, None]
+
+
+def _copies(x: jax.Array, rows: int, per_row: int) -> jax.Array:
+    """[..., n * rows, w] -> [..., n * per_row * rows, w]: each block of `rows` rows repeated
+    `per_row` times (the kernel's row copies)."""
+    blocks = x.reshape(*x.shape[:-2], -1, 1, rows, x.shape[-1])
+    blocks = jnp.broadcast_to(blocks, (*blocks.shape[:-3], per_row, rows, x.shape[-1]))
+    return blocks.reshape(*x.shape[:-2], -1, x.shape[-1])
+
+
+def _spread_lanes(q: jax.Array, rows: int, per_row: int) -> jax.Array:
+    """q [Hkv, n * rows, D] -> [Hkv, n * per_row * rows, per_row * D]: copy j of each block
+    holds the block in lanes j D .. (j + 1) D and zeros elsewhere."""
+    hkv, _, d = q.shape
+    blocks = q.reshape(hkv, -1, 1, rows, 1, d)
+    eye = jnp.eye(per_row, dtype=q.dtype).reshape(1, 1, per_row, 1, per_row, 1)
+    return (blocks * eye).reshape(hkv, -1, per_row * d)
+
+
+def _merge_copies(acc, m, denom, rows: int, per_row: int, head_dim: int) -> jax.Array:
+    """The kernel's per-copy partial softmaxes -> [Hkv, n * rows, D]: copy j's own lanes,
+    merged over the copies by their maxima, normalized (rows that saw nothing: exactly 0)."""
+    hkv = acc.shape[0]
+    acc = acc.reshape(hkv, -1, per_row, rows, per_row, head_dim)
+    own = jnp.eye(per_row, dtype=bool).reshape(1, 1, per_row, 1, per_row, 1)
+    acc = jnp.where(own, acc, 0.0).sum(axis=4)  # [Hkv, n, p, rows, D]
+    m = m.reshape(hkv, -1, per_row, rows, 1)
+    weight = jnp.exp(m - m.max(axis=2, keepdims=True))
+    denom = (weight * denom.reshape(m.shape)).sum(axis=2)
+    out = online_softmax_finish(denom, (weight * acc).sum(axis=2))  # [Hkv, n, rows, D]
+    return out.reshape(hkv, -1, head_dim)
 
 
 @functools.partial(jax.jit, static_argnames=("block_q", "pages_per_chunk", "interpret"))
@@ -165,56 +218,88 @@ def ragged_paged_attention_mosaic(
 ) -> jax.Array:
     """Ragged paged attention by the Mosaic kernel (interpret=True: the TPU interpreter on CPU);
     see `ragged_paged_attention` for the call. Padded tokens' outputs are exactly 0."""
-    validate_mosaic_config(call.dims, block_q, pages_per_chunk)
-    hkv, group, d = call.dims.num_kv_heads, call.dims.group_size, call.dims.head_dim
-    num_blocks_q = pl.cdiv(call.dims.num_tokens, block_q)
+    dims = call.dims
+    validate_mosaic_config(dims, block_q, pages_per_chunk)
+    hkv, group, d, per_row = dims.num_kv_heads, dims.group_size, dims.head_dim, dims.tokens_per_row
+    num_blocks_q = pl.cdiv(dims.num_tokens, block_q)
     padded_tokens = num_blocks_q * block_q
     rows = block_q * group
     # [T, Hq, D] -> [Hkv, padded_tokens * group, D], row = token * group + head in group.
-    qt = jnp.pad(call.q, ((0, padded_tokens - call.dims.num_tokens), (0, 0), (0, 0)))
+    qt = jnp.pad(call.q, ((0, padded_tokens - dims.num_tokens), (0, 0), (0, 0)))
     qt = qt.reshape(padded_tokens, hkv, group, d).transpose(1, 0, 2, 3).reshape(hkv, -1, d)
     token_seq, row_seq, row_ctx = _row_metadata(
         call.cu_q_lens, call.kv_lens, call.num_seqs, padded_tokens, group
     )
+    part = jnp.arange(per_row, dtype=jnp.int32).reshape(1, per_row, 1, 1)
+    row_part = jnp.broadcast_to(part, (num_blocks_q, per_row, rows, 1)).reshape(-1, 1)
     starts = jnp.arange(num_blocks_q) * block_q
     last_token = jnp.minimum(starts + block_q, call.cu_q_lens[call.num_seqs.reshape(())]) - 1
     first_seq = token_seq[starts]
     last_seq = jnp.where(last_token >= starts, token_seq[jnp.maximum(last_token, 0)], first_seq - 1)
     tables = pad_table_columns(call.block_tables, pages_per_chunk)
+    operands = (
+        call.cu_q_lens, call.kv_lens, tables.reshape(-1), call.layer.reshape(1),
+        first_seq, last_seq, _spread_lanes(qt, rows, per_row), _copies(row_seq, rows, per_row),
+        _copies(row_ctx, rows, per_row), row_part, call.k_pool, call.v_pool,
+    )  # fmt: skip
+    acc, m, denom = _call_kernel(
+        call, operands, block_q, pages_per_chunk, tables.shape[1], num_blocks_q, interpret
+    )
+    out = _merge_copies(acc, m, denom, rows, per_row, d).astype(call.q.dtype)
+    out = out.reshape(hkv, padded_tokens, group, d)[:, : dims.num_tokens]
+    return out.transpose(1, 0, 2, 3).reshape(dims.num_tokens, hkv * group, d)
+
+
+def _call_kernel(
+    call: RaggedCall,
+    operands: tuple[jax.Array, ...],
+    block_q: int,
+    pages_per_chunk: int,
+    table_stride: int,
+    num_blocks_q: int,
+    interpret: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The pallas_call over grid (KV head, query block): each row's partial softmax."""
+    dims = call.dims
     kernel = functools.partial(
         _kernel,
-        dims=call.dims,
+        dims=dims,
         block_q=block_q,
         pages_per_chunk=pages_per_chunk,
-        table_stride=tables.shape[1],
+        table_stride=table_stride,
         sm_scale=call.sm_scale,
         sliding_window=call.sliding_window,
         soft_cap=call.soft_cap,
     )
-    rows_spec = pl.BlockSpec((rows, 1), lambda h, i, *_: (i, 0))
-    tile_spec = pl.BlockSpec((None, rows, d), lambda h, i, *_: (h, i, 0))
-    page_buf = pltpu.VMEM((2, pages_per_chunk, call.dims.block_size, d), call.k_pool.dtype)
-    out = pl.pallas_call(
+    copies = dims.tokens_per_row * block_q * dims.group_size
+    width = dims.tokens_per_row * dims.head_dim
+    rows_spec = pl.BlockSpec((copies, 1), lambda h, i, *_: (i, 0))
+    tile_spec = pl.BlockSpec((None, copies, width), lambda h, i, *_: (h, i, 0))
+    stat_spec = pl.BlockSpec((None, copies, 1), lambda h, i, *_: (h, i, 0))
+    page_buf = pltpu.VMEM((2, pages_per_chunk, *call.k_pool.shape[3:]), call.k_pool.dtype)
+    out_rows = (dims.num_kv_heads, num_blocks_q * copies)
+    f32 = jnp.float32
+    return pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=6,
-            grid=(hkv, num_blocks_q),
+            grid=(dims.num_kv_heads, num_blocks_q),
             in_specs=[
                 tile_spec,
+                rows_spec,
                 rows_spec,
                 rows_spec,
                 pl.BlockSpec(memory_space=pl.ANY),
                 pl.BlockSpec(memory_space=pl.ANY),
             ],
-            out_specs=tile_spec,
+            out_specs=[tile_spec, stat_spec, stat_spec],
             scratch_shapes=[page_buf, page_buf, pltpu.SemaphoreType.DMA((2, 2))],
         ),
-        out_shape=jax.ShapeDtypeStruct(qt.shape, call.q.dtype),
+        out_shape=[
+            jax.ShapeDtypeStruct((*out_rows, width), f32),
+            jax.ShapeDtypeStruct((*out_rows, 1), f32),
+            jax.ShapeDtypeStruct((*out_rows, 1), f32),
+        ],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=pltpu.InterpretParams() if interpret else False,
-    )(
-        call.cu_q_lens, call.kv_lens, tables.reshape(-1), call.layer.reshape(1),
-        first_seq, last_seq, qt, row_seq, row_ctx, call.k_pool, call.v_pool,
-    )  # fmt: skip
-    out = out.reshape(hkv, padded_tokens, group, d)[:, : call.dims.num_tokens]
-    return out.transpose(1, 0, 2, 3).reshape(call.dims.num_tokens, hkv * group, d)
+    )(*operands)

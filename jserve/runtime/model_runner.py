@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -24,7 +25,7 @@ from flax import nnx
 from jserve.layers.attention import HeadSharding, PagedAttentionMetadata
 from jserve.models.config import ModelConfig
 from jserve.models.llama import MODEL_AXIS, lay_out_weights
-from jserve.pallas import kv_cache_shape
+from jserve.pallas import choose_impl, kv_cache_shape
 from jserve.pallas.layer_matmul import choose_matmul_impl
 from jserve.runtime.huge_pages import advise_huge_pages
 from jserve.runtime.startup import StartupPhase, describe_bucket
@@ -33,9 +34,23 @@ from jserve.runtime.step_inputs import StepInputs
 log = logging.getLogger(__name__)
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any) -> int:
-    """Bytes one block takes across all layers, K and V (asked of the kernel's layout)."""
-    two_blocks = kv_cache_shape(cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim)
+def mesh_platform(mesh: jax.sharding.Mesh) -> str:
+    """The platform a mesh's devices are ("cpu", "gpu", "tpu"): what its steps compile for,
+    which may not be this process's default backend (jserve.aot compiles for absent chips)."""
+    return mesh.devices.flat[0].platform
+
+
+def resolve_attn_impl(attn_impl: str, platform: str, dtype: Any) -> str:
+    """The attention implementation `attn_impl` ("auto" or a name) means on `platform`."""
+    return choose_impl(platform, dtype) if attn_impl == "auto" else attn_impl
+
+
+def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any, attn_impl: str) -> int:
+    """Bytes one block takes across all layers, K and V, in the layout implementation
+    `attn_impl` (resolved, not "auto") reads."""
+    two_blocks = kv_cache_shape(
+        cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim, impl=attn_impl
+    )  # fmt: skip
     one_block_one_pool = math.prod(two_blocks) // 2
     return 2 * one_block_one_pool * jnp.dtype(dtype).itemsize
 
@@ -48,6 +63,7 @@ def _model_step(
     attn_impl: str,  # static: attention implementation name
     heads: HeadSharding | None,  # static: how heads split over the mesh (None: one device)
     matmul_impl: str,  # static: how the layers' projections run (jserve.pallas.layer_matmul)
+    platform: str,  # static: the platform compiled for (kernels run natively there)
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     """Returns (logits [S, V] float32 of each sequence's last token, the new kv_cache)."""
     model = nnx.merge(graphdef, state)
@@ -59,6 +75,7 @@ def _model_step(
         num_seqs=inputs.num_seqs,
         impl=attn_impl,
         heads=heads,
+        platform=platform,
     )
     # Padding follows the real rows on both axes (cu_q_lens's pads hold the real token count).
     real_rows = (inputs.cu_q_lens[-1], inputs.num_seqs[0])
@@ -87,7 +104,82 @@ def _gathered_logits(logits: jax.Array, heads: HeadSharding) -> jax.Array:
     return jax.lax.with_sharding_constraint(logits, jax.sharding.NamedSharding(heads.mesh, spec()))
 
 
-_model_step_jit = jax.jit(_model_step, static_argnums=(0, 4, 5, 6), donate_argnums=(2,))
+_model_step_jit = jax.jit(_model_step, static_argnums=(0, 4, 5, 6, 7), donate_argnums=(2,))
+
+
+@dataclass(frozen=True)
+class ModelStep:
+    """How the model step is built and compiled on a mesh: the one description ModelRunner
+    compiles and runs and jserve.aot compiles for chips this machine lacks.
+
+    `attn_impl` is resolved for the mesh's platform (never "auto"): the KV pool's layout is that
+    implementation's (`kv_cache_shape`), so the pool and the kernel cannot disagree.
+    """
+
+    cfg: ModelConfig
+    graphdef: nnx.GraphDef
+    mesh: jax.sharding.Mesh
+    dtype: Any
+    attn_impl: str
+    matmul_impl: str
+
+    @classmethod
+    def make(
+        cls,
+        cfg: ModelConfig,
+        graphdef: nnx.GraphDef,
+        mesh: jax.sharding.Mesh,
+        dtype: Any,
+        attn_impl: str = "auto",
+    ) -> ModelStep:
+        platform = mesh_platform(mesh)
+        sharded = mesh.shape[MODEL_AXIS] > 1
+        # The native matmul is one device's kernel: a sharded model keeps XLA's partitioned dot.
+        matmul_impl = "xla" if sharded else choose_matmul_impl(platform, dtype)
+        impl = resolve_attn_impl(attn_impl, platform, dtype)
+        return cls(cfg, graphdef, mesh, dtype, impl, matmul_impl)
+
+    @property
+    def platform(self) -> str:
+        return mesh_platform(self.mesh)
+
+    @property
+    def heads(self) -> HeadSharding | None:
+        return HeadSharding(self.mesh, MODEL_AXIS) if self.mesh.shape[MODEL_AXIS] > 1 else None
+
+    def kv_cache_shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        cfg = self.cfg
+        return kv_cache_shape(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            impl=self.attn_impl,
+        )  # fmt: skip
+
+    def kv_cache_sharding(self) -> jax.sharding.NamedSharding:
+        """KV heads follow the attention heads' split over the mesh's model axis."""
+        spec = jax.sharding.PartitionSpec(None, None, MODEL_AXIS, None, None)
+        return jax.sharding.NamedSharding(self.mesh, spec)
+
+    def kv_cache_init(self, num_blocks: int, block_size: int) -> Any:
+        """The jitted function making a zero (k_pool, v_pool), placed on the mesh."""
+        shape = self.kv_cache_shape(num_blocks, block_size)
+        sharding = self.kv_cache_sharding()
+        return jax.jit(
+            lambda: (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)),
+            out_shardings=(sharding, sharding),
+        )
+
+    @property
+    def logits_sharding(self) -> jax.sharding.Sharding:
+        """Where the step's logits are read (the sampler must expect the same): this process's
+        first device of the mesh, which holds a full copy."""
+        return jax.sharding.SingleDeviceSharding(self.mesh.local_devices[0])
+
+    def lower(self, state: Any, kv_cache: Any, inputs: StepInputs) -> jax.stages.Lowered:
+        """The model step of `inputs`'s bucket, lowered (arrays or ShapeDtypeStructs)."""
+        return _model_step_jit.lower(
+            self.graphdef, state, kv_cache, inputs, self.attn_impl, self.heads, self.matmul_impl,
+            self.platform,
+        )  # fmt: skip
 
 
 class ModelRunner:
@@ -104,29 +196,22 @@ class ModelRunner:
         attn_impl: str = "auto",
     ) -> None:
         self.cfg = cfg
-        self.graphdef = graphdef
-        self.attn_impl = attn_impl
+        self.step = ModelStep.make(cfg, graphdef, mesh, dtype, attn_impl)
         self.mesh = mesh
-        self.heads = HeadSharding(mesh, MODEL_AXIS) if mesh.shape[MODEL_AXIS] > 1 else None
-        # The native matmul is one device's kernel: a sharded model keeps XLA's partitioned dot.
-        self.matmul_impl = "xla" if self.heads else choose_matmul_impl(dtype=dtype)
-        self.state = lay_out_weights(state, self.matmul_impl)
-        shape = kv_cache_shape(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim
-        )
-        # KV heads follow the attention heads' split over the mesh's model axis.
-        sharding = jax.sharding.NamedSharding(
-            mesh, jax.sharding.PartitionSpec(None, None, MODEL_AXIS, None, None)
-        )
-        self._zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+        self.state = lay_out_weights(state, self.step.matmul_impl)
+        self._zeros = self.step.kv_cache_init(num_blocks, block_size)
         self.reset_kv_cache()
         self._executables: dict[tuple[int, int], Any] = {}
+
+    @property
+    def matmul_impl(self) -> str:
+        return self.step.matmul_impl
 
     def reset_kv_cache(self) -> None:
         """A fresh (zero) KV pool, e.g. after a failed step consumed the donated one. Steps
         donate it and get it back in the same buffers, so its huge pages (asked for here)
         last."""
-        self.kv_cache = (self._zeros(), self._zeros())
+        self.kv_cache = self._zeros()
         advise_huge_pages(self.kv_cache)
 
     def precompile(
@@ -136,18 +221,14 @@ class ModelRunner:
         (jserve.runtime.startup); returns seconds taken."""
         with StartupPhase("model step", len(pairs)) as phase:
             for t, s in phase.each(pairs, describe_bucket):
-                lowered = _model_step_jit.lower(
-                    self.graphdef, self.state, self.kv_cache, example_inputs(t, s),
-                    self.attn_impl, self.heads, self.matmul_impl,
-                )  # fmt: skip
+                lowered = self.step.lower(self.state, self.kv_cache, example_inputs(t, s))
                 self._executables[(t, s)] = lowered.compile()
         return phase.seconds
 
     @property
     def logits_sharding(self) -> jax.sharding.Sharding:
-        """Where `run`'s logits live (the sampler must expect the same): this process's first
-        device of the mesh, which holds a full copy."""
-        return jax.sharding.SingleDeviceSharding(self.mesh.local_devices[0])
+        """Where `run`'s logits live (the sampler must expect the same)."""
+        return self.step.logits_sharding
 
     def hlo_text(self, tokens: int, seqs: int) -> str:
         """The optimized HLO of a bucket's executable: what a profile's op names refer to."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -14,18 +15,22 @@ from jserve.models.llama import MODEL_AXIS, LlamaModel, fuse_projections
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
 
-def resolve_dtype(name: str | None) -> Any:
-    """float32 on CPU (bfloat16 is 2-4x slower without AVX512-BF16), bfloat16 on GPU/TPU."""
+def resolve_dtype(name: str | None, platform: str | None = None) -> Any:
+    """The dtype `name` means on `platform` (default: jax.default_backend()): "auto" is
+    float32 on CPU (bfloat16 is 2-4x slower without AVX512-BF16), bfloat16 on GPU/TPU."""
     if name is None or name == "auto":
-        return jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+        return jnp.float32 if (platform or jax.default_backend()) == "cpu" else jnp.bfloat16
     if name not in DTYPES:
         raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {name!r}")
     return DTYPES[name]
 
 
-def make_mesh(tensor_parallel_size: int = 1) -> jax.sharding.Mesh:
-    """A 1-D mesh over the first `tensor_parallel_size` devices, axis "model"."""
-    devices = jax.devices()
+def make_mesh(
+    tensor_parallel_size: int = 1, devices: Sequence[jax.Device] | None = None
+) -> jax.sharding.Mesh:
+    """A 1-D mesh over the first `tensor_parallel_size` of `devices` (default: jax.devices();
+    jserve.aot passes a topology's compile-only devices), axis "model"."""
+    devices = jax.devices() if devices is None else list(devices)
     if not 1 <= tensor_parallel_size <= len(devices):
         raise ValueError(
             f"tensor_parallel_size={tensor_parallel_size}, but {len(devices)} device(s) are visible"
@@ -63,6 +68,21 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
         )
 
 
+def abstract_model(
+    cfg: ModelConfig, dtype: Any, mesh: jax.sharding.Mesh
+) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's static graph definition and its parameters as ShapeDtypeStructs carrying
+    their shardings on `mesh`: every shape and placement, no weights. `place_model` fills it;
+    jserve.aot compiles from it."""
+    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, dtype))
+    graphdef, state = nnx.split(abstract)
+    shardings = nnx.get_named_sharding(state, mesh)
+    state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state, shardings
+    )
+    return graphdef, state
+
+
 def place_model(
     cfg: ModelConfig, params: Any, dtype: Any, mesh: jax.sharding.Mesh
 ) -> tuple[nnx.GraphDef, nnx.State]:
@@ -72,9 +92,10 @@ def place_model(
     jserve.models.llama), before anything reaches a device.
     """
     params = {**params, "layers": fuse_projections(cfg, params["layers"])}
-    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, dtype))
-    graphdef, state = nnx.split(abstract)
-    shardings = nnx.get_named_sharding(state, mesh).to_pure_dict()
-    placed = jax.tree.map(lambda x, s: jax.device_put(jnp.asarray(x, dtype), s), params, shardings)
+    graphdef, state = abstract_model(cfg, dtype, mesh)
+    placed = jax.tree.map(
+        lambda x, a: jax.device_put(jnp.asarray(x, dtype), a.sharding), params,
+        state.to_pure_dict(),
+    )  # fmt: skip
     state.replace_by_pure_dict(placed)
     return graphdef, state

@@ -446,11 +446,17 @@ class Sampler:
         buckets = self.builder.seq_buckets
         with StartupPhase("sampler", len(buckets)) as phase:
             for s in phase.each(buckets, lambda s: f"seqs={s}"):
-                logits = jax.ShapeDtypeStruct(
-                    (s, self.builder.vocab_size), jnp.float32, sharding=logits_sharding
-                )
-                self._executables[s] = sample.lower(logits, self.builder.build([], s)).compile()
+                self._executables[s] = self.lower(s, logits_sharding).compile()
         return phase.seconds
+
+    def lower(
+        self, seq_bucket: int, logits_sharding: jax.sharding.Sharding | None = None
+    ) -> jax.stages.Lowered:
+        """`sample` lowered for logits of `seq_bucket` rows placed by `logits_sharding`."""
+        logits = jax.ShapeDtypeStruct(
+            (seq_bucket, self.builder.vocab_size), jnp.float32, sharding=logits_sharding
+        )
+        return sample.lower(logits, self.builder.build([], seq_bucket))
 
     def sample(self, logits: jax.Array, rows: Sequence[SamplingRow]) -> SampledTokens:
         """Sample the real `rows` from `logits` [S, V] (rows past len(rows) are padding).

@@ -1,6 +1,8 @@
 """Adversarial ragged batches and the float64 numpy attention every implementation must match.
 
-A case is given as `(q_len, kv_len)` per real sequence. Everything an implementation must not
+A case is given as `(q_len, kv_len)` per real sequence. Pools are built in the
+canonical layout and handed to each implementation reshaped to its own (`RaggedCase.args`).
+Everything an implementation must not
 read is NaN: other layers, the sink block, slots past each sequence's kv_len, table entries past
 a sequence's pages (they point at the sink), padded sequences' tables and padding query rows.
 """
@@ -40,7 +42,7 @@ class RaggedCase:
     """Host arrays of one call (argument order of ragged_paged_attention) and its sequences."""
 
     q: np.ndarray  # [T, Hq, D]
-    k_pool: np.ndarray  # [L, num_blocks, Hkv, block_size, D]
+    k_pool: np.ndarray  # [L, num_blocks, Hkv, block_size, D] (canonical)
     v_pool: np.ndarray
     block_tables: np.ndarray  # [S, max_blocks] int32
     cu_q_lens: np.ndarray  # [S + 1] int32
@@ -49,10 +51,16 @@ class RaggedCase:
     layer: np.ndarray  # [] int32
     seqs: list[tuple[int, int]]
 
-    def args(self) -> tuple[np.ndarray, ...]:
+    def args(self, impl: str) -> tuple[np.ndarray, ...]:
+        """The call's arguments, the pools laid out as `impl` reads them (a row-major
+        reshape of the canonical layout, see jserve.pallas.kv_cache)."""
+        num_layers, num_blocks, num_kv_heads, block_size, head_dim = self.k_pool.shape
+        shape = kv_cache_shape(
+            num_layers, num_blocks, block_size, num_kv_heads, head_dim, impl=impl
+        )  # fmt: skip
         return (
-            self.q, self.k_pool, self.v_pool, self.block_tables, self.cu_q_lens, self.kv_lens,
-            self.num_seqs, self.layer,
+            self.q, self.k_pool.reshape(shape), self.v_pool.reshape(shape), self.block_tables,
+            self.cu_q_lens, self.kv_lens, self.num_seqs, self.layer,
         )  # fmt: skip
 
 
@@ -76,7 +84,7 @@ def build_case(
     assert max(needed, default=0) <= max_blocks
     num_blocks = geo.num_blocks or 1 + max(shared, default=0) + sum(own) + 3
     assert num_blocks >= 1 + max(shared, default=0) + sum(own)
-    shape = kv_cache_shape(geo.num_layers, num_blocks, bs, geo.num_kv_heads, d)
+    shape = kv_cache_shape(geo.num_layers, num_blocks, bs, geo.num_kv_heads, d, impl="reference")
     k_pool = np.full(shape, np.nan, np.float32)
     v_pool = np.full(shape, np.nan, np.float32)
     free = 1 + rng.permutation(num_blocks - 1)  # never the sink
@@ -161,7 +169,7 @@ def run_impl(impl: str, case: RaggedCase, **options) -> np.ndarray:
     from jserve.pallas import ragged_paged_attention
 
     interpret = True if impl in ("triton", "mosaic") else None
-    args = [jnp.asarray(a) for a in case.args()]
+    args = [jnp.asarray(a) for a in case.args(impl)]
     return np.asarray(ragged_paged_attention(*args, impl=impl, interpret=interpret, **options))
 
 

@@ -29,8 +29,8 @@ CASE = build_case([(1, 40), (5, 21), (1, 1)], Geometry())
 LOWERED = [("triton", "cuda", "__gpu$xla.gpu.triton"), ("mosaic", "tpu", "tpu_custom_call")]
 
 
-def _args(case=CASE):
-    return [jnp.asarray(a) for a in case.args()]
+def _args(case=CASE, impl="reference"):
+    return [jnp.asarray(a) for a in case.args(impl)]
 
 
 def test_choose_impl_by_backend(native_kernels):
@@ -90,7 +90,7 @@ def test_every_listed_impl_dispatches_and_is_right(impl):
     the float64 answer (accelerator kernels interpreted here), so the list and the dispatch
     cannot drift apart."""
     interpret = True if impl in ("triton", "mosaic") else None
-    out = ragged_paged_attention(*_args(), sm_scale=0.125, impl=impl, interpret=interpret)
+    out = ragged_paged_attention(*_args(impl=impl), sm_scale=0.125, impl=impl, interpret=interpret)
     ref = naive_attention(CASE, 0.125, None, None)
     assert relative_error(CASE, np.asarray(out), ref) <= TOLERANCE[np.dtype("f4")]
 
@@ -136,7 +136,7 @@ def test_write_then_attend_inside_layer_scan(impl):
     def step(k_pool, v_pool, new_k, new_v, slots, q, tables, cu, kv_lens, num_seqs):
         def layer_body(pools, xs):
             layer, k, v = xs
-            k_pool, v_pool = write_kv(*pools, k, v, slots, layer)
+            k_pool, v_pool = write_kv(*pools, k, v, slots, layer, impl=impl)
             out = ragged_paged_attention(
                 q, k_pool, v_pool, tables, cu, kv_lens, num_seqs, layer, sm_scale=0.125,
                 impl=impl,
@@ -177,5 +177,5 @@ def test_kernel_lowers_for_its_accelerator(impl, platform, marker, name):
     attention = functools.partial(
         ragged_paged_attention, sm_scale=0.1, impl=impl, interpret=False, **options
     )
-    lowered = jax.jit(attention).trace(*_args(case)).lower(lowering_platforms=(platform,))
+    lowered = jax.jit(attention).trace(*_args(case, impl)).lower(lowering_platforms=(platform,))
     assert marker in lowered.as_text()

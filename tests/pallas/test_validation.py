@@ -20,9 +20,24 @@ CASE = build_case([(1, 17), (3, 40)], Geometry())  # T=7, S=4, max_blocks=4, 9 p
 
 def _shape_args(**change):
     names = ("q", "k_pool", "v_pool", "block_tables", "cu_q_lens", "kv_lens", "num_seqs", "layer")
-    args = {name: jnp.asarray(a) for name, a in zip(names, CASE.args(), strict=True)}
-    args |= dict(sm_scale=0.125, sliding_window=None, soft_cap=None)
+    args = {name: jnp.asarray(a) for name, a in zip(names, CASE.args("xla"), strict=True)}
+    args |= dict(sm_scale=0.125, sliding_window=None, soft_cap=None, impl="xla")
     return args | change
+
+
+def test_each_impl_takes_only_its_own_pool_layout():
+    """Mosaic reads head_dim 64 pools two tokens to a 128-lane row; the canonical layout (every
+    other implementation's) is refused, naming the shape it wants."""
+    _, k_pool, v_pool, *_ = CASE.args("mosaic")
+    packed = dict(k_pool=jnp.asarray(k_pool), v_pool=jnp.asarray(v_pool))
+    assert packed["k_pool"].shape == (2, 9, 3, 8, 128)
+    dims = validate_attention_shapes(**_shape_args(**packed, impl="mosaic"))
+    assert (dims.block_size, dims.head_dim, dims.tokens_per_row) == (16, 64, 2)
+    wants_packed = r"impl='mosaic' .* is \[2, 9, 3, 8, 128\], got \[2, 9, 3, 16"
+    with pytest.raises(ValueError, match=wants_packed):
+        validate_attention_shapes(**_shape_args(impl="mosaic"))
+    with pytest.raises(ValueError, match=r"impl='xla' .* is \[2, 9, 3, 16, 64\], got \[2, 9, 3, 8"):
+        validate_attention_shapes(**_shape_args(**packed))
 
 
 def test_valid_shapes_give_the_sizes():
@@ -40,7 +55,8 @@ f32, i32 = jnp.float32, jnp.int32
     [
         (dict(q=jnp.zeros((7, 9), f32)), r"q must be \[T, num_q_heads, head_dim\]; got shape \[7,"),
         (dict(q=jnp.zeros((7, 8, 64), f32)), r"num_q_heads \(8\) must be a multiple of num_kv_h"),
-        (dict(q=jnp.zeros((7, 9, 32), f32)), r"q head_dim \(32\) != pool head_dim \(64\)"),
+        (dict(q=jnp.zeros((7, 9, 32), f32)), r"head_dim 32 .* is \[2, 9, 3, 32, 32\], got \[2, 9"),
+        (dict(q=jnp.zeros((7, 9, 48), f32)), r"head_dim 48 and these pools that is None"),
         (dict(q=jnp.zeros((7, 9, 64), jnp.bfloat16)), "got q bfloat16, k_pool float32"),
         (dict(v_pool=jnp.zeros((2, 9, 3, 16), f32)), "k_pool and v_pool must both"),
         (dict(block_tables=jnp.zeros((4, 4), jnp.float32)), "block_tables must be int32"),

@@ -1,0 +1,209 @@
+"""Compile every executable the engine would run, for a target, from the model's config alone.
+
+The engine's own set-up decides what is compiled: `step_shapes` (dtype, attention
+implementation, KV pool size, buckets), `ModelStep` (the step function, its shardings, the
+pool's layout and its zero-initialisation) and the sampler, each given the target's mesh
+instead of this machine's. Parameters are ShapeDtypeStructs (`abstract_model`): no weights
+are read or allocated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from jserve.aot.costs import KERNEL_IMPLS, Cost, attention_cost, loop_corrected_cost
+from jserve.aot.report import ExecutableReport, Report, memory_per_chip
+from jserve.aot.targets import Target
+from jserve.config.engine_args import EngineArgs
+from jserve.engine.setup import StepShapes, step_shapes
+from jserve.models.config import ModelConfig
+from jserve.models.llama import lay_out_weights
+from jserve.runtime.model_runner import ModelStep
+from jserve.runtime.params import abstract_model, make_mesh
+
+
+def check_split(tensor_parallel_size: int, target: Target) -> None:
+    """The model is split over the first `tensor_parallel_size` devices: that many must divide
+    the target's devices (one mesh axis over whole groups of chips)."""
+    n = len(target.devices)
+    if not 1 <= tensor_parallel_size <= n or n % tensor_parallel_size:
+        fits = [d for d in range(1, n + 1) if n % d == 0]
+        raise ValueError(
+            f"--tensor-parallel-size {tensor_parallel_size} must divide the {n} devices of "
+            f"{target.name}; sizes that fit: {fits}"
+        )
+
+
+def _pool_bytes(args: EngineArgs, target: Target, kv_cache_fraction: float | None) -> EngineArgs:
+    """`args` with the KV pool sized as `kv_cache_fraction` of each chip's HBM, if given."""
+    if kv_cache_fraction is None:
+        return args
+    if target.chip is None or not 0 < kv_cache_fraction < 1:
+        raise ValueError(
+            f"--kv-cache-fraction must be in (0, 1) and needs a chip with known HBM; got "
+            f"{kv_cache_fraction} for {target.name}"
+        )
+    per_device = kv_cache_fraction * target.chip.hbm_bytes * target.num_chips / len(target.devices)
+    total = int(per_device * args.tensor_parallel_size)
+    return dataclasses.replace(args, kv_cache_memory=total, num_kv_blocks=None)
+
+
+def _measure(name: str, compile_fn: Callable[[], Any]) -> tuple[Any, ExecutableReport]:
+    """Compile one executable; a failure is reported (error set), not raised."""
+    start = time.perf_counter()
+    try:
+        compiled = compile_fn()
+    except Exception as e:  # a compiler's refusal belongs in the report
+        seconds = time.perf_counter() - start
+        return None, ExecutableReport(name, compile_s=seconds, error=f"{type(e).__name__}: {e}")
+    seconds = time.perf_counter() - start
+    mem = compiled.memory_analysis()
+    return compiled, ExecutableReport(
+        name,
+        compile_s=seconds,
+        argument_bytes=mem.argument_size_in_bytes,
+        output_bytes=mem.output_size_in_bytes,
+        alias_bytes=mem.alias_size_in_bytes,
+        temp_bytes=mem.temp_size_in_bytes,
+        code_bytes=mem.generated_code_size_in_bytes,
+    )
+
+
+def _with_cost(row: ExecutableReport, cost: Cost, kernel: Cost, target: Target) -> None:
+    row.flops, row.bytes = cost.flops, cost.bytes
+    row.attention_flops, row.attention_bytes = kernel.flops, kernel.bytes
+    if target.chip is not None:
+        per_device = target.num_chips / len(target.devices)
+        total = cost + kernel
+        row.roofline_ms = 1e3 * max(
+            total.flops / (target.chip.peak_flops * per_device),
+            total.bytes / (target.chip.hbm_bandwidth * per_device),
+        )
+
+
+def _abstract_state(step: ModelStep) -> Any:
+    graphdef_unused, state = abstract_model(step.cfg, step.dtype, step.mesh)
+    del graphdef_unused
+    if step.matmul_impl == "xla":  # lay_out_weights leaves it as it is
+        return state
+    return jax.eval_shape(functools.partial(lay_out_weights, matmul_impl=step.matmul_impl), state)
+
+
+def _compile_steps(
+    step: ModelStep,
+    shapes: StepShapes,
+    args: EngineArgs,
+    target: Target,
+    pairs: list[tuple[int, int]],
+) -> list[ExecutableReport]:
+    """The model step of each (tokens, seqs) bucket in `pairs`, as ModelRunner.precompile
+    compiles it."""
+    cfg, state, pool = step.cfg, _abstract_state(step), _pool(step, shapes, args)
+    builder = shapes.input_builder(args.block_size)
+    itemsize = jax.numpy.dtype(step.dtype).itemsize
+    rows = []
+    for tokens, seqs in pairs:
+        kind = "decode" if tokens == seqs else "mixed"
+        compiled, row = _measure(
+            f"{kind} step",
+            lambda t=tokens, s=seqs: step.lower(
+                state, (pool, pool), builder.example(t, s)
+            ).compile(),
+        )
+        row.tokens, row.seqs = tokens, seqs
+        if compiled is not None:
+            kernel = Cost(0.0, 0.0)
+            if step.attn_impl in KERNEL_IMPLS:
+                shards = args.tensor_parallel_size
+                context = shapes.max_model_len
+                kernel = attention_cost(cfg, tokens, seqs, context, itemsize, shards)
+            _with_cost(row, loop_corrected_cost(compiled, cfg.num_layers, pool), kernel, target)
+        rows.append(row)
+    return rows
+
+
+def _compile_rest(
+    step: ModelStep, shapes: StepShapes, args: EngineArgs, target: Target
+) -> list[ExecutableReport]:
+    """The KV pool's zero-initialisation and the sampler's executables."""
+    init = step.kv_cache_init(shapes.num_blocks, args.block_size)
+    _, pool_row = _measure("kv pool init", lambda: init.lower().compile())
+    rows = [pool_row]
+    sampler = shapes.sampler(step.cfg.vocab_size)
+    for seqs in sampler.builder.seq_buckets:
+        lowered = functools.partial(sampler.lower, seqs, step.logits_sharding)
+        compiled, row = _measure("sample", lambda lowered=lowered: lowered().compile())
+        row.seqs = seqs
+        if compiled is not None:
+            _with_cost(row, loop_corrected_cost(compiled, 0), Cost(0.0, 0.0), target)
+        rows.append(row)
+    return rows
+
+
+def compile_engine(
+    args: EngineArgs,
+    cfg: ModelConfig,
+    model_name: str,
+    target: Target,
+    kv_cache_fraction: float | None = None,
+    steps: list[tuple[int, int]] | None = None,
+) -> Report:
+    """Compile what an engine started with `args` for model `cfg` on `target` would, and
+    report each executable and the memory of each chip. With `steps`, only the model step of
+    those (tokens, seqs) buckets (a quick check; code and scratch then cover only them).
+    Raises ValueError for a split, a pool, a bucket or a model the engine would refuse;
+    compiler errors go in the report."""
+    check_split(args.tensor_parallel_size, target)
+    args = _pool_bytes(args, target, kv_cache_fraction)
+    mesh = make_mesh(args.tensor_parallel_size, target.devices)
+    shapes = step_shapes(args, cfg, target.devices[0].platform)
+    if shapes.num_blocks < 2:
+        raise ValueError(
+            f"a KV pool of {args.kv_cache_memory} bytes holds {shapes.num_blocks} blocks of "
+            f"{shapes.block_bytes} bytes; it needs at least 2 (block 0 is the sink)"
+        )
+    unknown = sorted(set(steps or ()) - set(shapes.pairs))
+    if unknown:
+        raise ValueError(f"no step bucket {unknown} in this engine's buckets {shapes.pairs}")
+    graphdef, _ = abstract_model(cfg, shapes.dtype, mesh)
+    step = ModelStep.make(cfg, graphdef, mesh, shapes.dtype, shapes.attn_impl)
+    # No context mesh, as in the engine: the steps carry their shardings, the sampler runs on one
+    # device of the mesh.
+    rows = _compile_steps(step, shapes, args, target, steps or shapes.pairs)
+    if steps is None:
+        rows += _compile_rest(step, shapes, args, target)
+    weights = sum(_shard_bytes(x) for x in jax.tree.leaves(_abstract_state(step)))
+    pool = _pool(step, shapes, args)
+    memory = memory_per_chip(rows, weights, 2 * _shard_bytes(pool), target, args, shapes, cfg)
+    return Report(
+        model=model_name,
+        target=target.name,
+        chip=target.chip,
+        dtype=jax.numpy.dtype(shapes.dtype).name,
+        attention_impl=shapes.attn_impl,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=shapes.max_model_len,
+        block_size=args.block_size,
+        num_blocks=shapes.num_blocks,
+        executables=rows,
+        memory=memory,
+    )
+
+
+def _pool(step: ModelStep, shapes: StepShapes, args: EngineArgs) -> jax.ShapeDtypeStruct:
+    """One of the K and V pools, as the engine allocates it on the mesh."""
+    shape = step.kv_cache_shape(shapes.num_blocks, args.block_size)
+    return jax.ShapeDtypeStruct(shape, step.dtype, sharding=step.kv_cache_sharding())
+
+
+def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:
+    """Bytes of one device's shard of a parameter."""
+    shape = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+    return math.prod(shape) * jax.numpy.dtype(x.dtype).itemsize

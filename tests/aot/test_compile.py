@@ -1,0 +1,185 @@
+"""`jserve compile`: the engine's executables compiled for a TPU and an NVIDIA GPU on this CPU.
+
+Each case compiles two of SmolLM2's step buckets (a decode and a mixed one) and holds the
+report to what can be known without the chip: the KV pool is never copied around the attention
+kernel (a step's scratch stays under 5% of the pool: a copy would be about 200%), the weights
+on a chip are the parameter count times the dtype's size, the layer scan is counted per layer
+(the step's FLOPs cover its projections' 2 x tokens x parameters) and an in-place update of the
+pool is not charged as the whole pool, and bad targets and splits are refused naming the
+accepted values. The larger matrix is `slow`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from jserve.aot.compiler import compile_engine
+from jserve.aot.targets import cuda_target, tpu_target
+from jserve.config.engine_args import EngineArgs
+from jserve.loaders.model_source import load_config
+from jserve.models.config import SMOLLM2_135M, ModelConfig
+from jserve.server.cli import main
+
+STEPS = [(8, 8), (16, 8)]  # the largest decode bucket and a mixed one
+ARGS = EngineArgs(max_num_seqs=8, max_num_batched_tokens=16)
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """The model's parameters from its config alone (HF's own shapes, not jserve's fused ones)."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    attention = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * d
+    bias = (cfg.num_heads + 2 * cfg.num_kv_heads) * hd if cfg.attention_bias else 0
+    layer = 2 * d + attention + bias + 3 * d * f
+    head = 0 if cfg.tie_word_embeddings else d * cfg.vocab_size
+    return cfg.vocab_size * d + cfg.num_layers * layer + d + head
+
+
+def _projection_flops(cfg: ModelConfig, tokens: int) -> float:
+    """2 x tokens x the layers' projection parameters: what any step of `tokens` computes."""
+    d, f, hd = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    per_layer = d * (cfg.num_heads + 2 * cfg.num_kv_heads) * hd + cfg.num_heads * hd * d + 3 * d * f
+    return 2.0 * tokens * cfg.num_layers * per_layer
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M's config (what load_config reads from its GGUF)."""
+    return "SmolLM2-135M", SMOLLM2_135M
+
+
+@pytest.mark.parametrize(
+    "make_target", [lambda: tpu_target("v5e:1x1"), lambda: cuda_target("h200", 1)]
+)
+def test_smollm2_steps_compile_with_no_pool_copy(smollm2, make_target):
+    name, cfg = smollm2
+    target = make_target()
+    report = compile_engine(ARGS, cfg, name, target, kv_cache_fraction=0.5, steps=STEPS)
+    assert report.errors == []
+    assert report.dtype == "bfloat16" and report.attention_impl in ("mosaic", "triton")
+    assert [(r.tokens, r.seqs) for r in report.executables] == STEPS
+    memory = report.memory
+    assert memory.weights_bytes == parameter_count(cfg) * 2 == 134_515_008 * 2
+    assert memory.kv_pool_bytes > 0.45 * target.chip.hbm_bytes
+    for row in report.executables:
+        assert row.temp_bytes < 0.05 * memory.kv_pool_bytes, (row, memory.kv_pool_bytes)
+        assert row.flops >= _projection_flops(cfg, row.tokens), row  # every layer counted
+        assert row.bytes < memory.kv_pool_bytes, row  # an in-place pool update moves its rows
+        assert row.roofline_ms > 0 and row.compile_s > 0
+    assert memory.fits and memory.capacity[2048] > 0
+    assert json.loads(json.dumps(report.to_json()))["memory"]["fits"] is True
+
+
+def test_tensor_parallel_refusals_name_what_fits(smollm2):
+    name, cfg = smollm2
+    target = tpu_target("v5e:2x2")
+    with pytest.raises(
+        ValueError, match=r"9 query heads, 3 KV heads.*Sizes that fit this model: \[1, 3\]"
+    ):
+        compile_engine(dataclasses.replace(ARGS, tensor_parallel_size=2), cfg, name, target)
+    with pytest.raises(
+        ValueError, match=r"must divide the 4 devices of v5e:2x2; sizes that fit: \[1, 2, 4\]"
+    ):
+        compile_engine(dataclasses.replace(ARGS, tensor_parallel_size=3), cfg, name, target)
+
+
+def test_unknown_targets_and_models_are_refused(tmp_path, capsys):
+    with pytest.raises(ValueError, match=r"unknown TPU topology 'v5e:3x3'.*'v5e:2x2'"):
+        tpu_target("v5e:3x3")
+    with pytest.raises(ValueError, match=r"unknown GPU 'a100'.*\['h100', 'h200'\]"):
+        cuda_target("a100", 1)
+    with pytest.raises(SystemExit):
+        main(["compile", "--target", "tpu", "--topology", "v9:1x1"])
+    assert "v6e:2x4" in capsys.readouterr().err
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"architectures": ["GPT2LMHeadModel"], "vocab_size": 8}))
+    assert main(["compile", "--target", "tpu", "--model", str(config)]) == 2
+    assert "jserve supports ['LlamaForCausalLM'" in capsys.readouterr().err
+
+
+def test_a_pool_bigger_than_hbm_fails_naming_the_shortfall(smollm2, capsys):
+    code = main(
+        ["compile", "--target", "tpu", "--topology", "v5e:1x1", "--max-num-seqs", "8",
+         "--max-num-batched-tokens", "8", "--steps", "8x8", "--kv-cache-memory", str(20 * 2**30)]
+    )  # fmt: skip
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "does not fit" in err and "> 16.00 GiB HBM" in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["v5e:1x1", "v6e:1x1"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("head_dim", "heads"), [(64, (9, 3)), (128, (32, 8)), (256, (16, 8))])
+def test_mosaic_reads_the_pool_in_place_slow(topology, dtype, head_dim, heads):
+    """The Mosaic kernel alone, compiled for the chip over a pool laid out for it: its scratch
+    stays under 5% of the pool for every head_dim and dtype (XLA once copied a head_dim-64
+    pool into the kernel's layout around every call: about twice the pool)."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from jserve.pallas import kv_cache_shape, ragged_paged_attention
+
+    target = tpu_target(topology)
+    mesh = jax.sharding.Mesh(target.devices, ("x",))
+    num_q_heads, num_kv_heads = heads
+    pool_shape = kv_cache_shape(30, 1000, 16, num_kv_heads, head_dim, impl="mosaic")
+    tokens, seqs, table = 64, 16, 64
+
+    def arg(shape, dt):
+        return jax.ShapeDtypeStruct(shape, dt, sharding=NamedSharding(mesh, P()))
+
+    i32 = jnp.int32
+    args = (
+        arg((tokens, num_q_heads, head_dim), dtype), arg(pool_shape, dtype),
+        arg(pool_shape, dtype), arg((seqs, table), i32), arg((seqs + 1,), i32),
+        arg((seqs,), i32), arg((1,), i32), arg((), i32),
+    )  # fmt: skip
+
+    def attend(*a):
+        return ragged_paged_attention(
+            *a, sm_scale=head_dim**-0.5, impl="mosaic", interpret=False, platform="tpu"
+        )
+
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(attend).lower(*args).compile()
+    pool_bytes = 2 * jnp.dtype(dtype).itemsize * int(jnp.prod(jnp.array(pool_shape)))
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.05 * pool_bytes
+
+
+@pytest.mark.slow
+def test_llama_8b_shape_tensor_parallel_on_v5e_2x2_slow(tmp_path):
+    """An 8B-shaped Llama (32 query, 8 KV heads, head_dim 128) split 4 ways over a v5e:2x2:
+    the Mosaic kernel runs per KV-head shard under shard_map, and it all fits."""
+    config = {
+        "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "rope_theta": 500000.0, "max_position_embeddings": 8192,
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    name, cfg = load_config(tmp_path / "config.json")
+    args = dataclasses.replace(ARGS, tensor_parallel_size=4)
+    report = compile_engine(args, cfg, name, tpu_target("v5e:2x2"), 0.5, steps=STEPS)
+    assert report.errors == []
+    embedding = cfg.vocab_size * cfg.hidden_size  # replicated; the rest split 4 ways
+    split = (parameter_count(cfg) - embedding) * 2 / 4 + embedding * 2
+    assert report.memory.weights_bytes == pytest.approx(split, rel=1e-3)
+    for row in report.executables:
+        assert row.temp_bytes < 0.05 * report.memory.kv_pool_bytes
+
+
+def test_everything_compiles_split_over_three_gpus(smollm2):
+    """The whole set (one bucket: step, pool init, sampler) with the model split over 3 H100s:
+    the sampler compiles for one device of the mesh, as the engine runs it."""
+    name, cfg = smollm2
+    args = EngineArgs(max_num_seqs=1, max_num_batched_tokens=1, tensor_parallel_size=3)
+    report = compile_engine(args, cfg, name, cuda_target("h100", 3), kv_cache_fraction=0.5)
+    assert report.errors == []
+    assert [r.name for r in report.executables] == ["decode step", "kv pool init", "sample"]
+    step = report.executables[0]  # at 1 token XLA writes the pool in place, not by scatter
+    assert 0 < step.bytes < report.memory.kv_pool_bytes
+    assert report.memory.weights_bytes < parameter_count(cfg) * 2 / 2  # split, embedding whole
