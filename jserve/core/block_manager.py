@@ -134,6 +134,10 @@ class BlockManager:
         if self.prefix_cache is not None and self._kv_events is None:
             self._kv_events = []
 
+    @property
+    def records_kv_events(self) -> bool:
+        return self._kv_events is not None
+
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The changes logged since the last call, oldest first."""
         events = self._kv_events

@@ -66,7 +66,7 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.max_num_seqs = engine.scheduler.config.max_num_seqs
         self.block_size = engine.args.block_size
-        self.kv_cache_tokens = engine.scheduler.block_manager.num_usable_blocks * self.block_size
+        self.kv_cache_tokens = engine.scheduler.num_usable_blocks * self.block_size
         self.tensor_parallel_size = engine.args.tensor_parallel_size
         self.state = "ready"
         self.dead_reason: str | None = None

@@ -27,12 +27,10 @@ import jax
 import llguidance
 
 from jserve.config.engine_args import EngineArgs
-from jserve.config.scheduler import CacheConfig
 from jserve.config.validation import check_int, check_token_ids
 from jserve.core.control import apply_changes, current_settings
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
-from jserve.core.scheduler import Scheduler
 from jserve.core.step_costs import learned_report
 from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT
@@ -112,7 +110,7 @@ class LLMEngine:
             self._kv_events = ZmqEventPublisher(
                 args.kv_events_endpoint, args.kv_events_replay_endpoint
             )
-            self.scheduler.block_manager.record_kv_events()
+            self.scheduler.record_kv_events()
         self.precompile()
         measure_step_costs(self.scheduler, self.runner, self.inputs_builder, self._bucket_pairs)
         # Everything allocated so far lives for the engine's lifetime: keep it out of the
@@ -249,7 +247,7 @@ class LLMEngine:
         """Run one iteration; returns outputs of the requests that changed."""
         plan = self.scheduler.schedule()
         if self._kv_events is not None:  # planning stored and evicted blocks; nothing else does
-            self._kv_events.publish(self.scheduler.block_manager.take_kv_events())
+            self._kv_events.publish(self.scheduler.take_kv_events())
         changed: dict[str, RequestState] = {}
         for child_id, reason in plan.finished.items():
             self._finish_child(child_id, reason, None, changed)
@@ -360,14 +358,9 @@ class LLMEngine:
         for request_id, state in list(self._states.items()):
             state.error = message
             outputs.append(self.abort_request(request_id, FinishReason.ERROR))
-        cache = CacheConfig(self.args.block_size, self.scheduler.block_manager.num_blocks)
-        old = self.scheduler
         if self._kv_events is not None:  # what the lost cache did, then that it is gone
-            old_events = old.block_manager.take_kv_events()
-            self._kv_events.publish([*old_events, AllBlocksCleared()])
-        self.scheduler = Scheduler(old.config, cache, old.fair.policy, old.step_costs)
-        if self._kv_events is not None:
-            self.scheduler.block_manager.record_kv_events()
+            self._kv_events.publish([*self.scheduler.take_kv_events(), AllBlocksCleared()])
+        self.scheduler = self.scheduler.fresh()
         self.runner.reset_kv_cache()
         self.num_restarts += 1
         return [out for out in outputs if out is not None]

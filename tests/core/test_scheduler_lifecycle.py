@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jserve.core.request import RequestStatus
+from jserve.core.step_costs import StepCosts
+from jserve.core.tenants import TenantPolicy
 from jserve.errors import RequestRejected
 from jserve.outputs import FinishReason
 
@@ -194,3 +198,25 @@ def test_a_missing_sampled_token_is_an_error_that_names_the_request():
     plan = scheduler.schedule(0.0)
     with pytest.raises(ValueError, match="no sampled token for request 'r'"):
         scheduler.update_from_output(plan, {})
+
+
+def test_a_fresh_scheduler_keeps_settings_policy_costs_and_event_recording_but_no_requests():
+    costs = StepCosts([32], [8])
+    scheduler = make_scheduler(block_size=4, num_blocks=48, step_costs=costs)
+    scheduler.record_kv_events()
+    scheduler.reconfigure(dataclasses.replace(scheduler.config, max_num_seqs=4))
+    scheduler.fair.policy = TenantPolicy(weights={"a": 2.0})
+    scheduler.add_request(make_request("r", 9))
+    step(scheduler)
+    assert [type(e).__name__ for e in scheduler.take_kv_events()] == ["BlocksStored"]
+
+    fresh = scheduler.fresh()
+    assert fresh.config is scheduler.config and fresh.config.max_num_seqs == 4
+    assert fresh.cache_config == scheduler.cache_config
+    assert fresh.num_usable_blocks == 47
+    assert fresh.fair.policy is scheduler.fair.policy and fresh.step_costs is costs
+    assert not fresh.has_unfinished_requests() and fresh.stats().kv_cache_usage == 0.0
+    fresh.add_request(make_request("s", 9))
+    step(fresh)
+    assert [type(e).__name__ for e in fresh.take_kv_events()] == ["BlocksStored"]
+    assert make_scheduler().fresh().take_kv_events() == []  # not recording stays so
