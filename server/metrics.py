@@ -21,7 +21,9 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from jserve.config.scheduler import Lane
 from jserve.core.tenants import DEFAULT_TENANT, TenantLabels
+from jserve.errors import RejectReason
 from jserve.outputs import EngineStats, RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -131,7 +133,7 @@ class ServerMetrics:
             [*_BY_TENANT, "kind"], registry=reg,
         )  # fmt: skip
 
-    def rejected(self, reason: str, lane: str, tenant: str) -> None:
+    def rejected(self, reason: RejectReason, lane: Lane, tenant: str) -> None:
         self.request_rejected.labels(reason).inc()
         self.tenant_rejected.labels(lane, self.tenant_label(tenant), reason).inc()
 
@@ -154,7 +156,7 @@ class RequestTracker:
     """Observes one request's latencies as its cumulative outputs stream by."""
 
     def __init__(
-        self, metrics: ServerMetrics, lane: str = "interactive", tenant: str = DEFAULT_TENANT
+        self, metrics: ServerMetrics, lane: Lane = Lane.INTERACTIVE, tenant: str = DEFAULT_TENANT
     ) -> None:
         self.metrics = metrics
         self.labels = (lane, metrics.tenant_label(tenant))

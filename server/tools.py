@@ -31,6 +31,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from jserve.core.stopping import check_stop_strings
@@ -49,12 +50,21 @@ _CALL_BLOCK = re.compile(
 )
 
 
+class ToolUse(StrEnum):
+    """How a request may use its tools: as the model likes, at least one call, or a call of
+    the one function its tool_choice names."""
+
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
+
+
 @dataclass(frozen=True)
 class ToolRequest:
     """A chat request's tools and how it may use them."""
 
     tools: list[dict[str, Any]]  # OpenAI tool objects ({"type": "function", "function": ...})
-    choice: str  # "auto", "required" or "named"
+    choice: ToolUse
     named: str | None = None  # the function tool_choice names
     parallel: bool = True
 
@@ -68,7 +78,7 @@ class ToolRequest:
         each arguments object is closed unless its schema says otherwise (`closed_arguments`),
         so a small model cannot loop inside a call either.
         """
-        if self.choice == "auto":
+        if self.choice == ToolUse.AUTO:
             return None
         functions = [t["function"] for t in self.tools]
         if self.named is not None:

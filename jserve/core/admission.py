@@ -22,7 +22,7 @@ from jserve.config.scheduler import LANES, SchedulerConfig
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request
 from jserve.core.step_costs import StepCosts
-from jserve.errors import RequestRejected
+from jserve.errors import RejectReason, RequestRejected
 
 
 def check_new_request(
@@ -37,27 +37,32 @@ def check_new_request(
     with many samples meets the cap like as many requests (it cannot slip past it).
     """
     if request.num_prompt_tokens == 0:
-        raise RequestRejected("invalid", "the prompt has no tokens; send at least one token")
+        raise RequestRejected(
+            RejectReason.INVALID, "the prompt has no tokens; send at least one token"
+        )
     max_tokens, min_tokens = request.stop.max_tokens, request.stop.min_tokens
     if max_tokens < 1 or min_tokens < 0:
         raise RequestRejected(
-            "invalid",
+            RejectReason.INVALID,
             f"max_tokens must be >= 1 and min_tokens >= 0, got max_tokens={max_tokens}, "
             f"min_tokens={min_tokens}",
         )
     if request.lane not in LANES:
-        raise RequestRejected("invalid", f"lane must be one of {LANES}, got {request.lane!r}")
+        names = tuple(str(lane) for lane in LANES)
+        raise RequestRejected(
+            RejectReason.INVALID, f"lane must be one of {names}, got {request.lane!r}"
+        )
     total = request.num_prompt_tokens + max_tokens
     if total > config.max_model_len:
         raise RequestRejected(
-            "too_long",
+            RejectReason.TOO_LONG,
             f"the prompt has {request.num_prompt_tokens} tokens and max_tokens is "
             f"{max_tokens}: {total} tokens exceed max_model_len={config.max_model_len}; "
             f"shorten the prompt or lower max_tokens",
         )
     if num_waiting >= config.max_waiting_requests:
         raise RequestRejected(
-            "queue_full",
+            RejectReason.QUEUE_FULL,
             f"{num_waiting} sequences are already waiting (max_waiting_requests="
             f"{config.max_waiting_requests}, each of a request's n samples counts); retry later",
         )
@@ -162,9 +167,9 @@ def check_deadline(request: Request, estimate: FinishEstimate | None, now: float
     if request.deadline is None or estimate is None or now + estimate.total <= request.deadline:
         return
     raise RequestRejected(
-        "deadline",
+        RejectReason.DEADLINE,
         f"the deadline cannot be met: finishing is estimated to take {estimate.total:.2f} s "
-        f"({estimate.wait:.2f} s of queued work ahead in lane {request.lane!r}, then "
+        f"({estimate.wait:.2f} s of queued work ahead in lane '{request.lane}', then "
         f"{request.num_prompt_tokens} prompt tokens and up to {request.stop.max_tokens} output "
         f"tokens), but the timeout leaves {max(0.0, request.deadline - now):.2f} s; retry "
         f"later, raise the timeout or lower max_tokens",
@@ -176,7 +181,7 @@ def check_kv_usage(usage: float, config: SchedulerConfig) -> None:
     """Refuse ("kv_full") new work while KV usage is above the reject watermark."""
     if usage > config.kv_reject_watermark:
         raise RequestRejected(
-            "kv_full",
+            RejectReason.KV_FULL,
             f"KV cache usage is {usage:.1%}, above the reject watermark "
             f"{config.kv_reject_watermark:.1%} (kv_reject_watermark); retry later",
             retry_after=1.0,

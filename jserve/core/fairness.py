@@ -32,7 +32,7 @@ tests/core/test_scheduler_state_machine.py checks it on random workloads.
 
 from __future__ import annotations
 
-from jserve.config.scheduler import LANES
+from jserve.config.scheduler import Lane
 from jserve.core.request import Request
 from jserve.core.tenants import TenantPolicy
 
@@ -58,9 +58,9 @@ class FairShare:
 
     def __init__(self, policy: TenantPolicy) -> None:
         self.policy = policy
-        self.counters: dict[str, dict[str, float]] = {lane: {} for lane in LANES}
-        self._backlog: dict[str, dict[str, int]] = {lane: {} for lane in LANES}  # waiting
-        self._unfinished: dict[str, dict[str, int]] = {lane: {} for lane in LANES}
+        self.counters: dict[Lane, dict[str, float]] = {lane: {} for lane in Lane}
+        self._backlog: dict[Lane, dict[str, int]] = {lane: {} for lane in Lane}  # waiting
+        self._unfinished: dict[Lane, dict[str, int]] = {lane: {} for lane in Lane}
         self._last_left: dict[str, float] = {}  # lane -> counter of the last to leave backlog
         self.num_running: dict[str, int] = {}  # tenant -> its running sequences, all lanes
 

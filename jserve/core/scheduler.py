@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 
-from jserve.config.scheduler import CacheConfig, SchedulerConfig
+from jserve.config.scheduler import CacheConfig, Lane, SchedulerConfig
 from jserve.config.settings import InvalidSetting
 from jserve.core.admission import (
     check_deadline,
@@ -159,10 +159,11 @@ class Scheduler:
         try:
             check_new_request(request, self.config, len(self.waiting))
             check_kv_usage(self.block_manager.usage(), self.config)
-            if request.lane == "interactive" and (
+            request.lane = Lane(request.lane)  # a known lane: check_new_request checked it
+            if request.lane is Lane.INTERACTIVE and (
                 request.num_prompt_tokens > self.config.long_prompt_threshold
             ):
-                request.lane = "long"
+                request.lane = Lane.LONG
             if (
                 request.deadline is not None
                 and self.config.deadline_admission

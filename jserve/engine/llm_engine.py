@@ -27,6 +27,7 @@ import jax
 import llguidance
 
 from jserve.config.engine_args import EngineArgs
+from jserve.config.scheduler import Lane
 from jserve.config.validation import check_int, check_token_ids
 from jserve.core.control import apply_changes, current_settings
 from jserve.core.plan import StepPlan
@@ -36,7 +37,7 @@ from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine.output_processor import RequestState
 from jserve.engine.setup import build_engine_parts, measure_step_costs
-from jserve.errors import RequestRejected
+from jserve.errors import RejectReason, RequestRejected
 from jserve.kv_events.publisher import ZmqEventPublisher
 from jserve.kv_events.records import AllBlocksCleared
 from jserve.loaders.model_source import LoadedModel
@@ -143,7 +144,7 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         *,
-        lane: str = "interactive",
+        lane: Lane | str = Lane.INTERACTIVE,
         deadline: float | None = None,
         arrival_time: float | None = None,
         tenant: str = DEFAULT_TENANT,
@@ -162,10 +163,11 @@ class LLMEngine:
             check_int("n", params.n, 1, self.args.max_n)  # --max-n
             check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
         except ValueError as e:
-            raise RequestRejected("invalid", str(e)) from None
+            raise RequestRejected(RejectReason.INVALID, str(e)) from None
         if request_id in self._states:
             raise RequestRejected(
-                "invalid", f"request id {request_id!r} is already in use; use a unique id"
+                RejectReason.INVALID,
+                f"request id {request_id!r} is already in use; use a unique id",
             )
         text, ids = self._prompt_ids(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -174,7 +176,7 @@ class LLMEngine:
         try:
             self.sampler.check_banned_ids(stop.banned_ids(0))
         except ValueError as e:
-            raise RequestRejected("invalid", str(e)) from None
+            raise RequestRejected(RejectReason.INVALID, str(e)) from None
         matchers = self._matchers(params, grammar)
         state = RequestState.create(request_id, text, ids, params, stop, self.tokenizer, arrival)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
@@ -210,20 +212,22 @@ class LLMEngine:
                 else self.structured.grammars.template(params.structured_outputs)
             )
         except GrammarError as e:
-            raise RequestRejected("invalid", str(e)) from None
+            raise RequestRejected(RejectReason.INVALID, str(e)) from None
         return [self.structured.new_matcher(template) for _ in range(params.n)]
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
-                raise RequestRejected("invalid", "a dict prompt needs 'prompt_token_ids'")
+                raise RequestRejected(
+                    RejectReason.INVALID, "a dict prompt needs 'prompt_token_ids'"
+                )
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         try:
             return None, check_token_ids("prompt", list(prompt), self.vocab_size)
         except ValueError as e:
-            raise RequestRejected("invalid", str(e)) from None
+            raise RequestRejected(RejectReason.INVALID, str(e)) from None
 
     def abort_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jserve.config.engine_args import AttentionImpl
 from jserve.pallas import ragged_paged_attention, write_kv
 
 
@@ -53,7 +54,7 @@ class PagedAttentionMetadata:
     cu_q_lens: jax.Array  # [S + 1] int32 token offsets of each sequence on the T axis
     kv_lens: jax.Array  # [S] int32 context length including this step's tokens
     num_seqs: jax.Array  # [1] int32 real sequences
-    impl: str = dataclasses.field(default="auto", metadata={"static": True})
+    impl: AttentionImpl = dataclasses.field(default=AttentionImpl.AUTO, metadata={"static": True})
     heads: HeadSharding | None = dataclasses.field(default=None, metadata={"static": True})
 
 
@@ -96,7 +97,7 @@ def _paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None,
-    impl: str,
+    impl: AttentionImpl,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
     k_pool, v_pool = write_kv(*kv_cache, k, v, slot_mapping, layer)
     out = ragged_paged_attention(

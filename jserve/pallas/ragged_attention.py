@@ -12,6 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jserve.config.engine_args import AttentionImpl
 from jserve.pallas.ragged_common import RaggedCall
 from jserve.pallas.ragged_interpret import ragged_paged_attention_interpret
 from jserve.pallas.ragged_mosaic import ragged_paged_attention_mosaic
@@ -20,26 +21,32 @@ from jserve.pallas.ragged_reference import ragged_paged_attention_reference
 from jserve.pallas.ragged_triton import ragged_paged_attention_triton
 from jserve.pallas.ragged_xla import ragged_paged_attention_xla
 
-# name -> (implementation, how it takes `interpret`): "never" (plain XLA, no interpret mode),
-# "always" (the CPU interpret kernel) or a tuple of the backends it runs on natively.
+# implementation -> (its function, how it takes `interpret`): "never" (plain XLA, no
+# interpret mode), "always" (the CPU interpret kernel) or a tuple of the backends it runs on
+# natively.
 _IMPL_TABLE = {
-    "reference": (ragged_paged_attention_reference, "never"),
-    "interpret": (ragged_paged_attention_interpret, "always"),
-    "xla": (ragged_paged_attention_xla, "never"),
-    "native": (ragged_paged_attention_native, "never"),
-    "triton": (ragged_paged_attention_triton, ("gpu", "cuda")),
-    "mosaic": (ragged_paged_attention_mosaic, ("tpu",)),
+    AttentionImpl.REFERENCE: (ragged_paged_attention_reference, "never"),
+    AttentionImpl.INTERPRET: (ragged_paged_attention_interpret, "always"),
+    AttentionImpl.XLA: (ragged_paged_attention_xla, "never"),
+    AttentionImpl.NATIVE: (ragged_paged_attention_native, "never"),
+    AttentionImpl.TRITON: (ragged_paged_attention_triton, ("gpu", "cuda")),
+    AttentionImpl.MOSAIC: (ragged_paged_attention_mosaic, ("tpu",)),
 }
-IMPLS = tuple(_IMPL_TABLE)
-_BY_BACKEND = {"cpu": "native", "gpu": "triton", "cuda": "triton", "tpu": "mosaic"}
+IMPLS = tuple(_IMPL_TABLE)  # every implementation AUTO may stand for, and those it never picks
+_BY_BACKEND = {
+    "cpu": AttentionImpl.NATIVE,
+    "gpu": AttentionImpl.TRITON,
+    "cuda": AttentionImpl.TRITON,
+    "tpu": AttentionImpl.MOSAIC,
+}
 
 
-def choose_impl(backend: str | None = None, dtype: jnp.dtype = jnp.float32) -> str:
-    """The implementation "auto" means on `backend` (default: jax.default_backend()) for pools
+def choose_impl(backend: str | None = None, dtype: jnp.dtype = jnp.float32) -> AttentionImpl:
+    """The implementation AUTO means on `backend` (default: jax.default_backend()) for pools
     of `dtype`: on CPU the native kernel where it supports the dtype and builds, else XLA."""
-    chosen = _BY_BACKEND.get(backend or jax.default_backend(), "reference")
-    if chosen == "native" and not native_supports(dtype):
-        return "xla"
+    chosen = _BY_BACKEND.get(backend or jax.default_backend(), AttentionImpl.REFERENCE)
+    if chosen is AttentionImpl.NATIVE and not native_supports(dtype):
+        return AttentionImpl.XLA
     return chosen
 
 
@@ -56,7 +63,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    impl: str = "auto",
+    impl: AttentionImpl | str = AttentionImpl.AUTO,
     interpret: bool | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of queries over a paged KV pool, for one layer.
@@ -82,9 +89,9 @@ def ragged_paged_attention(
       sm_scale: softmax scale applied to q, e.g. head_dim ** -0.5.
       sliding_window: None, or the number of most recent positions each query may see.
       soft_cap: None, or c for scores -> c * tanh(scores / c).
-      impl: "auto" (by jax.default_backend(): cpu -> "native" for float32 where its kernel
-        builds, else "xla"; gpu -> "triton", tpu -> "mosaic", else "reference"), or one of
-        IMPLS.
+      impl: an AttentionImpl (or its name): AUTO picks by jax.default_backend(): cpu ->
+        "native" for float32 where its kernel builds, else "xla"; gpu -> "triton", tpu ->
+        "mosaic", else "reference".
       interpret: for "triton" / "mosaic": None runs natively on their backend and interprets
         elsewhere; True forces the interpreter. "interpret" always interprets (False is an
         error); "reference", "xla" and "native" take None only.
@@ -92,21 +99,28 @@ def ragged_paged_attention(
     Returns:
       [T, Hq, D] attention outputs in q's dtype.
     """
-    chosen = choose_impl(dtype=q.dtype) if impl == "auto" else impl
+    chosen = choose_impl(dtype=q.dtype) if impl == AttentionImpl.AUTO else impl
     if chosen not in _IMPL_TABLE:
-        raise ValueError(f"impl must be 'auto' or one of {IMPLS}; got {impl!r}")
-    fn, native = _IMPL_TABLE[chosen]
+        names = tuple(str(name) for name in IMPLS)
+        raise ValueError(f"impl must be 'auto' or one of {names}; got {impl!r}")
     call = RaggedCall.make(
         q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
     )  # fmt: skip
+    return _run(AttentionImpl(chosen), call, interpret)
+
+
+def _run(chosen: AttentionImpl, call: RaggedCall, interpret: bool | None) -> jax.Array:
+    """`call` run by implementation `chosen`, natively or interpreted as `interpret` asks
+    (see ragged_paged_attention)."""
+    fn, native = _IMPL_TABLE[chosen]
     if native == "never":
         if interpret is not None:
-            raise ValueError(f"impl={chosen!r} has no interpret mode; got interpret={interpret}")
+            raise ValueError(f"impl='{chosen}' has no interpret mode; got interpret={interpret}")
         return fn(call)
     if native == "always":
         if interpret is False:
-            raise ValueError(f"impl={chosen!r} only runs in interpret mode; got interpret=False")
+            raise ValueError(f"impl='{chosen}' only runs in interpret mode; got interpret=False")
         return fn(call)
     if interpret is None:
         interpret = jax.default_backend() not in native
