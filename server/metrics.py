@@ -75,7 +75,11 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._engine = _EngineSnapshotCollector()
         self.registry.register(self._engine)
-        reg = self.registry
+        self._declare_request_series(self.registry)
+        self._declare_tenant_series(self.registry)
+
+    def _declare_request_series(self, reg: CollectorRegistry) -> None:
+        """Requests' outcomes and latencies, and the engine's iteration sizes."""
         self.request_success = Counter(
             "jserve:request_success", "Finished sequences by finish reason (one per choice).",
             ["finished_reason"], registry=reg,
@@ -104,6 +108,9 @@ class ServerMetrics:
             "jserve:iteration_tokens", "Tokens scheduled per engine iteration.",
             buckets=_ITERATION_TOKEN_BUCKETS, registry=reg,
         )  # fmt: skip
+
+    def _declare_tenant_series(self, reg: CollectorRegistry) -> None:
+        """The `jserve:tenant_*` series: latencies, outcomes and tokens by lane and tenant."""
         self.tenant_ttft = Histogram(
             "jserve:tenant_time_to_first_token_seconds",
             "Arrival to first token, by lane and tenant.",
