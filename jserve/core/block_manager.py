@@ -49,10 +49,6 @@ class BlockManager:
         """Fraction of usable blocks referenced by requests (cached-but-unused ones count free)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def free_block_ids(self) -> set[int]:
-        evictable = self.prefix_cache.evictable_block_ids() if self.prefix_cache else set()
-        return set(self._free) | evictable
-
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """New blocks `request` needs to compute `num_new_tokens` more tokens."""
         num_tokens = request.num_computed_tokens + num_new_tokens

@@ -24,9 +24,10 @@ admission its counter exceeds any backlogged g's by at most B_f, and if f was no
 service is at most B_f. Hence for f and g continuously backlogged in a lane over an interval,
 the service they receive differs by at most max(B_f, B_g) plus the counter difference they
 started with (zero for tenants with equal history, which the lift brings level).
-`service_gap_bound` is that B. The paper's 2 * max(w_p * L_input, w_q * M) has the same shape:
-M, the tokens a batch holds, becomes the tokens a tenant's admitted requests can still be
-served, since chunked prefill serves a prompt over several steps.
+B = max_num_seqs * max_model_len * DECODE_TOKEN_COST / weight. The paper's
+2 * max(w_p * L_input, w_q * M) has the same shape: M, the tokens a batch holds, becomes the
+tokens a tenant's admitted requests can still be served, since chunked prefill serves a prompt
+over several steps.
 tests/core/test_scheduler_state_machine.py checks it on random workloads.
 """
 
@@ -45,12 +46,6 @@ def service_of(request: Request, start: int, end: int, sample: bool) -> tuple[in
     `request` (and sampling a token when `sample`); recomputed prompt tokens are free."""
     new_prompt = min(end, request.num_prompt_tokens) - max(start, request.num_prompt_served)
     return max(0, new_prompt), 1 if sample else 0
-
-
-def service_gap_bound(max_num_seqs: int, max_model_len: int, weight: float) -> float:
-    """B: the most service a tenant of `weight` can still receive from its admitted requests
-    of one lane (the gap bound between backlogged tenants, beyond their starting gap)."""
-    return max_num_seqs * max_model_len * DECODE_TOKEN_COST / weight
 
 
 class FairShare:

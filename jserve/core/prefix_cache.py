@@ -68,12 +68,6 @@ class PrefixCache:
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of_block
 
-    def cached_block_ids(self) -> set[int]:
-        return set(self._hash_of_block)
-
-    def evictable_block_ids(self) -> set[int]:
-        return set(self._evictable)
-
     def release(self, block_id: int) -> None:
         """The last reference to a cached block went away: it becomes the newest evictable."""
         self._evictable[block_id] = None

@@ -117,10 +117,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, lane={self.lane}, status={self.status.value}, "

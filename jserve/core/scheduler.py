@@ -209,9 +209,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
-
     def stats(self) -> SchedulerStats:
         cache = self.block_manager.prefix_cache
         return SchedulerStats(

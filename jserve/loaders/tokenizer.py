@@ -165,13 +165,6 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
-        """Vocabulary spellings (byte-level BPE: "Ġ" for a space); None for an unknown id."""
-        return [self.backend.id_to_token(i) for i in ids]
-
-    def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
-
     def apply_chat_template(
         self,
         messages: Sequence[Mapping[str, Any]],

@@ -180,8 +180,6 @@ class GrammarCache:
         self._entries: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._llg_tokenizer: llguidance.LLTokenizer | None = None
         self._pool = ThreadPoolExecutor(COMPILE_THREADS, thread_name_prefix="jserve-grammar")
-        self.hits = 0
-        self.misses = 0
 
     @property
     def llg_tokenizer(self) -> llguidance.LLTokenizer:
@@ -215,12 +213,10 @@ class GrammarCache:
             entry = self._entries.get(key)
             compiles_here = entry is None
             if compiles_here:
-                self.misses += 1
                 entry = self._entries[key] = Future()
                 if len(self._entries) > self.capacity:
                     self._entries.popitem(last=False)  # its waiters keep their future
             else:
-                self.hits += 1
                 self._entries.move_to_end(key)
         if compiles_here:
             try:

@@ -12,7 +12,16 @@ from jserve.core.tenants import TenantPolicy
 from jserve.errors import RequestRejected
 from jserve.outputs import FinishReason
 
-from .helpers import EOS, FILLER, chunks, make_request, make_scheduler, run_until_idle, step
+from .helpers import (
+    EOS,
+    FILLER,
+    chunks,
+    make_request,
+    make_scheduler,
+    run_until_idle,
+    step,
+    tracked,
+)
 
 
 def rejection(scheduler, request) -> RequestRejected:
@@ -81,7 +90,7 @@ def test_siblings_wait_for_the_leader_then_fork_its_full_prompt_blocks(
         ("g-1", 4 * shared_blocks, tail, True),
         ("g-2", 4 * shared_blocks, tail, True),
     ]
-    leader, *siblings = (scheduler.get_request(f"g-{i}") for i in range(3))
+    leader, *siblings = (tracked(scheduler, f"g-{i}") for i in range(3))
     shared = leader.block_ids[:shared_blocks]
     manager = scheduler.block_manager
     assert [manager.ref_counts[b] for b in shared] == [3] * shared_blocks
@@ -117,7 +126,7 @@ def test_waiting_request_past_its_deadline_finishes_with_deadline():
     assert plan.finished == {}
     plan, _ = step(scheduler, now=5.0)
     assert plan.finished == {"late": FinishReason.TIMEOUT}
-    assert scheduler.get_request("late") is None
+    assert tracked(scheduler, "late") is None
     assert scheduler.stats().num_waiting == 0
     assert [s.request_id for s in plan.seqs] == ["busy"]
 
@@ -164,7 +173,7 @@ def test_abort_while_the_step_runs_is_skipped_by_update():
     scheduler.abort("r")
     finished = scheduler.update_from_output(plan, {"r": 5, "s": 5})
     assert finished == []
-    assert list(scheduler.get_request("s").output_token_ids) == [5]
+    assert list(tracked(scheduler, "s").output_token_ids) == [5]
 
 
 def test_stop_token_respects_min_tokens_and_max_tokens_gives_length():
