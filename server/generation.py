@@ -3,8 +3,8 @@
 Walkthrough of one request:
 1. Check the engine is ready, decode the body into its protocol Struct and parse that (a 400
    naming any bad field: server/decoding.py, server/protocol.py), check the model name, then
-   render and tokenize the prompt in a worker thread (megabytes of text take seconds; the
-   event loop must keep serving every other stream meanwhile).
+   render and tokenize the prompt in a worker thread (megabytes of text take long; the event
+   loop must keep serving every other stream meanwhile).
 2. Start `engine.generate` and wait for its first output *before* answering, so a refusal
    (queue full, prompt too long) still gets its own status code (429, 400) instead of an error
    buried in a 200 stream.

@@ -291,7 +291,7 @@ def parse_chat(body: ChatRequest) -> ParsedRequest:
 def encode_prompt(tokenizer: TokenizerLike, parsed: ParsedRequest, vocab_size: int) -> list[int]:
     """The request's prompt token ids, every id (stop ids too) checked against the vocabulary.
 
-    Slow for long prompts (seconds for megabytes of text): the server runs it in a worker
+    Slow for long prompts (megabytes of text): the server runs it in a worker
     thread, never on the event loop. Chat messages are rendered with the chat template and
     tokenized without adding special tokens again (the template holds them).
     """

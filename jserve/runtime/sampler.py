@@ -99,8 +99,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """Index of the first maximum per row, [S] int32 (a row holding NaN still gets an id < V).
 
     Blocked, so the [S, V] row is read once: each block's max, the row's max, the first
-    block reaching it, then the first index inside that one block. XLA's own argmax is
-    several times slower.
+    block reaching it, then the first index inside that one block. XLA's own argmax reads
+    the row more than once on XLA:CPU (bench/RESULTS.md, "Where a step's time goes now").
     """
     v = x.shape[1]
     blocks = _blocks(x, _ARGMAX_BLOCK)
@@ -308,8 +308,8 @@ def draw(logits: jax.Array, kept: KeptSet, uniforms: jax.Array) -> jax.Array:
 def _logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors) -> SamplerOutput:
     s = logits.shape[0]
 
-    # The [S, V] logprobs are formed inside the branch: passed in from outside, they made
-    # every step several times slower on XLA:CPU even when the branch was not taken.
+    # The [S, V] logprobs are formed inside the branch: passed in from outside, XLA:CPU
+    # formed them in every step, even when the branch was not taken.
     def wanted() -> tuple[jax.Array, ...]:
         logprobs = logits - jax.nn.logsumexp(logits, -1, keepdims=True)
         sampled = jnp.take_along_axis(logprobs, tokens[:, None], 1)

@@ -1,8 +1,8 @@
 """Compile output constraints into llguidance matchers: bounded, off the step thread, cached.
 
 A compiled constraint is a matcher in its initial state (the "template"); each constrained
-sequence gets a `deep_copy` of it, which costs microseconds, so a schema that 64 requests
-share is compiled once. JSON is generated without free whitespace (`whitespace_flexible`
+sequence gets a `deep_copy` of it, which costs little next to a compile, so a schema that 64
+requests share is compiled once. JSON is generated without free whitespace (`whitespace_flexible`
 off): a small model given the freedom pads with newlines until max_tokens.
 
 Where compiling runs: `GrammarCache.submit` hands it to a small thread pool and returns a
