@@ -147,7 +147,7 @@ class ResponseBuilder:
         return len(content), calls if self.tools.parallel else calls[:1]
 
     def _finish_reason(self, out: CompletionOutput, calls: list) -> str | None:
-        if calls and out.finish_reason == "stop" and self.tools is not None:
+        if calls and out.finish_reason == FinishReason.STOP and self.tools is not None:
             return self.tools.finish_reason
         return out.finish_reason
 

@@ -36,6 +36,7 @@ from typing import Any
 
 from jserve.core.stopping import check_stop_strings
 from jserve.sampling_params import StructuredOutputsParams
+from jserve.server.protocol_types import Role
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # Calls one "required" request may make with parallel_tool_calls (bounded: a small model at
@@ -139,7 +140,7 @@ def tool_prompt(tools: list[dict[str, Any]]) -> str:
 def with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict]:
     """`messages` with the tool description added to (or as) the system message."""
     text = tool_prompt(tools)
-    if messages and messages[0]["role"] == "system":
+    if messages and messages[0]["role"] == Role.SYSTEM:
         first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
         return [first, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]

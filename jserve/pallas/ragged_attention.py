@@ -9,6 +9,8 @@ side by side.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import jax
 import jax.numpy as jnp
 
@@ -21,16 +23,27 @@ from jserve.pallas.ragged_reference import ragged_paged_attention_reference
 from jserve.pallas.ragged_triton import ragged_paged_attention_triton
 from jserve.pallas.ragged_xla import ragged_paged_attention_xla
 
-# implementation -> (its function, how it takes `interpret`): "never" (plain XLA, no
-# interpret mode), "always" (the CPU interpret kernel) or a tuple of the backends it runs on
-# natively.
+
+class _Interpret(StrEnum):
+    """How an implementation takes `interpret`."""
+
+    NEVER = "never"  # plain XLA or a native kernel: no interpret mode
+    ALWAYS = "always"  # the CPU interpret kernel
+    OFF_ITS_BACKENDS = "off_its_backends"  # native on its backends, interpreted elsewhere
+
+
+# implementation -> (its function, how it takes `interpret`, the backends it runs natively on)
 _IMPL_TABLE = {
-    AttentionImpl.REFERENCE: (ragged_paged_attention_reference, "never"),
-    AttentionImpl.INTERPRET: (ragged_paged_attention_interpret, "always"),
-    AttentionImpl.XLA: (ragged_paged_attention_xla, "never"),
-    AttentionImpl.NATIVE: (ragged_paged_attention_native, "never"),
-    AttentionImpl.TRITON: (ragged_paged_attention_triton, ("gpu", "cuda")),
-    AttentionImpl.MOSAIC: (ragged_paged_attention_mosaic, ("tpu",)),
+    AttentionImpl.REFERENCE: (ragged_paged_attention_reference, _Interpret.NEVER, ()),
+    AttentionImpl.INTERPRET: (ragged_paged_attention_interpret, _Interpret.ALWAYS, ()),
+    AttentionImpl.XLA: (ragged_paged_attention_xla, _Interpret.NEVER, ()),
+    AttentionImpl.NATIVE: (ragged_paged_attention_native, _Interpret.NEVER, ()),
+    AttentionImpl.TRITON: (
+        ragged_paged_attention_triton,
+        _Interpret.OFF_ITS_BACKENDS,
+        ("gpu", "cuda"),
+    ),
+    AttentionImpl.MOSAIC: (ragged_paged_attention_mosaic, _Interpret.OFF_ITS_BACKENDS, ("tpu",)),
 }
 IMPLS = tuple(_IMPL_TABLE)  # every implementation AUTO may stand for, and those it never picks
 _BY_BACKEND = {
@@ -113,15 +126,15 @@ def ragged_paged_attention(
 def _run(chosen: AttentionImpl, call: RaggedCall, interpret: bool | None) -> jax.Array:
     """`call` run by implementation `chosen`, natively or interpreted as `interpret` asks
     (see ragged_paged_attention)."""
-    fn, native = _IMPL_TABLE[chosen]
-    if native == "never":
+    fn, mode, backends = _IMPL_TABLE[chosen]
+    if mode is _Interpret.NEVER:
         if interpret is not None:
             raise ValueError(f"impl='{chosen}' has no interpret mode; got interpret={interpret}")
         return fn(call)
-    if native == "always":
+    if mode is _Interpret.ALWAYS:
         if interpret is False:
             raise ValueError(f"impl='{chosen}' only runs in interpret mode; got interpret=False")
         return fn(call)
     if interpret is None:
-        interpret = jax.default_backend() not in native
+        interpret = jax.default_backend() not in backends
     return fn(call, interpret=interpret)
