@@ -137,7 +137,7 @@ def add_library_commands(sub: argparse._SubParsersAction) -> None:
     gen.add_argument("--request-seed", type=int, default=None, help="sampling seed")
     gen.add_argument("--chat", action="store_true", help="apply the model's chat template")
     add_engine_arguments(gen)
-    # One request: small buckets compile in a few seconds.
+    # One request: small buckets, so there is little to compile before it starts.
     gen.set_defaults(func=_generate, max_num_seqs=1, max_num_batched_tokens=256)
 
     conv = sub.add_parser("convert", help="write a model as a jserve (orbax) checkpoint directory")

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
+from enum import StrEnum
+
+
+class RejectReason(StrEnum):
+    """Why the engine refused a request, machine-readable so a server can map it to a status:
+    TOO_LONG and INVALID are the caller's fault (HTTP 400), QUEUE_FULL and DEADLINE (the
+    deadline cannot be met) are back-pressure (HTTP 429), KV_FULL (KV usage above the reject
+    watermark) and SHUTTING_DOWN mean the engine admits no work now (HTTP 503)."""
+
+    TOO_LONG = "too_long"
+    INVALID = "invalid"
+    QUEUE_FULL = "queue_full"
+    DEADLINE = "deadline"
+    KV_FULL = "kv_full"
+    SHUTTING_DOWN = "shutting_down"
+
 
 class RequestRejected(ValueError):
-    """A request the engine will not accept.
+    """A request the engine will not accept, and `reason` why (see RejectReason).
 
-    `reason` is machine-readable so a server can map it to a status code:
-    "too_long" and "invalid" are the caller's fault (HTTP 400), "queue_full" and "deadline"
-    (the deadline cannot be met) are back-pressure (HTTP 429), "kv_full" (KV usage above the
-    reject watermark) and "shutting_down" mean the engine admits no work now (HTTP 503).
     `retry_after` is the seconds after which a retry may succeed, when that is known.
     """
 
-    def __init__(self, reason: str, message: str, retry_after: float | None = None) -> None:
+    def __init__(
+        self, reason: RejectReason, message: str, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.retry_after = retry_after

@@ -29,6 +29,15 @@ class FinishReason(enum.StrEnum):
     ERROR = "error"  # the engine failed it (its host-side step work raised, or a device step)
 
 
+class EngineState(enum.StrEnum):
+    """Whether an engine takes work: READY; STOPPING (shutting down, it admits nothing new);
+    DEAD (its step loop failed for good: its `dead_reason` says why)."""
+
+    READY = "ready"
+    STOPPING = "stopping"
+    DEAD = "dead"
+
+
 class SequencePrefix(Sequence[T]):
     """The first `length` items of a list that only ever grows (nothing replaces or removes its
     items): a read-only snapshot that costs O(1). Slices are lists; it equals a list or another

@@ -10,6 +10,7 @@ any JSON object, a regex, a choice of strings or a grammar; jserve.structured co
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from jserve.config.validation import INT64_MAX, INT64_MIN, check_float, check_int, show
 
@@ -29,7 +30,14 @@ def _check(ok: bool, message: str) -> None:
         raise ValueError(message)
 
 
-STRUCTURED_KINDS = ("json", "json_object", "regex", "choice", "grammar")
+class StructuredKind(StrEnum):
+    """The kinds of output constraint, each named as its StructuredOutputsParams field."""
+
+    JSON = "json"
+    JSON_OBJECT = "json_object"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
 
 
 @dataclass(frozen=True)
@@ -48,10 +56,10 @@ class StructuredOutputsParams:
     def __post_init__(self) -> None:
         if self.choice is not None:
             object.__setattr__(self, "choice", tuple(self.choice))
-        given = [kind for kind in STRUCTURED_KINDS if getattr(self, kind) not in (None, False)]
+        given = [str(k) for k in StructuredKind if getattr(self, k) not in (None, False)]
         _check(
             len(given) == 1,
-            f"structured outputs need exactly one of {list(STRUCTURED_KINDS)}, got "
+            f"structured outputs need exactly one of {[str(k) for k in StructuredKind]}, got "
             f"{given or 'none'}",
         )
         _check(
@@ -71,9 +79,9 @@ class StructuredOutputsParams:
         )
 
     @property
-    def kind(self) -> str:
-        """Which of STRUCTURED_KINDS is set."""
-        return next(k for k in STRUCTURED_KINDS if getattr(self, k) not in (None, False))
+    def kind(self) -> StructuredKind:
+        """Which kind of constraint is set."""
+        return next(k for k in StructuredKind if getattr(self, k) not in (None, False))
 
 
 @dataclass

@@ -6,7 +6,7 @@ import math
 
 from aiohttp import web
 
-from jserve.errors import RequestRejected
+from jserve.errors import RejectReason, RequestRejected
 from jserve.server.responses import json_response
 
 # Seconds a client should wait before retrying a request refused for a full queue.
@@ -85,14 +85,14 @@ def rejection_to_api_error(exc: RequestRejected) -> APIError:
     a retry can fix is 429 (queue full, a deadline the queue ahead makes unmeetable) or 503
     (KV cache above its reject watermark), each with Retry-After; the message says which
     limit refused it and the numbers."""
-    if exc.reason == "queue_full":
+    if exc.reason == RejectReason.QUEUE_FULL:
         return APIError(429, str(exc), code="queue_full", headers=_retry_after(exc))
-    if exc.reason == "deadline":
+    if exc.reason == RejectReason.DEADLINE:
         return APIError(429, str(exc), code="deadline_unmeetable", headers=_retry_after(exc))
-    if exc.reason == "kv_full":
+    if exc.reason == RejectReason.KV_FULL:
         return APIError(503, str(exc), code="kv_cache_full", headers=_retry_after(exc))
-    if exc.reason == "shutting_down":
+    if exc.reason == RejectReason.SHUTTING_DOWN:
         return APIError(503, str(exc), code="shutting_down")
-    if exc.reason == "too_long":
+    if exc.reason == RejectReason.TOO_LONG:
         return APIError(400, str(exc), param="prompt", code="context_length_exceeded")
-    return APIError(400, str(exc), code=exc.reason)
+    return APIError(400, str(exc), code=str(exc.reason))

@@ -30,7 +30,7 @@ from jserve.server.generation import chat_completions, completions
 from jserve.server.metrics import ServerMetrics
 from jserve.server.responses import json_response
 from jserve.server.settings import ServerSettings
-from jserve.server.state import STATE, ServerState
+from jserve.server.state import STATE, Health, ServerState
 from jserve.server.tokenization import add_tokenization_routes
 from jserve.server.worker_api import add_worker_routes
 
@@ -91,7 +91,7 @@ async def _health(request: web.Request) -> web.Response:
     restarts = state.engine.num_restarts if state.engine is not None else 0
     if restarts:  # the engine failed a step and recovered: operators should know
         body["engine_restarts"] = restarts
-    return json_response(body, status=200 if health == "ready" else 503)
+    return json_response(body, status=200 if health == Health.READY else 503)
 
 
 async def _metrics(request: web.Request) -> web.Response:

@@ -51,8 +51,8 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
 
 def _exit_now_if_threads_linger(code: int) -> None:
     """End the process at once with `code` if a worker thread is still busy a moment after
-    the server stopped: an engine stopped while it was loading compiles on for minutes, and
-    the interpreter would wait for it before exiting."""
+    the server stopped: an engine stopped while it was loading compiles on until it is done,
+    and the interpreter would wait for it before exiting."""
     others = [
         t for t in threading.enumerate() if not t.daemon and t is not threading.current_thread()
     ]

@@ -9,8 +9,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
+from jserve.config.scheduler import Lane
 from jserve.core.tenants import DEFAULT_TENANT
-from jserve.outputs import EngineStats, RequestOutput
+from jserve.outputs import EngineState, EngineStats, RequestOutput
 from jserve.sampling_params import SamplingParams
 
 
@@ -33,7 +34,7 @@ class EngineClient(Protocol):
     `generate` yields cumulative RequestOutputs (per CompletionOutput: `text` extends the
     previous text, `token_ids` and `logprobs` grow); the last one has `finished=True`. It raises
     `jserve.errors.RequestRejected` at the first iteration when the request is not admitted,
-    `lane` is one of jserve.config.scheduler.LANES, `tenant` names who it is served for,
+    `lane` is a jserve.config.scheduler.Lane, `tenant` names who it is served for,
     and `jserve.errors.EngineDeadError` when the engine dies. A request not finished `timeout`
     seconds after `generate` was called, waiting or running, finishes with finish_reason
     "timeout" and keeps the tokens it generated (jserve.core.deadlines states the rule).
@@ -46,7 +47,7 @@ class EngineClient(Protocol):
     max_model_len: int
     vocab_size: int  # token ids are in [0, vocab_size)
     tokenizer: TokenizerLike
-    state: str  # "starting" | "ready" | "dead" | "stopping"
+    state: EngineState
     dead_reason: str | None
     num_restarts: int  # in-process restarts after failed steps (each failed its requests)
     # Fixed sizes a router reads (jserve.server.worker_api): sequences run at once, the KV pool in
@@ -62,7 +63,7 @@ class EngineClient(Protocol):
         params: SamplingParams,
         request_id: str,
         *,
-        lane: str = "interactive",
+        lane: Lane = Lane.INTERACTIVE,
         timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
     ) -> AsyncIterator[RequestOutput]: ...

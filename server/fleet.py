@@ -36,9 +36,18 @@ import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
+from enum import StrEnum
 from pathlib import Path
 
 log = logging.getLogger("jserve.fleet")
+
+
+class Router(StrEnum):
+    """The router programs a fleet can run (each is its command's name)."""
+
+    SMG = "smg"
+    VLLM_ROUTER = "vllm-router"
+
 
 SMG_POLICIES = (
     "round_robin", "cache_aware", "random", "power_of_two", "least_load",
@@ -69,7 +78,7 @@ def add_fleet_arguments(parser: argparse.ArgumentParser) -> None:
         "vllm-router, the others run smg unless --router says otherwise (default: cache_aware)",
     )  # fmt: skip
     parser.add_argument(
-        "--router", choices=("smg", "vllm-router"), default=None,
+        "--router", choices=[str(router) for router in Router], default=None,
         help="router program (default: vllm-router for kv_aware, else smg)",
     )  # fmt: skip
     parser.add_argument("--host", default=_HOST, help="router address (default: %(default)s)")
@@ -147,7 +156,7 @@ class FleetPlan:
     """What to run: built from the arguments before anything starts."""
 
     replicas: list[Child]
-    router_name: str
+    router_name: Router
     policy: str
     kv_event_endpoints: list[tuple[str, str]] = field(default_factory=list)  # (pub, replay)
 
@@ -156,8 +165,10 @@ def plan_fleet(args: argparse.Namespace, serve_args: list[str]) -> FleetPlan:
     """Replica commands and the router choice; raises ValueError on a bad combination."""
     if args.replicas < 1:
         raise ValueError(f"--replicas must be >= 1, got {args.replicas}")
-    router = args.router or ("vllm-router" if args.policy == "kv_aware" else "smg")
-    allowed = SMG_POLICIES if router == "smg" else VLLM_ROUTER_POLICIES
+    router = Router(
+        args.router or (Router.VLLM_ROUTER if args.policy == "kv_aware" else Router.SMG)
+    )
+    allowed = SMG_POLICIES if router is Router.SMG else VLLM_ROUTER_POLICIES
     if args.policy not in allowed:
         raise ValueError(f"{router} has no policy {args.policy!r}; it has {', '.join(allowed)}")
     for flag in ("--host", "--port", "--api-key", "--kv-events-endpoint",
@@ -182,7 +193,7 @@ def plan_fleet(args: argparse.Namespace, serve_args: list[str]) -> FleetPlan:
 
 
 def router_command(
-    router: str,
+    router: Router,
     policy: str,
     replica_urls: list[str],
     *,
@@ -206,7 +217,7 @@ def router_command(
               "--health-failure-threshold", "2", "--health-success-threshold", "1"]  # fmt: skip
     if api_key:
         common += ["--api-key", api_key]
-    if router == "smg":
+    if router == Router.SMG:
         return [binary, "launch", "--worker-urls", *replica_urls, *common]
     command = [binary, "--worker-urls", *replica_urls, *common]
     for url, (pub, replay) in zip(replica_urls, kv_event_endpoints or [], strict=False):

@@ -3,8 +3,8 @@
 Walkthrough of one request:
 1. Check the engine is ready, decode the body into its protocol Struct and parse that (a 400
    naming any bad field: server/decoding.py, server/protocol.py), check the model name, then
-   render and tokenize the prompt in a worker thread (megabytes of text take seconds; the
-   event loop must keep serving every other stream meanwhile).
+   render and tokenize the prompt in a worker thread (megabytes of text take long; the event
+   loop must keep serving every other stream meanwhile).
 2. Start `engine.generate` and wait for its first output *before* answering, so a refusal
    (queue full, prompt too long) still gets its own status code (429, 400) instead of an error
    buried in a 200 stream.
@@ -26,13 +26,13 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from jserve.errors import EngineDeadError, RequestRejected
+from jserve.errors import EngineDeadError, RejectReason, RequestRejected
 from jserve.outputs import RequestOutput
 from jserve.server.api_errors import APIError, rejection_to_api_error
 from jserve.server.decoding import decode_request
 from jserve.server.engine_client import EngineClient
 from jserve.server.metrics import RequestTracker, ServerMetrics
-from jserve.server.openai_format import ChoiceCursor, ResponseBuilder
+from jserve.server.openai_format import ChoiceCursor, Endpoint, ResponseBuilder
 from jserve.server.protocol import (
     ParsedRequest,
     encode_prompt,
@@ -195,16 +195,18 @@ async def _respond_once(
     return json_response(builder.full_response(last))
 
 
-async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
+async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.ready_engine()
     raw = await read_body(request)
     try:
-        body = decode_request(raw, CompletionRequest if kind == "completion" else ChatRequest)
+        body = decode_request(
+            raw, CompletionRequest if kind is Endpoint.COMPLETION else ChatRequest
+        )
         tenant = request_tenant(request.headers.get("X-Tenant"), body.user)
         parsed = parse_completion(body) if isinstance(body, CompletionRequest) else parse_chat(body)
     except APIError:
-        state.metrics.request_rejected.labels("invalid").inc()
+        state.metrics.request_rejected.labels(RejectReason.INVALID).inc()
         raise
     state.check_model(parsed.model)
     try:
@@ -212,9 +214,9 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
             encode_prompt, engine.tokenizer, parsed, engine.vocab_size
         )
     except APIError:
-        state.metrics.rejected("invalid", parsed.lane, tenant)
+        state.metrics.rejected(RejectReason.INVALID, parsed.lane, tenant)
         raise
-    request_id = f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex}"
+    request_id = f"{'cmpl' if kind is Endpoint.COMPLETION else 'chatcmpl'}-{uuid.uuid4().hex}"
     builder = ResponseBuilder(
         kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools
     )
@@ -231,8 +233,8 @@ async def _serve(request: web.Request, kind: str) -> web.StreamResponse:
 
 
 async def completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, "completion")
+    return await _serve(request, Endpoint.COMPLETION)
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await _serve(request, "chat")
+    return await _serve(request, Endpoint.CHAT)

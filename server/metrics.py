@@ -21,7 +21,9 @@ from collections.abc import Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from jserve.config.scheduler import Lane
 from jserve.core.tenants import DEFAULT_TENANT, TenantLabels
+from jserve.errors import RejectReason
 from jserve.outputs import EngineStats, RequestOutput
 
 _LATENCY_BUCKETS = (
@@ -73,7 +75,11 @@ class ServerMetrics:
         self.registry = CollectorRegistry()
         self._engine = _EngineSnapshotCollector()
         self.registry.register(self._engine)
-        reg = self.registry
+        self._declare_request_series(self.registry)
+        self._declare_tenant_series(self.registry)
+
+    def _declare_request_series(self, reg: CollectorRegistry) -> None:
+        """Requests' outcomes and latencies, and the engine's iteration sizes."""
         self.request_success = Counter(
             "jserve:request_success", "Finished sequences by finish reason (one per choice).",
             ["finished_reason"], registry=reg,
@@ -102,6 +108,9 @@ class ServerMetrics:
             "jserve:iteration_tokens", "Tokens scheduled per engine iteration.",
             buckets=_ITERATION_TOKEN_BUCKETS, registry=reg,
         )  # fmt: skip
+
+    def _declare_tenant_series(self, reg: CollectorRegistry) -> None:
+        """The `jserve:tenant_*` series: latencies, outcomes and tokens by lane and tenant."""
         self.tenant_ttft = Histogram(
             "jserve:tenant_time_to_first_token_seconds",
             "Arrival to first token, by lane and tenant.",
@@ -131,7 +140,7 @@ class ServerMetrics:
             [*_BY_TENANT, "kind"], registry=reg,
         )  # fmt: skip
 
-    def rejected(self, reason: str, lane: str, tenant: str) -> None:
+    def rejected(self, reason: RejectReason, lane: Lane, tenant: str) -> None:
         self.request_rejected.labels(reason).inc()
         self.tenant_rejected.labels(lane, self.tenant_label(tenant), reason).inc()
 
@@ -154,7 +163,7 @@ class RequestTracker:
     """Observes one request's latencies as its cumulative outputs stream by."""
 
     def __init__(
-        self, metrics: ServerMetrics, lane: str = "interactive", tenant: str = DEFAULT_TENANT
+        self, metrics: ServerMetrics, lane: Lane = Lane.INTERACTIVE, tenant: str = DEFAULT_TENANT
     ) -> None:
         self.metrics = metrics
         self.labels = (lane, metrics.tenant_label(tenant))

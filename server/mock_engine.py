@@ -28,14 +28,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from jserve.config.scheduler import LANES, CacheConfig, SchedulerConfig
+from jserve.config.scheduler import LANES, CacheConfig, Lane, SchedulerConfig
 from jserve.core.control import apply_changes, current_settings
 from jserve.core.scheduler import Scheduler
 from jserve.core.stopping import StopConditions, StopStringSearch
 from jserve.core.tenants import DEFAULT_TENANT, TenantPolicy
-from jserve.errors import EngineDeadError, RequestRejected
+from jserve.errors import EngineDeadError, RejectReason, RequestRejected
 from jserve.outputs import (
     CompletionOutput,
+    EngineState,
     EngineStats,
     FinishReason,
     Logprob,
@@ -103,7 +104,7 @@ class MockEngine:
         self.max_model_len = max_model_len
         self.vocab_size = 0x110000
         self.tokenizer = CharTokenizer()
-        self.state = "ready"
+        self.state = EngineState.READY
         self.dead_reason: str | None = None
         self.num_restarts = 0
         self.token_delay = token_delay
@@ -131,28 +132,30 @@ class MockEngine:
         params: SamplingParams,
         request_id: str,
         *,
-        lane: str = "interactive",
+        lane: Lane = Lane.INTERACTIVE,
         timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
     ) -> AsyncIterator[RequestOutput]:
         self.tenants[request_id] = tenant
-        if self.state == "dead":
+        if self.state is EngineState.DEAD:
             raise EngineDeadError(self.dead_reason)
-        if self.state != "ready":
-            raise RequestRejected("shutting_down", f"the engine is {self.state}")
+        if self.state is not EngineState.READY:
+            raise RequestRejected(RejectReason.SHUTTING_DOWN, f"the engine is {self.state}")
         if params.n > self.max_n:
-            raise RequestRejected("invalid", f"n must be at most {self.max_n}, got {params.n}")
+            raise RequestRejected(
+                RejectReason.INVALID, f"n must be at most {self.max_n}, got {params.n}"
+            )
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
         if max_tokens < 1 or len(ids) + max_tokens > self.max_model_len:
             raise RequestRejected(
-                "too_long",
+                RejectReason.TOO_LONG,
                 f"prompt ({len(ids)} tokens) + max_tokens ({max_tokens}) exceeds max_model_len "
                 f"({self.max_model_len}); shorten the prompt or lower max_tokens",
             )
         if len(self._waiting) >= self.max_waiting:
             raise RequestRejected(
-                "queue_full", f"{len(self._waiting)} requests are waiting; retry later"
+                RejectReason.QUEUE_FULL, f"{len(self._waiting)} requests are waiting; retry later"
             )
         now = time.monotonic()
         stop = StopConditions.from_params(params, (), max_tokens)
@@ -199,7 +202,7 @@ class MockEngine:
         return snapshot
 
     async def shutdown(self) -> None:
-        self.state = "stopping"
+        self.state = EngineState.STOPPING
         for request in self._waiting + self._running:
             await self.abort(request.request_id)
         if self._loop_task is not None:
@@ -207,7 +210,7 @@ class MockEngine:
 
     def kill(self, reason: str) -> None:
         """Simulate a crashed step loop: every in-flight request fails with EngineDeadError."""
-        self.state, self.dead_reason = "dead", reason
+        self.state, self.dead_reason = EngineState.DEAD, reason
         for request in self._waiting + self._running:
             request.queue.put_nowait(EngineDeadError(reason))
             self._forget(request)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from jserve.outputs import CompletionOutput, FinishReason, Logprob, RequestOutput
@@ -94,12 +95,19 @@ def chat_logprobs(
     return {"content": content}
 
 
+class Endpoint(StrEnum):
+    """The two generation endpoints a response is shaped for."""
+
+    COMPLETION = "completion"  # /v1/completions
+    CHAT = "chat"  # /v1/chat/completions
+
+
 class ResponseBuilder:
-    """Shapes one request's responses for either endpoint ("completion" or "chat")."""
+    """Shapes one request's responses for either endpoint."""
 
     def __init__(
         self,
-        kind: str,
+        kind: Endpoint,
         request_id: str,
         model: str,
         tokenizer: TokenizerLike,
@@ -111,7 +119,7 @@ class ResponseBuilder:
         self.model = model
         self.tokenizer = tokenizer
         self.top_logprobs = top_logprobs
-        self.tools = tools if kind == "chat" else None
+        self.tools = tools if kind == Endpoint.CHAT else None
         self.created = int(time.time())
 
     def _envelope(self, object_name: str, choices: list[dict]) -> dict[str, Any]:
@@ -124,7 +132,7 @@ class ResponseBuilder:
         }
 
     def _logprobs(self, out: CompletionOutput, cursor: ChoiceCursor, end: int) -> dict | None:
-        if self.kind == "completion":
+        if self.kind == Endpoint.COMPLETION:
             return completion_logprobs(self.tokenizer, out, cursor, end)
         return chat_logprobs(self.tokenizer, out, cursor.num_tokens, end, self.top_logprobs)
 
@@ -139,7 +147,7 @@ class ResponseBuilder:
         return len(content), calls if self.tools.parallel else calls[:1]
 
     def _finish_reason(self, out: CompletionOutput, calls: list) -> str | None:
-        if calls and out.finish_reason == "stop" and self.tools is not None:
+        if calls and out.finish_reason == FinishReason.STOP and self.tools is not None:
             return self.tools.finish_reason
         return out.finish_reason
 
@@ -149,7 +157,7 @@ class ResponseBuilder:
             logprobs = self._logprobs(out, ChoiceCursor(), len(out.token_ids))
             choice: dict[str, Any] = {"index": out.index}
             end, calls = self._content(out)
-            if self.kind == "completion":
+            if self.kind == Endpoint.COMPLETION:
                 choice["text"] = out.text
             else:
                 choice["message"] = {"role": "assistant", "content": out.text[:end]}
@@ -161,7 +169,7 @@ class ResponseBuilder:
                 stop_reason=out.stop_reason,
             )
             choices.append(choice)
-        name = "text_completion" if self.kind == "completion" else "chat.completion"
+        name = "text_completion" if self.kind == Endpoint.COMPLETION else "chat.completion"
         response = self._envelope(name, choices)
         response["usage"] = usage(final)
         return response
@@ -177,7 +185,7 @@ class ResponseBuilder:
             return None
         logprobs = self._logprobs(out, cursor, end) if end > cursor.num_tokens else None
         choice: dict[str, Any] = {"index": out.index}
-        if self.kind == "completion":
+        if self.kind == Endpoint.COMPLETION:
             choice["text"] = text
         else:
             delta: dict[str, Any] = {"role": "assistant"} if cursor.num_tokens == 0 else {}
@@ -191,11 +199,11 @@ class ResponseBuilder:
             choice["stop_reason"] = out.stop_reason
         cursor.num_chars, cursor.num_tokens = text_end, end
         cursor.finished = out.finished
-        name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        name = "text_completion" if self.kind == Endpoint.COMPLETION else "chat.completion.chunk"
         return self._envelope(name, [choice])
 
     def usage_chunk(self, final: RequestOutput) -> dict[str, Any]:
-        name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        name = "text_completion" if self.kind == Endpoint.COMPLETION else "chat.completion.chunk"
         chunk = self._envelope(name, [])
         chunk["usage"] = usage(final)
         return chunk

@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from jserve.config.scheduler import Lane
 from jserve.config.validation import FLOAT32_MAX, check_float, check_int, check_token_ids, show
 from jserve.core.tenants import DEFAULT_TENANT, check_tenant_name
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
@@ -34,12 +35,11 @@ from jserve.server.protocol_types import (
     ChatRequest,
     CompletionRequest,
     GenerationRequest,
-    Lane,
     Message,
     ToolChoiceMode,
 )
 from jserve.server.structured_outputs import output_constraint
-from jserve.server.tools import ToolRequest, calls_as_text, with_tool_prompt
+from jserve.server.tools import ToolRequest, ToolUse, calls_as_text, with_tool_prompt
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -60,7 +60,7 @@ class ParsedRequest:
     model: str | None
     stream: bool
     include_usage: bool
-    lane: str
+    lane: Lane
     timeout: float | None
     top_logprobs: int = 0  # chat: how many alternatives to list per token
     tools: ToolRequest | None = None  # chat: the tools it may call (server/tools.py)
@@ -113,7 +113,7 @@ def _checked(check: Callable[..., Any], name: str, *args: Any, **kwargs: Any) ->
         raise APIError(400, str(exc), param=name) from exc
 
 
-def _request_options(body: GenerationRequest) -> tuple[bool, bool, str, float | None]:
+def _request_options(body: GenerationRequest) -> tuple[bool, bool, Lane, float | None]:
     stream = bool(body.stream)
     if body.stream_options is not None and not stream:
         raise APIError(
@@ -123,7 +123,7 @@ def _request_options(body: GenerationRequest) -> tuple[bool, bool, str, float | 
     _refuse_priority(body.priority)
     if body.timeout is not None:
         _checked(check_float, "timeout", body.timeout, 0.0, FLOAT32_MAX, lo_open=True)
-    return stream, include_usage, (body.lane or Lane.INTERACTIVE).value, body.timeout
+    return stream, include_usage, body.lane or Lane.INTERACTIVE, body.timeout
 
 
 def _refuse_priority(priority: int | None) -> None:
@@ -210,18 +210,18 @@ def _tool_request(body: ChatRequest) -> ToolRequest | None:
     tools = [msgspec.to_builtins(tool) for tool in body.tools]
     parallel = body.parallel_tool_calls is not False
     if choice is None or choice == ToolChoiceMode.AUTO:
-        return ToolRequest(tools, "auto", parallel=parallel)
+        return ToolRequest(tools, ToolUse.AUTO, parallel=parallel)
     if choice == ToolChoiceMode.NONE:
         return None
     if choice == ToolChoiceMode.REQUIRED:
-        return ToolRequest(tools, "required", parallel=parallel)
+        return ToolRequest(tools, ToolUse.REQUIRED, parallel=parallel)
     named = choice.function.name  # type: ignore[union-attr]  # a NamedToolChoice
     if named not in names:
         raise APIError(
             400, f"'tool_choice' names {show(named)}, which is not in 'tools'",
             param="tool_choice.function.name",
         )  # fmt: skip
-    return ToolRequest(tools, "named", named=named, parallel=parallel)
+    return ToolRequest(tools, ToolUse.NAMED, named=named, parallel=parallel)
 
 
 def render_chat(
@@ -291,7 +291,7 @@ def parse_chat(body: ChatRequest) -> ParsedRequest:
 def encode_prompt(tokenizer: TokenizerLike, parsed: ParsedRequest, vocab_size: int) -> list[int]:
     """The request's prompt token ids, every id (stop ids too) checked against the vocabulary.
 
-    Slow for long prompts (seconds for megabytes of text): the server runs it in a worker
+    Slow for long prompts (megabytes of text): the server runs it in a worker
     thread, never on the event loop. Chat messages are rendered with the chat template and
     tokenized without adding special tokens again (the template holds them).
     """

@@ -21,11 +21,8 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from jserve.config.scheduler import LANES
+from jserve.config.scheduler import Lane
 from jserve.config.validation import show
-
-# One member per jserve.config.scheduler.LANES entry, so the two cannot drift apart.
-Lane = StrEnum("Lane", [(lane.upper(), lane) for lane in LANES])  # type: ignore[misc]
 
 
 class Role(StrEnum):

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
+from jserve.outputs import EngineState
 from jserve.server.app import create_app
 from jserve.server.connections import handler_factory
 from jserve.server.engine_client import EngineClient
@@ -131,7 +132,7 @@ async def _serve(app: web.Application, engine_task: asyncio.Task, stop: asyncio.
         death_task = asyncio.create_task(_engine_death(engine))
         await asyncio.wait({stop_task, death_task}, return_when=asyncio.FIRST_COMPLETED)
         death_task.cancel()
-        if engine.state == "dead":
+        if engine.state == EngineState.DEAD:
             logger.error("the engine is dead (%s): exiting 1", engine.dead_reason)
             return 1
         return 0
@@ -161,7 +162,7 @@ async def start_listening(
 
 async def _engine_death(engine: EngineClient) -> None:
     """Returns once the engine is dead (it has no event to wait on: poll its state)."""
-    while engine.state != "dead":
+    while engine.state != EngineState.DEAD:
         await asyncio.sleep(_POLL_SECONDS * 10)
 
 

@@ -5,15 +5,28 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 from aiohttp.web_protocol import RequestPayloadError
 
+from jserve.outputs import EngineState
 from jserve.server.api_errors import APIError
 from jserve.server.engine_client import EngineClient
 from jserve.server.metrics import ServerMetrics
 from jserve.server.settings import ServerSettings
+
+
+class Health(StrEnum):
+    """What /health answers: the engine's state, or the server's own (STARTING: the engine
+    loads; DRAINING: shutting down). DEAD is followed by ": <reason>"."""
+
+    STARTING = "starting"
+    READY = EngineState.READY.value
+    DRAINING = "draining"
+    STOPPING = EngineState.STOPPING.value
+    DEAD = EngineState.DEAD.value
 
 
 @dataclass
@@ -44,29 +57,29 @@ class ServerState:
         return self.engine.model_name if self.engine is not None else ""
 
     def health(self) -> str:
-        """'ready', 'starting', 'draining' or 'dead: <reason>'."""
+        """A Health value, DEAD as "dead: <reason>"."""
         if self.start_error is not None:
-            return f"dead: {self.start_error}"
+            return f"{Health.DEAD}: {self.start_error}"
         if self.draining:
-            return "draining"
+            return Health.DRAINING
         if self.engine is None:
-            return "starting"
-        if self.engine.state == "dead":
-            return f"dead: {self.engine.dead_reason or 'unknown reason'}"
-        return self.engine.state
+            return Health.STARTING
+        if self.engine.state == EngineState.DEAD:
+            return f"{Health.DEAD}: {self.engine.dead_reason or 'unknown reason'}"
+        return Health(self.engine.state)
 
     def ready_engine(self) -> EngineClient:
         """The engine, or a 503 saying why requests cannot be served now."""
         health = self.health()
-        if health == "ready":
+        if health == Health.READY:
             assert self.engine is not None
             return self.engine
-        if health == "starting":
+        if health == Health.STARTING:
             raise APIError(
                 503, "the model is still loading; retry shortly", code="starting",
                 headers={"Retry-After": "5"},
             )  # fmt: skip
-        if health in ("draining", "stopping"):
+        if health in (Health.DRAINING, Health.STOPPING):
             raise APIError(503, "the server is shutting down", code="shutting_down")
         raise APIError(503, f"the engine is not serving ({health})", code="engine_dead")
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jserve.sampling_params import STRUCTURED_KINDS, StructuredOutputsParams
+from jserve.sampling_params import StructuredKind, StructuredOutputsParams
 from jserve.server.api_errors import APIError
 from jserve.server.protocol_types import (
     GenerationRequest,
@@ -43,7 +43,7 @@ def _response_format(value: ResponseFormat) -> dict[str, Any] | None:
 
 
 def _vllm_structured(value: StructuredOutputs) -> dict[str, Any]:
-    fields = {kind: getattr(value, kind) for kind in STRUCTURED_KINDS}
+    fields = {str(kind): getattr(value, kind) for kind in StructuredKind}
     return {kind: v for kind, v in fields.items() if v not in (None, False)}
 
 

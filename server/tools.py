@@ -31,10 +31,12 @@ import json
 import re
 import uuid
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from jserve.core.stopping import check_stop_strings
 from jserve.sampling_params import StructuredOutputsParams
+from jserve.server.protocol_types import Role
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 # Calls one "required" request may make with parallel_tool_calls (bounded: a small model at
@@ -49,12 +51,21 @@ _CALL_BLOCK = re.compile(
 )
 
 
+class ToolUse(StrEnum):
+    """How a request may use its tools: as the model likes, at least one call, or a call of
+    the one function its tool_choice names."""
+
+    AUTO = "auto"
+    REQUIRED = "required"
+    NAMED = "named"
+
+
 @dataclass(frozen=True)
 class ToolRequest:
     """A chat request's tools and how it may use them."""
 
     tools: list[dict[str, Any]]  # OpenAI tool objects ({"type": "function", "function": ...})
-    choice: str  # "auto", "required" or "named"
+    choice: ToolUse
     named: str | None = None  # the function tool_choice names
     parallel: bool = True
 
@@ -68,7 +79,7 @@ class ToolRequest:
         each arguments object is closed unless its schema says otherwise (`closed_arguments`),
         so a small model cannot loop inside a call either.
         """
-        if self.choice == "auto":
+        if self.choice == ToolUse.AUTO:
             return None
         functions = [t["function"] for t in self.tools]
         if self.named is not None:
@@ -129,7 +140,7 @@ def tool_prompt(tools: list[dict[str, Any]]) -> str:
 def with_tool_prompt(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> list[dict]:
     """`messages` with the tool description added to (or as) the system message."""
     text = tool_prompt(tools)
-    if messages and messages[0]["role"] == "system":
+    if messages and messages[0]["role"] == Role.SYSTEM:
         first = {**messages[0], "content": f"{messages[0]['content']}\n\n{text}"}
         return [first, *messages[1:]]
     return [{"role": "system", "content": text}, *messages]

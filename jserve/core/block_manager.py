@@ -49,10 +49,6 @@ class BlockManager:
         """Fraction of usable blocks referenced by requests (cached-but-unused ones count free)."""
         return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
-    def free_block_ids(self) -> set[int]:
-        evictable = self.prefix_cache.evictable_block_ids() if self.prefix_cache else set()
-        return set(self._free) | evictable
-
     def blocks_needed(self, request: Request, num_new_tokens: int) -> int:
         """New blocks `request` needs to compute `num_new_tokens` more tokens."""
         num_tokens = request.num_computed_tokens + num_new_tokens
@@ -133,6 +129,10 @@ class BlockManager:
         """From now on, log every change of the prefix cache (see jserve.kv_events.records)."""
         if self.prefix_cache is not None and self._kv_events is None:
             self._kv_events = []
+
+    @property
+    def records_kv_events(self) -> bool:
+        return self._kv_events is not None
 
     def take_kv_events(self) -> list[KVCacheEvent]:
         """The changes logged since the last call, oldest first."""

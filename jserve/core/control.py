@@ -95,13 +95,6 @@ FIELDS: dict[str, ControlField] = {
 _SCHEDULER_FIELDS = [name for name in FIELDS if name not in ("tenant_weights", "decision_log")]
 
 
-def fields_table() -> str:
-    """FIELDS as a Markdown table (docs/scheduling.md holds it; a test keeps it current)."""
-    rows = ["| field | takes | what it sets |", "| --- | --- | --- |"]
-    rows += [f"| `{f.name}` | {f.takes} | {f.help} |" for f in FIELDS.values()]
-    return "\n".join(rows)
-
-
 def current_settings(scheduler: Scheduler) -> dict[str, Any]:
     """What the admin endpoint shows: the adjustable settings and their current values."""
     settings = {name: getattr(scheduler.config, name) for name in _SCHEDULER_FIELDS}

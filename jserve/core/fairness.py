@@ -24,15 +24,16 @@ admission its counter exceeds any backlogged g's by at most B_f, and if f was no
 service is at most B_f. Hence for f and g continuously backlogged in a lane over an interval,
 the service they receive differs by at most max(B_f, B_g) plus the counter difference they
 started with (zero for tenants with equal history, which the lift brings level).
-`service_gap_bound` is that B. The paper's 2 * max(w_p * L_input, w_q * M) has the same shape:
-M, the tokens a batch holds, becomes the tokens a tenant's admitted requests can still be
-served, since chunked prefill serves a prompt over several steps.
+B = max_num_seqs * max_model_len * DECODE_TOKEN_COST / weight. The paper's
+2 * max(w_p * L_input, w_q * M) has the same shape: M, the tokens a batch holds, becomes the
+tokens a tenant's admitted requests can still be served, since chunked prefill serves a prompt
+over several steps.
 tests/core/test_scheduler_state_machine.py checks it on random workloads.
 """
 
 from __future__ import annotations
 
-from jserve.config.scheduler import LANES
+from jserve.config.scheduler import Lane
 from jserve.core.request import Request
 from jserve.core.tenants import TenantPolicy
 
@@ -47,20 +48,14 @@ def service_of(request: Request, start: int, end: int, sample: bool) -> tuple[in
     return max(0, new_prompt), 1 if sample else 0
 
 
-def service_gap_bound(max_num_seqs: int, max_model_len: int, weight: float) -> float:
-    """B: the most service a tenant of `weight` can still receive from its admitted requests
-    of one lane (the gap bound between backlogged tenants, beyond their starting gap)."""
-    return max_num_seqs * max_model_len * DECODE_TOKEN_COST / weight
-
-
 class FairShare:
     """Per-lane virtual token counters and per-tenant running counts (for caps)."""
 
     def __init__(self, policy: TenantPolicy) -> None:
         self.policy = policy
-        self.counters: dict[str, dict[str, float]] = {lane: {} for lane in LANES}
-        self._backlog: dict[str, dict[str, int]] = {lane: {} for lane in LANES}  # waiting
-        self._unfinished: dict[str, dict[str, int]] = {lane: {} for lane in LANES}
+        self.counters: dict[Lane, dict[str, float]] = {lane: {} for lane in Lane}
+        self._backlog: dict[Lane, dict[str, int]] = {lane: {} for lane in Lane}  # waiting
+        self._unfinished: dict[Lane, dict[str, int]] = {lane: {} for lane in Lane}
         self._last_left: dict[str, float] = {}  # lane -> counter of the last to leave backlog
         self.num_running: dict[str, int] = {}  # tenant -> its running sequences, all lanes
 

@@ -32,9 +32,10 @@ from __future__ import annotations
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from operator import attrgetter
 
-from jserve.config.scheduler import LANES, SchedulerConfig
+from jserve.config.scheduler import FairnessPolicy, Lane, SchedulerConfig, SchedulingPolicy
 from jserve.core.block_manager import BlockManager
 from jserve.core.fairness import FairShare, service_of
 from jserve.core.plan import ScheduledSeq, StepPlan
@@ -42,10 +43,34 @@ from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
 
 _rank = attrgetter("rank")
-_KEEP_GOING = ("admitted", "skip", "capped")  # verdicts after which a lane's next may go
+
+
+class _Verdict(StrEnum):
+    """What an admission attempt decided for the rest of its lane and step."""
+
+    ADMITTED = "admitted"
+    SKIP = "skip"  # not now (a sibling waiting for its group's prefill, a prefix in flight)
+    CAPPED = "capped"  # its tenant runs its max_running sequences
+    NEXT_LANE = "next_lane"  # the long lane's share is used up
+    STOP = "stop"  # no more admissions this step
+
+
+_KEEP_GOING = (_Verdict.ADMITTED, _Verdict.SKIP, _Verdict.CAPPED)  # a lane's next may go
 # A waiting request defers for a prefix in flight only if at least this many of its next
 # blocks are being computed: for a shorter shared span, waiting a step costs more than it saves.
 IN_FLIGHT_MIN_BLOCKS = 2
+
+
+class Deferral(StrEnum):
+    """Why a waiting request was not admitted this step (the decision log says it)."""
+
+    MAX_NUM_SEQS = "max_num_seqs"
+    TOKEN_BUDGET = "token_budget"
+    KV_WATERMARK = "kv_watermark"
+    LONG_LANE_SHARE = "long_lane_share"
+    TENANT_CAP = "tenant_cap"
+    PREFIX_IN_FLIGHT = "prefix_in_flight"
+    PREEMPTING = "preempting"  # blocks ran out this step
 
 
 @dataclass
@@ -58,10 +83,9 @@ class PlanOutcome:
     # Lost their blocks, in preemption order; they go back to the front of their lane, tokens
     # kept (a request admitted by the static policy may be admitted and preempted in one step).
     preempted: list[Request] = field(default_factory=list)
-    # Why the last waiting request considered was not admitted, for the decision log:
-    # "max_num_seqs", "token_budget", "kv_watermark", "long_lane_share", "tenant_cap",
-    # "prefix_in_flight", "preempting" (blocks ran out this step); None if nothing was deferred.
-    deferred: str | None = None
+    # Why the last waiting request considered was not admitted, for the decision log; None if
+    # nothing was deferred.
+    deferred: Deferral | None = None
 
 
 def plan_step(
@@ -99,7 +123,7 @@ class _Planner:
     ) -> None:
         self.config = config
         self.fair = fair
-        self.vtc = config.fairness == "vtc"
+        self.vtc = config.fairness is FairnessPolicy.VTC
         self.block_manager = block_manager
         self.block_size = block_manager.block_size
         self.waiting = waiting
@@ -126,7 +150,7 @@ class _Planner:
         self._promoted: set[str] = set()  # ids admitted ahead of lane order by aging
 
     def build(self) -> PlanOutcome:
-        static = self.config.scheduling == "static"
+        static = self.config.scheduling is SchedulingPolicy.STATIC
         if static and not self.running:
             self.admit_static_batch()
         self.schedule_running_decodes()
@@ -135,7 +159,7 @@ class _Planner:
             # Blocks ran out this step: admitting now would only set up the next preemption.
             self.admit_waiting()
         elif self.preempted and len(self.waiting):
-            self.outcome.deferred = "preempting"
+            self.outcome.deferred = Deferral.PREEMPTING
         plan = self.outcome.plan
         plan.seqs = self.decodes + self.prefills
         plan.num_decodes = len(self.decodes)
@@ -201,37 +225,37 @@ class _Planner:
         lane by lane in strict order; inside a lane, preempted requests first, then fair share
         between tenants (or FIFO)."""
         for lane in self.waiting.starved_lanes(self.step):
-            if self._admit_lane(lane, limit=1) == "stop":
+            if self._admit_lane(lane, limit=1) is _Verdict.STOP:
                 return
         self._promoted = {r.request_id for r in self.outcome.admitted}
-        for lane in LANES:
-            if self.waiting.queue(lane) and self._admit_lane(lane) == "stop":
+        for lane in Lane:
+            if self.waiting.queue(lane) and self._admit_lane(lane) is _Verdict.STOP:
                 return
 
-    def _admit_fifo(self, queue: Sequence[Request], skip_preempted: bool) -> str:
+    def _admit_fifo(self, queue: Sequence[Request], skip_preempted: bool) -> _Verdict:
         """Admit from `queue` in order (preempted requests already tried, if skipped)."""
         for request in queue:
             if skip_preempted and request.status is RequestStatus.PREEMPTED:
                 continue
             if not self._room():
-                return "stop"
+                return _Verdict.STOP
             verdict = self._try_admit(request)
             if verdict not in _KEEP_GOING:
                 return verdict
             if self._lane_quota_spent(verdict):
-                return "next_lane"
-        return "next_lane"
+                return _Verdict.NEXT_LANE
+        return _Verdict.NEXT_LANE
 
     def _room(self) -> bool:
         if len(self.running) >= self.config.max_num_seqs:
-            self.outcome.deferred = "max_num_seqs"
+            self.outcome.deferred = Deferral.MAX_NUM_SEQS
             return False
         if self.budget <= 0:
-            self.outcome.deferred = "token_budget"
+            self.outcome.deferred = Deferral.TOKEN_BUDGET
             return False
         return True
 
-    def _admit_lane(self, lane: str, limit: int | None = None) -> str:
+    def _admit_lane(self, lane: Lane, limit: int | None = None) -> _Verdict:
         """Admit from one lane, at most `limit` requests: "stop" (no more admissions this
         step) or "next_lane"."""
         self._lane_quota = limit
@@ -242,12 +266,12 @@ class _Planner:
             if request.status is not RequestStatus.PREEMPTED:
                 break
             if not self._room():
-                return "stop"
+                return _Verdict.STOP
             verdict = self._try_admit(request)
             if verdict not in _KEEP_GOING:
                 return verdict
             if self._lane_quota_spent(verdict):
-                return "next_lane"
+                return _Verdict.NEXT_LANE
         tenant_queues = self.waiting.tenant_queues(lane)
         if len(tenant_queues) == 1:  # one tenant: its FIFO is the lane's (counters moot)
             return self._admit_fifo(queue, skip_preempted=True)
@@ -266,23 +290,23 @@ class _Planner:
             if not nxt:
                 break
             if not self._room():
-                return "stop"
+                return _Verdict.STOP
             level = self.fair.level
             tenant = min(
                 nxt, key=lambda t: (level(lane, t) + pending.get((lane, t), 0.0), nxt[t].rank)
             )
             verdict = self._try_admit(nxt.pop(tenant))
-            if verdict == "capped":
+            if verdict is _Verdict.CAPPED:
                 heads.pop(tenant, None)  # none of its requests may start this step
-            elif verdict != "admitted" and verdict != "skip":
+            elif verdict is not _Verdict.ADMITTED and verdict is not _Verdict.SKIP:
                 return verdict
             elif self._lane_quota_spent(verdict):
-                return "next_lane"
-        return "next_lane"
+                return _Verdict.NEXT_LANE
+        return _Verdict.NEXT_LANE
 
-    def _lane_quota_spent(self, verdict: str) -> bool:
+    def _lane_quota_spent(self, verdict: _Verdict) -> bool:
         """Count an admission against `_admit_lane`'s limit; True once it is used up."""
-        if verdict != "admitted" or self._lane_quota is None:
+        if verdict is not _Verdict.ADMITTED or self._lane_quota is None:
             return False
         self._lane_quota -= 1
         return self._lane_quota <= 0
@@ -309,45 +333,45 @@ class _Planner:
 
     # ---- helpers ---------------------------------------------------------------------------
 
-    def _try_admit(self, request: Request) -> str:
+    def _try_admit(self, request: Request) -> _Verdict:
         """Admit `request` with its first chunk: "admitted", "skip" (a sibling waiting for its
         group's prefill), "capped" (its tenant runs its max_running sequences), "next_lane"
         (long lane's share used up) or "stop"."""
         if request.request_id in self._promoted:  # admitted already, ahead of lane order
-            return "skip"
+            return _Verdict.SKIP
         if self._capped(request):
-            self.outcome.deferred = "tenant_cap"
-            return "capped"
+            self.outcome.deferred = Deferral.TENANT_CAP
+            return _Verdict.CAPPED
         block_manager = self.block_manager
         leader = self.group_leaders.get(request.group_id) if request.group_id else None
         fork = leader is not None and leader is not request and not request.output_token_ids
         if fork:
             if leader.num_computed_tokens < leader.num_prompt_tokens:
-                return "skip"
+                return _Verdict.SKIP
             # Full prompt blocks only: the leader never writes them again, while the block
             # holding the prompt's tail also receives the leader's output tokens.
             hits = leader.block_ids[: (request.num_prompt_tokens - 1) // self.block_size]
         else:
             hits = block_manager.lookup_prefix(request)
             if self._prefix_in_flight(request, len(hits)):
-                self.outcome.deferred = "prefix_in_flight"
-                return "skip"
+                self.outcome.deferred = Deferral.PREFIX_IN_FLIGHT
+                return _Verdict.SKIP
         num_new = self._chunk_size(request, request.num_tokens - len(hits) * self.block_size)
         if num_new == 0:
             # With chunked prefill and budget left, only the long lane's share can say no.
             chunked = self.config.enable_chunked_prefill
             lane_share = chunked and self.budget > 0
-            self.outcome.deferred = "long_lane_share" if lane_share else "token_budget"
-            return "next_lane" if lane_share else "stop"
+            self.outcome.deferred = Deferral.LONG_LANE_SHARE if lane_share else "token_budget"
+            return _Verdict.NEXT_LANE if lane_share else _Verdict.STOP
         needed = -(-(len(hits) * self.block_size + num_new) // self.block_size) - len(hits)
         free_after = block_manager.num_free_blocks - block_manager.num_reused_free(hits) - needed
         if free_after < self.watermark_blocks:
-            self.outcome.deferred = "kv_watermark"
-            return "stop"
+            self.outcome.deferred = Deferral.KV_WATERMARK
+            return _Verdict.STOP
         self._start_running(request, hits, fork)
         block_manager.allocate(request, num_new)
         self._add_chunk(request, num_new)
-        return "admitted"
+        return _Verdict.ADMITTED
 
     def _prefix_in_flight(self, request: Request, num_hits: int) -> bool:
         """Whether the IN_FLIGHT_MIN_BLOCKS blocks after `request`'s cached prefix are being
@@ -402,7 +426,7 @@ class _Planner:
             limit = min(limit, config.long_prefill_token_threshold)
         if not config.enable_chunked_prefill:
             return remaining if remaining <= limit else 0
-        if request.lane == "long":
+        if request.lane is Lane.LONG:
             limit = min(limit, self._long_lane_cap() - self.long_used)
         return min(remaining, limit)
 
@@ -412,9 +436,9 @@ class _Planner:
         if self._long_cap is None:
             alone = (
                 not self.decodes
-                and all(request.lane == "long" for request in self.running)
-                and not self.waiting.queue("interactive")
-                and not self.waiting.queue("batch")
+                and all(request.lane is Lane.LONG for request in self.running)
+                and not self.waiting.queue(Lane.INTERACTIVE)
+                and not self.waiting.queue(Lane.BATCH)
             )
             budget = self.step_budget
             share = int(self.config.long_lane_max_share * budget)
@@ -436,7 +460,7 @@ class _Planner:
             )
         )
         self.budget -= num_new
-        if request.lane == "long":
+        if request.lane is Lane.LONG:
             self.long_used += num_new
         if self._pending is not None:
             self._note_service(self._pending, request, start, end, end == request.num_tokens, 1)
@@ -511,7 +535,7 @@ class _Planner:
         if index is not None:
             seq = seqs.pop(index)
             self.budget += len(seq.token_ids)
-            if victim.lane == "long" and not decoding:
+            if victim.lane is Lane.LONG and not decoding:
                 self.long_used -= len(seq.token_ids)
             if self._pending is not None:
                 end = seq.start_pos + len(seq.token_ids)

@@ -34,7 +34,7 @@ class PrefixCache:
         self._block_of_hash: dict[bytes, int] = {}
         self._hash_of_block: dict[int, bytes] = {}
         # Tuples of ints, which the garbage collector stops tracking: a full cache then adds
-        # nothing to the cost of a full collection (lists of tokens made those take 50+ ms).
+        # nothing to the cost of a full collection (lists of tokens made it grow with the cache).
         self._tokens_of_block: dict[int, tuple[int, ...]] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()  # ref count 0, LRU first
         self.queries = 0  # tokens of admitted requests that were looked up
@@ -67,12 +67,6 @@ class PrefixCache:
 
     def is_cached(self, block_id: int) -> bool:
         return block_id in self._hash_of_block
-
-    def cached_block_ids(self) -> set[int]:
-        return set(self._hash_of_block)
-
-    def evictable_block_ids(self) -> set[int]:
-        return set(self._evictable)
 
     def release(self, block_id: int) -> None:
         """The last reference to a cached block went away: it becomes the newest evictable."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from jserve.config.scheduler import LANES
+from jserve.config.scheduler import Lane
 from jserve.core.request import Request
 
 
@@ -22,10 +22,10 @@ class WaitingQueues:
 
     def __init__(self, aging_iterations: int) -> None:
         self.aging_iterations = aging_iterations
-        self._lanes: dict[str, deque[Request]] = {lane: deque() for lane in LANES}
+        self._lanes: dict[Lane, deque[Request]] = {lane: deque() for lane in Lane}
         # The same requests per lane and tenant, in the same order (fair share picks a tenant,
         # then its oldest request); a tenant with nothing waiting has no entry.
-        self._tenants: dict[str, dict[str, deque[Request]]] = {lane: {} for lane in LANES}
+        self._tenants: dict[Lane, dict[str, deque[Request]]] = {lane: {} for lane in Lane}
         self._last_admitted: dict[str, int] = {}  # lane -> step of its latest admission
         self._len = 0
 
@@ -68,7 +68,7 @@ class WaitingQueues:
             del tenants[request.tenant]
         self._len -= 1
 
-    def starved_lanes(self, step: int) -> list[str]:
+    def starved_lanes(self, step: int) -> list[Lane]:
         """Lanes whose work has waited `aging_iterations` steps or more since the lane's last
         admission (or since its head arrived, if later), longest first: each may put one
         request ahead of strict lane order."""
@@ -80,10 +80,10 @@ class WaitingQueues:
                     waited[lane] = since
         return sorted(waited, key=waited.__getitem__)
 
-    def lanes_in_order(self, step: int) -> list[str]:
+    def lanes_in_order(self, step: int) -> list[Lane]:
         """Starved lanes first, then the rest by strict priority."""
         starved = self.starved_lanes(step)
-        return starved + [lane for lane in LANES if lane not in starved]
+        return starved + [lane for lane in Lane if lane not in starved]
 
     def _note_added(self, request: Request, step: int) -> None:
         request.enqueued_step = step

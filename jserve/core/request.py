@@ -7,12 +7,12 @@ import time
 from array import array
 from collections.abc import Sequence
 
-from jserve.config.scheduler import LANES
+from jserve.config.scheduler import Lane
 from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.outputs import FinishReason
 
-LANE_RANK = {lane: rank for rank, lane in enumerate(LANES)}
+LANE_RANK = {lane: rank for rank, lane in enumerate(Lane)}
 
 
 class RequestStatus(enum.Enum):
@@ -34,7 +34,9 @@ class Request:
 
     `stop` holds its stop rules (`max_tokens` among them; see jserve.core.stopping). A request the
     scheduler rejected is FINISHED with no finish reason. `deadline` is absolute, on the
-    `time.monotonic()` clock (what it means: `jserve.core.deadlines`). `tenant` names who
+    `time.monotonic()` clock (what it means: `jserve.core.deadlines`). `lane` may be given by
+    name; the scheduler makes it a `Lane` when it queues the request, or refuses an unknown
+    one. `tenant` names who
     it is served for (fair share and caps: `jserve.core.fairness`). Siblings of an `n > 1`
     request share a `group_id` and the same prompt. Request ids must be unique among
     unfinished requests: the engine checks that once, for its users' ids, and derives these
@@ -73,7 +75,7 @@ class Request:
         *,
         stop: StopConditions | None = None,
         arrival_time: float | None = None,
-        lane: str = "interactive",
+        lane: Lane | str = Lane.INTERACTIVE,
         deadline: float | None = None,
         group_id: str | None = None,
         tenant: str = DEFAULT_TENANT,
@@ -114,10 +116,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
 
     def __repr__(self) -> str:
         return (

@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from operator import attrgetter
 
-from jserve.config.scheduler import CacheConfig, SchedulerConfig
+from jserve.config.scheduler import CacheConfig, Lane, SchedulerConfig
 from jserve.config.settings import InvalidSetting
 from jserve.core.admission import (
     check_deadline,
@@ -43,6 +43,7 @@ from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
 from jserve.core.step_costs import StepCosts
 from jserve.core.tenants import TenantPolicy
+from jserve.kv_events.records import KVCacheEvent
 from jserve.outputs import FinishReason
 
 _rank = attrgetter("rank")
@@ -74,6 +75,7 @@ class Scheduler:
         tenants: TenantPolicy | None = None,
         step_costs: StepCosts | None = None,
     ) -> None:
+        self.cache_config = cache_config
         self.block_size = cache_config.block_size
         self.num_blocks = cache_config.num_blocks
         self.block_manager = BlockManager(
@@ -117,6 +119,30 @@ class Scheduler:
         if old is not None:
             self.waiting.aging_iterations = config.aging_iterations
 
+    def fresh(self) -> Scheduler:
+        """A new, empty scheduler like this one: the same settings (as adjusted at run time),
+        pool shape, tenants' policy and step costs, recording KV events if this one does. For
+        when the KV pool this one described is lost (jserve.engine.llm_engine's recover)."""
+        scheduler = Scheduler(self.config, self.cache_config, self.fair.policy, self.step_costs)
+        if self.block_manager.records_kv_events:
+            scheduler.record_kv_events()
+        return scheduler
+
+    # ---- the KV pool, as the engine sees it -------------------------------------------------
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """KV blocks requests can hold (all but the padding sink)."""
+        return self.block_manager.num_usable_blocks
+
+    def record_kv_events(self) -> None:
+        """From now on, log every change of the prefix cache (see take_kv_events)."""
+        self.block_manager.record_kv_events()
+
+    def take_kv_events(self) -> list[KVCacheEvent]:
+        """What the prefix cache stored and evicted since the last call, oldest first."""
+        return self.block_manager.take_kv_events()
+
     # ---- admission and removal -------------------------------------------------------------
 
     def add_request(self, request: Request, now: float | None = None) -> None:
@@ -133,10 +159,11 @@ class Scheduler:
         try:
             check_new_request(request, self.config, len(self.waiting))
             check_kv_usage(self.block_manager.usage(), self.config)
-            if request.lane == "interactive" and (
+            request.lane = Lane(request.lane)  # a known lane: check_new_request checked it
+            if request.lane is Lane.INTERACTIVE and (
                 request.num_prompt_tokens > self.config.long_prompt_threshold
             ):
-                request.lane = "long"
+                request.lane = Lane.LONG
             if (
                 request.deadline is not None
                 and self.config.deadline_admission
@@ -181,9 +208,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
-
-    def get_request(self, request_id: str) -> Request | None:
-        return self._requests.get(request_id)
 
     def stats(self) -> SchedulerStats:
         cache = self.block_manager.prefix_cache

@@ -38,16 +38,18 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
+from enum import StrEnum
 from typing import Any
 
 import llguidance
 
 from jserve.config.engine_args import EngineArgs
+from jserve.config.scheduler import Lane
 from jserve.config.validation import show
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine.llm_engine import LLMEngine
-from jserve.errors import EngineDeadError, RequestRejected
-from jserve.outputs import EngineStats, RequestOutput
+from jserve.errors import EngineDeadError, RejectReason, RequestRejected
+from jserve.outputs import EngineState, EngineStats, RequestOutput
 from jserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -55,6 +57,14 @@ log = logging.getLogger(__name__)
 # Restarts allowed without a good step in between; past that the engine is dead, and the server
 # exits non-zero so a supervisor can restart the process.
 MAX_FAILED_STEPS_IN_A_ROW = 3
+
+
+class _Command(StrEnum):
+    """What the event loop asks of the step thread, through its inbox."""
+
+    ADD = "add"
+    ABORT = "abort"
+    CONTROL = "control"
 
 
 class AsyncLLMEngine:
@@ -66,12 +76,12 @@ class AsyncLLMEngine:
         self.tokenizer = engine.tokenizer
         self.max_num_seqs = engine.scheduler.config.max_num_seqs
         self.block_size = engine.args.block_size
-        self.kv_cache_tokens = engine.scheduler.block_manager.num_usable_blocks * self.block_size
+        self.kv_cache_tokens = engine.scheduler.num_usable_blocks * self.block_size
         self.tensor_parallel_size = engine.args.tensor_parallel_size
-        self.state = "ready"
+        self.state = EngineState.READY
         self.dead_reason: str | None = None
         self._queues: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._inbox: collections.deque[tuple[str, Any]] = collections.deque()
+        self._inbox: collections.deque[tuple[_Command, Any]] = collections.deque()
         self._wake = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="jserve-step-loop", daemon=True)
@@ -91,17 +101,19 @@ class AsyncLLMEngine:
         params: SamplingParams,
         request_id: str,
         *,
-        lane: str = "interactive",
+        lane: Lane | str = Lane.INTERACTIVE,
         timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
     ) -> AsyncIterator[RequestOutput]:
-        if self.state != "ready":
+        if self.state is not EngineState.READY:
             raise EngineDeadError(self.dead_reason or f"engine is {self.state}")
         # Not the uniqueness rule (the engine owns that): outputs are routed by id, so a second
         # stream under a live id would take the first one's outputs before the engine, a
         # thread hop later, could refuse it.
         if request_id in self._queues:
-            raise RequestRejected("invalid", f"request id {request_id!r} is already in use")
+            raise RequestRejected(
+                RejectReason.INVALID, f"request id {request_id!r} is already in use"
+            )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[request_id] = (loop, queue)
@@ -109,7 +121,7 @@ class AsyncLLMEngine:
         finished = added = False
         try:
             grammar = await self._compile_grammar(params)
-            self._send("add", (request_id, prompt, params, lane, deadline, tenant, grammar))
+            self._send(_Command.ADD, (request_id, prompt, params, lane, deadline, tenant, grammar))
             added = True
             while not finished:
                 item = await queue.get()
@@ -122,7 +134,7 @@ class AsyncLLMEngine:
         finally:
             self._queues.pop(request_id, None)
             if added and not finished:
-                self._send("abort", request_id)
+                self._send(_Command.ABORT, request_id)
 
     async def _compile_grammar(self, params: SamplingParams) -> llguidance.LLMatcher | None:
         """The request's output constraint, compiled in the grammar pool (never on the step
@@ -133,17 +145,17 @@ class AsyncLLMEngine:
         try:
             return await asyncio.wrap_future(future)
         except ValueError as e:  # a GrammarError, or llguidance refusing its input
-            raise RequestRejected("invalid", str(e)) from None
+            raise RequestRejected(RejectReason.INVALID, str(e)) from None
 
     async def abort(self, request_id: str) -> None:
-        self._send("abort", request_id)
+        self._send(_Command.ABORT, request_id)
 
     async def control(self, changes: dict[str, Any]) -> dict[str, Any]:
         """Read (no changes) or change scheduler settings, between steps on the step thread;
         raises InvalidSetting naming the field that is wrong (then nothing changed)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
-        self._send("control", (changes, loop, future))
+        self._send(_Command.CONTROL, (changes, loop, future))
         return await future
 
     @property
@@ -159,12 +171,12 @@ class AsyncLLMEngine:
             self._wake.notify()
         await asyncio.to_thread(self._thread.join)
         self.engine.close()
-        if self.state == "ready":
-            self.state = "stopping"
+        if self.state is EngineState.READY:
+            self.state = EngineState.STOPPING
 
     # ---- the step thread -----------------------------------------------------------------
 
-    def _send(self, kind: str, payload: Any) -> None:
+    def _send(self, kind: _Command, payload: Any) -> None:
         with self._wake:
             self._inbox.append((kind, payload))
             self._wake.notify()
@@ -179,12 +191,12 @@ class AsyncLLMEngine:
         engine = self.engine
         while self._inbox:
             kind, payload = self._inbox.popleft()
-            if kind == "abort":
+            if kind is _Command.ABORT:
                 out = engine.abort_request(payload)
                 if out is not None:
                     self._deliver(payload, out)
                 continue
-            if kind == "control":
+            if kind is _Command.CONTROL:
                 self._control(*payload)
                 continue
             request_id, prompt, params, lane, deadline, tenant, grammar = payload
@@ -195,7 +207,7 @@ class AsyncLLMEngine:
                 )  # fmt: skip
             except Exception as e:  # a bad request fails alone, never the step loop
                 if isinstance(e, ValueError) and not isinstance(e, RequestRejected):
-                    e = RequestRejected("invalid", str(e))
+                    e = RequestRejected(RejectReason.INVALID, str(e))
                 elif not isinstance(e, RequestRejected):
                     log.exception("adding request %s failed", request_id)
                     engine.abort_request(request_id)
@@ -251,7 +263,7 @@ class AsyncLLMEngine:
                     self._deliver(out.request_id, out)
         except BaseException as e:  # a dead engine must fail its requests, never hang them
             log.exception("engine step loop failed for good; failing all in-flight requests")
-            self.state = "dead"
+            self.state = EngineState.DEAD
             self.dead_reason = f"{type(e).__name__}: {e}"
             error = EngineDeadError(self.dead_reason)
             for request_id in list(self._queues):

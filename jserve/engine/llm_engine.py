@@ -27,19 +27,18 @@ import jax
 import llguidance
 
 from jserve.config.engine_args import EngineArgs
-from jserve.config.scheduler import CacheConfig
+from jserve.config.scheduler import Lane
 from jserve.config.validation import check_int, check_token_ids
 from jserve.core.control import apply_changes, current_settings
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
-from jserve.core.scheduler import Scheduler
 from jserve.core.step_costs import learned_report
 from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine.output_processor import RequestState
 from jserve.engine.setup import build_engine_parts, measure_step_costs
 from jserve.engine.step_observer import ModelStep, StepObserver
-from jserve.errors import RequestRejected
+from jserve.errors import RejectReason, RequestRejected
 from jserve.kv_events.publisher import ZmqEventPublisher
 from jserve.kv_events.records import AllBlocksCleared
 from jserve.loaders.model_source import LoadedModel
@@ -115,7 +114,7 @@ class LLMEngine:
             self._kv_events = ZmqEventPublisher(
                 args.kv_events_endpoint, args.kv_events_replay_endpoint
             )
-            self.scheduler.block_manager.record_kv_events()
+            self.scheduler.record_kv_events()
         self.precompile()
         measure_step_costs(self.scheduler, self.runner, self.inputs_builder, self._bucket_pairs)
         # Everything allocated so far lives for the engine's lifetime: keep it out of the
@@ -148,7 +147,7 @@ class LLMEngine:
         prompt: Prompt,
         params: SamplingParams | None = None,
         *,
-        lane: str = "interactive",
+        lane: Lane | str = Lane.INTERACTIVE,
         deadline: float | None = None,
         arrival_time: float | None = None,
         tenant: str = DEFAULT_TENANT,
@@ -167,10 +166,11 @@ class LLMEngine:
             check_int("n", params.n, 1, self.args.max_n)  # --max-n
             check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
         except ValueError as e:
-            raise RequestRejected("invalid", str(e)) from None
+            raise RequestRejected(RejectReason.INVALID, str(e)) from None
         if request_id in self._states:
             raise RequestRejected(
-                "invalid", f"request id {request_id!r} is already in use; use a unique id"
+                RejectReason.INVALID,
+                f"request id {request_id!r} is already in use; use a unique id",
             )
         text, ids = self._prompt_ids(prompt)
         arrival = time.monotonic() if arrival_time is None else arrival_time
@@ -179,7 +179,7 @@ class LLMEngine:
         try:
             self.sampler.check_banned_ids(stop.banned_ids(0))
         except ValueError as e:
-            raise RequestRejected("invalid", str(e)) from None
+            raise RequestRejected(RejectReason.INVALID, str(e)) from None
         matchers = self._matchers(params, grammar)
         state = RequestState.create(request_id, text, ids, params, stop, self.tokenizer, arrival)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
@@ -215,20 +215,22 @@ class LLMEngine:
                 else self.structured.grammars.template(params.structured_outputs)
             )
         except GrammarError as e:
-            raise RequestRejected("invalid", str(e)) from None
+            raise RequestRejected(RejectReason.INVALID, str(e)) from None
         return [self.structured.new_matcher(template) for _ in range(params.n)]
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
-                raise RequestRejected("invalid", "a dict prompt needs 'prompt_token_ids'")
+                raise RequestRejected(
+                    RejectReason.INVALID, "a dict prompt needs 'prompt_token_ids'"
+                )
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
         try:
             return None, check_token_ids("prompt", list(prompt), self.vocab_size)
         except ValueError as e:
-            raise RequestRejected("invalid", str(e)) from None
+            raise RequestRejected(RejectReason.INVALID, str(e)) from None
 
     def abort_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
@@ -252,7 +254,7 @@ class LLMEngine:
         """Run one iteration; returns outputs of the requests that changed."""
         plan = self.scheduler.schedule()
         if self._kv_events is not None:  # planning stored and evicted blocks; nothing else does
-            self._kv_events.publish(self.scheduler.block_manager.take_kv_events())
+            self._kv_events.publish(self.scheduler.take_kv_events())
         changed: dict[str, RequestState] = {}
         for child_id, reason in plan.finished.items():
             self._finish_child(child_id, reason, None, changed)
@@ -392,14 +394,9 @@ class LLMEngine:
         for request_id, state in list(self._states.items()):
             state.error = message
             outputs.append(self.abort_request(request_id, FinishReason.ERROR))
-        cache = CacheConfig(self.args.block_size, self.scheduler.block_manager.num_blocks)
-        old = self.scheduler
         if self._kv_events is not None:  # what the lost cache did, then that it is gone
-            old_events = old.block_manager.take_kv_events()
-            self._kv_events.publish([*old_events, AllBlocksCleared()])
-        self.scheduler = Scheduler(old.config, cache, old.fair.policy, old.step_costs)
-        if self._kv_events is not None:
-            self.scheduler.block_manager.record_kv_events()
+            self._kv_events.publish([*self.scheduler.take_kv_events(), AllBlocksCleared()])
+        self.scheduler = self.scheduler.fresh()
         self.runner.reset_kv_cache()
         self.num_restarts += 1
         return [out for out in outputs if out is not None]

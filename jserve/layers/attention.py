@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jserve.config.engine_args import AttentionImpl
 from jserve.pallas import choose_impl, ragged_paged_attention, write_kv
 
 
@@ -53,7 +54,7 @@ class PagedAttentionMetadata:
     cu_q_lens: jax.Array  # [S + 1] int32 token offsets of each sequence on the T axis
     kv_lens: jax.Array  # [S] int32 context length including this step's tokens
     num_seqs: jax.Array  # [1] int32 real sequences
-    impl: str = dataclasses.field(default="auto", metadata={"static": True})
+    impl: AttentionImpl = dataclasses.field(default=AttentionImpl.AUTO, metadata={"static": True})
     heads: HeadSharding | None = dataclasses.field(default=None, metadata={"static": True})
     # The platform the step is compiled for (None: JAX's default backend), which may be a chip
     # this process lacks: kernels for it are then compiled natively, not interpreted.
@@ -100,10 +101,11 @@ def _paged_attention(
     *,
     sm_scale: float,
     sliding_window: int | None,
-    impl: str,
+    impl: AttentionImpl,
     platform: str | None,
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    impl = choose_impl(platform, q.dtype) if impl == "auto" else impl  # the pools' layout's
+    # The pools' layout is the resolved implementation's.
+    impl = choose_impl(platform, q.dtype) if impl == AttentionImpl.AUTO else impl
     k_pool, v_pool = write_kv(*kv_cache, k, v, slot_mapping, layer, impl=impl)
     out = ragged_paged_attention(
         q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,

@@ -58,7 +58,7 @@ def _strftime_now(fmt: str) -> str:
 
 @lru_cache(maxsize=16)
 def compile_chat_template(template: str) -> jinja2.Template:
-    """Compile once per distinct template string (compiling costs milliseconds; rendering, less)."""
+    """Compile once per distinct template string (compiling costs far more than rendering)."""
     env = ImmutableSandboxedEnvironment(
         trim_blocks=True,
         lstrip_blocks=True,

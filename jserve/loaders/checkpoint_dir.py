@@ -1,7 +1,7 @@
 """jserve's own checkpoint directory: config.json, tokenizer files and orbax parameters.
 
-`jserve convert` writes it and the default model's cache is one, because restoring orbax is
-several times faster than reading and dequantizing a GGUF file.
+`jserve convert` writes it and the default model's cache is one, because restoring orbax
+arrays skips the reading and dequantizing a GGUF file costs.
 """
 
 from __future__ import annotations

@@ -120,58 +120,13 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader) -> GGUFTokenizerData:
             "gpt2"), or names a pre-tokenizer we do not know how to reproduce.
     """
     path = gguf_path(reader)
-    model_kind = _field(reader, "tokenizer.ggml.model")
-    if model_kind is None:
-        raise ValueError(
-            f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model missing)"
-        )
-    if model_kind != "gpt2":
-        raise ValueError(
-            f"{path}: tokenizer.ggml.model is {model_kind!r}; only byte-level BPE ('gpt2') GGUF "
-            "tokenizers are supported. Use the model's HF directory (tokenizer.json) instead."
-        )
-    pre = _field(reader, "tokenizer.ggml.pre", "default")
-    if pre not in PRE_TOKENIZERS:
-        raise ValueError(
-            f"{path}: unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: "
-            f"{sorted(PRE_TOKENIZERS)}. Use the model's HF directory (tokenizer.json) instead."
-        )
+    pre = _pre_tokenizer_id(reader, path)
     tokens: list[str] = _field(reader, "tokenizer.ggml.tokens")
     merges: list[str] = _field(reader, "tokenizer.ggml.merges")
     if not tokens or not merges:
         raise ValueError(f"{path}: tokenizer.ggml.tokens or tokenizer.ggml.merges is missing")
     token_types: list[int] = _field(reader, "tokenizer.ggml.token_type") or [1] * len(tokens)
-
-    # Control and user-defined tokens keep their literal text: the added-token matcher finds them
-    # in the input by that text, and maps them to these ids through the vocabulary.
-    literal = {_CONTROL, _USER_DEFINED}
-    vocab = {
-        (tok if kind in literal else _spell_in_byte_alphabet(tok)): i
-        for i, (tok, kind) in enumerate(zip(tokens, token_types, strict=True))
-    }
-    if len(vocab) != len(tokens):
-        raise ValueError(f"{path}: tokenizer.ggml.tokens has duplicate entries")
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    try:
-        bpe = models.BPE(
-            vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE_TOKENIZERS
-        )
-    except Exception as err:  # the Rust side raises a bare Exception, e.g. a merge's unknown token
-        raise ValueError(f"{path}: tokenizer.ggml.merges do not fit the vocabulary: {err}") from err
-    backend = BackendTokenizer(bpe)
-    backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
-    backend.decoder = decoders.ByteLevel()
-    backend.add_special_tokens(
-        [_added(t) for t, k in zip(tokens, token_types, strict=True) if k == _CONTROL]
-    )
-    backend.add_tokens(
-        [
-            _added(t, special=False)
-            for t, k in zip(tokens, token_types, strict=True)
-            if k == _USER_DEFINED
-        ]
-    )
-
+    backend = _bpe_backend(tokens, merges, token_types, pre, path)
     bos_id = _field(reader, "tokenizer.ggml.bos_token_id")
     eos_id = _field(reader, "tokenizer.ggml.eos_token_id")
     add_bos = bool(_field(reader, "tokenizer.ggml.add_bos_token", pre in _LLAMA3_PRE_TOKENIZERS))
@@ -193,6 +148,58 @@ def build_gguf_tokenizer(reader: gguf.GGUFReader) -> GGUFTokenizerData:
         extra_stop_token_ids=extra_stops,
         chat_template=_field(reader, "tokenizer.chat_template"),
     )
+
+
+def _pre_tokenizer_id(reader: gguf.GGUFReader, path: str) -> str:
+    """The file's pre-tokenizer id (`tokenizer.ggml.pre`), once its tokenizer is known to be
+    byte-level BPE and the id one of PRE_TOKENIZERS; else a ValueError saying what to use."""
+    model_kind = _field(reader, "tokenizer.ggml.model")
+    if model_kind is None:
+        raise ValueError(
+            f"{path}: no tokenizer in the GGUF metadata (tokenizer.ggml.model missing)"
+        )
+    if model_kind != "gpt2":
+        raise ValueError(
+            f"{path}: tokenizer.ggml.model is {model_kind!r}; only byte-level BPE ('gpt2') GGUF "
+            "tokenizers are supported. Use the model's HF directory (tokenizer.json) instead."
+        )
+    pre = _field(reader, "tokenizer.ggml.pre", "default")
+    if pre not in PRE_TOKENIZERS:
+        raise ValueError(
+            f"{path}: unsupported pre-tokenizer tokenizer.ggml.pre={pre!r}; supported: "
+            f"{sorted(PRE_TOKENIZERS)}. Use the model's HF directory (tokenizer.json) instead."
+        )
+    return pre
+
+
+def _bpe_backend(
+    tokens: list[str], merges: list[str], token_types: list[int], pre: str, path: str
+) -> BackendTokenizer:
+    """The byte-level BPE over the file's vocabulary and merges, split as pre-tokenizer `pre`
+    splits, with its control tokens special and its user-defined tokens added."""
+    # Control and user-defined tokens keep their literal text: the added-token matcher finds them
+    # in the input by that text, and maps them to these ids through the vocabulary.
+    literal = {_CONTROL, _USER_DEFINED}
+    vocab = {
+        (tok if kind in literal else _spell_in_byte_alphabet(tok)): i
+        for i, (tok, kind) in enumerate(zip(tokens, token_types, strict=True))
+    }
+    if len(vocab) != len(tokens):
+        raise ValueError(f"{path}: tokenizer.ggml.tokens has duplicate entries")
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    try:
+        bpe = models.BPE(
+            vocab=vocab, merges=pairs, fuse_unk=False, ignore_merges=pre in _LLAMA3_PRE_TOKENIZERS
+        )
+    except Exception as err:  # the Rust side raises a bare Exception, e.g. a merge's unknown token
+        raise ValueError(f"{path}: tokenizer.ggml.merges do not fit the vocabulary: {err}") from err
+    backend = BackendTokenizer(bpe)
+    backend.pre_tokenizer = PRE_TOKENIZERS[pre]()
+    backend.decoder = decoders.ByteLevel()
+    typed = list(zip(tokens, token_types, strict=True))
+    backend.add_special_tokens([_added(t) for t, k in typed if k == _CONTROL])
+    backend.add_tokens([_added(t, special=False) for t, k in typed if k == _USER_DEFINED])
+    return backend
 
 
 def _added(content: str, special: bool = True) -> AddedToken:

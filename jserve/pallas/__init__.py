@@ -1,4 +1,4 @@
-"""Layer: kernels (jax only, nothing else of jserve).
+"""Layer: kernels (jax, and of jserve only the implementation names of jserve.config).
 
 The paged KV pool layout, its write, ragged paged attention, and the layers' matmul.
 

@@ -38,6 +38,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jserve.config.engine_args import AttentionImpl
+
 LANES, SUBLANES = 128, 8  # a TPU vector register's (8, 128) tile: the tile of every TPU array
 
 
@@ -45,10 +47,10 @@ def kv_tokens_per_row(impl: str, head_dim: int, block_size: int) -> int:
     """Tokens one pool row holds side by side for implementation `impl` (see the module
     docstring): 128 / head_dim for "mosaic" when head_dim divides 128 lanes and a block still
     fills whole 8-row tiles, else 1."""
-    if impl == "auto":
+    if impl == AttentionImpl.AUTO:
         raise ValueError("the KV layout belongs to one implementation: resolve 'auto' first")
     per_row = LANES // head_dim
-    packed = impl == "mosaic" and head_dim < LANES and LANES % head_dim == 0
+    packed = impl == AttentionImpl.MOSAIC and head_dim < LANES and LANES % head_dim == 0
     return per_row if packed and block_size % (per_row * SUBLANES) == 0 else 1
 
 

@@ -1,19 +1,20 @@
 """`x @ w[layer]` for a weight stacked on a leading layer axis: the model's projections.
 
-Two layouts of the same weight, chosen once per model by `choose_matmul_impl`:
+Two layouts of the same weight (`MatmulImpl`), chosen once per model by `choose_matmul_impl`:
 - "xla": w is [L, K, N] and the product is XLA's dot on `w[layer]`. Under the model's
   `lax.scan` XLA first copies each layer's slice out of the stack, and its CPU dot packs its
   operand on every call, which at a few tokens per step is a second pass over the weights;
 - "native" (CPU, float32): w is packed once at load time by `pack_layer_weight` into column
   panels [L, ceil(N / 16), K, 16], and `native/packed_matmul_cpu.cc` streams the layer's panels
-  where they lie, register-blocked over the step's rows. Measured on a 2-core AVX2/AVX-512 CPU
-  against XLA's dot over SmolLM2's projections: faster at every step size up to 128 tokens
-  (about 1.5x at 1 to 32) and level at 512 (`bench.kernel_timings`' matmul rows).
+  where they lie, register-blocked over the step's rows, so each step reads the weights once
+  (`bench.kernel_timings`' matmul rows compare the two; bench/RESULTS.md has measured figures).
 Other backends and dtypes, sharded models and machines where the kernel cannot be built use
 "xla".
 """
 
 from __future__ import annotations
+
+from enum import StrEnum
 
 import jax
 import jax.numpy as jnp
@@ -22,25 +23,34 @@ from jserve.pallas.native_build import load as load_native_kernels
 
 TARGET = "jserve_packed_matmul_f32"
 PANEL = 16  # columns per packed panel (the kernel's register block width)
-MATMUL_IMPLS = ("xla", "native")
 
 
-def choose_matmul_impl(backend: str | None = None, dtype: jnp.dtype = jnp.float32) -> str:
-    """ "native" on CPU for float32 where the kernel builds, else "xla"."""
+class MatmulImpl(StrEnum):
+    """How the layers' projections run, and so how their weights are laid out."""
+
+    XLA = "xla"
+    NATIVE = "native"
+
+
+MATMUL_IMPLS = tuple(MatmulImpl)
+
+
+def choose_matmul_impl(backend: str | None = None, dtype: jnp.dtype = jnp.float32) -> MatmulImpl:
+    """NATIVE on CPU for float32 where the kernel builds, else XLA."""
     on_cpu = (backend or jax.default_backend()) == "cpu"
     if on_cpu and jnp.dtype(dtype) == jnp.float32 and load_native_kernels() is not None:
-        return "native"
-    return "xla"
+        return MatmulImpl.NATIVE
+    return MatmulImpl.XLA
 
 
-def pack_layer_weight(w: jax.Array, impl: str) -> jax.Array:
+def pack_layer_weight(w: jax.Array, impl: MatmulImpl | str) -> jax.Array:
     """w [L, K, N] in the layout `layer_matmul(..., impl)` reads: unchanged for "xla"; for
     "native" [L, ceil(N / 16), K, 16], panel p holding columns 16p..16p+15 with K rows of 16
     contiguous floats, zero columns padding N up to a multiple of 16."""
     _check_impl(impl)
     if w.ndim != 3:
         raise ValueError(f"pack_layer_weight needs w [L, K, N]; got {w.shape}")
-    if impl == "xla":
+    if impl == MatmulImpl.XLA:
         return w
     L, K, N = w.shape
     panels = -(-N // PANEL)
@@ -52,7 +62,7 @@ def layer_matmul(
     x: jax.Array,
     w: jax.Array,
     layer: jax.Array,
-    impl: str = "xla",
+    impl: MatmulImpl | str = MatmulImpl.XLA,
     n: int | None = None,
     rows: jax.Array | None = None,
 ) -> jax.Array:
@@ -64,7 +74,7 @@ def layer_matmul(
     writes zeros past them; XLA's dot computes every row, so the caller must not read past
     `rows` either way."""
     _check_impl(impl)
-    if impl == "xla":
+    if impl == MatmulImpl.XLA:
         if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
             raise ValueError(
                 f"layer_matmul needs x [T, K] and w [L, K, N]; got {x.shape}, {w.shape}"
@@ -90,4 +100,5 @@ def layer_matmul(
 
 def _check_impl(impl: str) -> None:
     if impl not in MATMUL_IMPLS:
-        raise ValueError(f"matmul impl must be one of {MATMUL_IMPLS}, got {impl!r}")
+        names = tuple(str(name) for name in MatmulImpl)
+        raise ValueError(f"matmul impl must be one of {names}, got {impl!r}")

@@ -9,9 +9,12 @@ them side by side.
 
 from __future__ import annotations
 
+from enum import StrEnum
+
 import jax
 import jax.numpy as jnp
 
+from jserve.config.engine_args import AttentionImpl
 from jserve.pallas.ragged_common import RaggedCall
 from jserve.pallas.ragged_interpret import ragged_paged_attention_interpret
 from jserve.pallas.ragged_mosaic import ragged_paged_attention_mosaic
@@ -20,26 +23,44 @@ from jserve.pallas.ragged_reference import ragged_paged_attention_reference
 from jserve.pallas.ragged_triton import ragged_paged_attention_triton
 from jserve.pallas.ragged_xla import ragged_paged_attention_xla
 
-# name -> (implementation, how it takes `interpret`): "never" (plain XLA, no interpret mode),
-# "always" (the CPU interpret kernel) or a tuple of the backends it runs on natively.
+
+class _Interpret(StrEnum):
+    """How an implementation takes `interpret`."""
+
+    NEVER = "never"  # plain XLA or a native kernel: no interpret mode
+    ALWAYS = "always"  # the CPU interpret kernel
+    OFF_ITS_BACKENDS = "off_its_backends"  # native on its backends, interpreted elsewhere
+
+
+# implementation -> (its function, how it takes `interpret`, the backends it runs natively on)
 _IMPL_TABLE = {
-    "reference": (ragged_paged_attention_reference, "never"),
-    "interpret": (ragged_paged_attention_interpret, "always"),
-    "xla": (ragged_paged_attention_xla, "never"),
-    "native": (ragged_paged_attention_native, "never"),
-    "triton": (ragged_paged_attention_triton, ("gpu", "cuda")),
-    "mosaic": (ragged_paged_attention_mosaic, ("tpu",)),
+    AttentionImpl.REFERENCE: (ragged_paged_attention_reference, _Interpret.NEVER, ()),
+    AttentionImpl.INTERPRET: (ragged_paged_attention_interpret, _Interpret.ALWAYS, ()),
+    AttentionImpl.XLA: (ragged_paged_attention_xla, _Interpret.NEVER, ()),
+    AttentionImpl.NATIVE: (ragged_paged_attention_native, _Interpret.NEVER, ()),
+    AttentionImpl.TRITON: (
+        ragged_paged_attention_triton,
+        _Interpret.OFF_ITS_BACKENDS,
+        ("gpu", "cuda"),
+    ),
+    AttentionImpl.MOSAIC: (ragged_paged_attention_mosaic, _Interpret.OFF_ITS_BACKENDS, ("tpu",)),
 }
-IMPLS = tuple(_IMPL_TABLE)
-_BY_BACKEND = {"cpu": "native", "gpu": "triton", "cuda": "triton", "tpu": "mosaic"}
+IMPLS = tuple(_IMPL_TABLE)  # every implementation AUTO may stand for, and those it never picks
+_BY_BACKEND = {
+    "cpu": AttentionImpl.NATIVE,
+    "gpu": AttentionImpl.TRITON,
+    "cuda": AttentionImpl.TRITON,
+    "tpu": AttentionImpl.MOSAIC,
+}
 
 
-def choose_impl(backend: str | None = None, dtype: jnp.dtype = jnp.float32) -> str:
-    """The implementation "auto" means on `backend` (default: jax.default_backend()) for pools
-    of `dtype`: on CPU the native kernel where it supports the dtype and builds, else XLA."""
-    chosen = _BY_BACKEND.get(backend or jax.default_backend(), "reference")
-    if chosen == "native" and not native_supports(dtype):
-        return "xla"
+def choose_impl(backend: str | None = None, dtype: jnp.dtype = jnp.float32) -> AttentionImpl:
+    """The implementation AUTO means on `backend` (default: jax.default_backend()) for pools
+    of `dtype`: on CPU the native kernel where it supports the dtype and builds, else XLA;
+    Triton on GPU, Mosaic on TPU, the reference elsewhere."""
+    chosen = _BY_BACKEND.get(backend or jax.default_backend(), AttentionImpl.REFERENCE)
+    if chosen is AttentionImpl.NATIVE and not native_supports(dtype):
+        return AttentionImpl.XLA
     return chosen
 
 
@@ -56,7 +77,7 @@ def ragged_paged_attention(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
-    impl: str = "auto",
+    impl: AttentionImpl | str = AttentionImpl.AUTO,
     interpret: bool | None = None,
     platform: str | None = None,
 ) -> jax.Array:
@@ -84,36 +105,42 @@ def ragged_paged_attention(
       sm_scale: softmax scale applied to q, e.g. head_dim ** -0.5.
       sliding_window: None, or the number of most recent positions each query may see.
       soft_cap: None, or c for scores -> c * tanh(scores / c).
-      impl: "auto" (by jax.default_backend(): cpu -> "native" for float32 where its kernel
-        builds, else "xla"; gpu -> "triton", tpu -> "mosaic", else "reference"), or one of
-        IMPLS.
+      impl: an AttentionImpl (or its name); AUTO picks by `platform` (`choose_impl`).
       interpret: for "triton" / "mosaic": None runs natively on their backend and interprets
         elsewhere; True forces the interpreter. "interpret" always interprets (False is an
         error); "reference", "xla" and "native" take None only.
-      platform: the platform the call is compiled for, which "auto" and `interpret=None`
-        follow (default: jax.default_backend()); compiling for a chip this process lacks
-        (jserve.aot) names it here.
+      platform: the platform the call is compiled for, which AUTO and `interpret=None`
+        follow (default: jax.default_backend(); jserve.aot names a chip this process lacks).
 
     Returns:
       [T, Hq, D] attention outputs in q's dtype.
     """
     platform = platform or jax.default_backend()
-    chosen = choose_impl(platform, q.dtype) if impl == "auto" else impl
+    chosen = choose_impl(platform, q.dtype) if impl == AttentionImpl.AUTO else impl
     if chosen not in _IMPL_TABLE:
-        raise ValueError(f"impl must be 'auto' or one of {IMPLS}; got {impl!r}")
-    fn, native = _IMPL_TABLE[chosen]
+        names = tuple(str(name) for name in IMPLS)
+        raise ValueError(f"impl must be 'auto' or one of {names}; got {impl!r}")
     call = RaggedCall.make(
         q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=chosen,
     )  # fmt: skip
-    if native == "never":
+    return _run(AttentionImpl(chosen), call, interpret, platform)
+
+
+def _run(
+    chosen: AttentionImpl, call: RaggedCall, interpret: bool | None, platform: str
+) -> jax.Array:
+    """`call` run by implementation `chosen`, natively or interpreted as `interpret` asks
+    (see ragged_paged_attention), compiled for `platform`."""
+    fn, mode, backends = _IMPL_TABLE[chosen]
+    if mode is _Interpret.NEVER:
         if interpret is not None:
-            raise ValueError(f"impl={chosen!r} has no interpret mode; got interpret={interpret}")
+            raise ValueError(f"impl='{chosen}' has no interpret mode; got interpret={interpret}")
         return fn(call)
-    if native == "always":
+    if mode is _Interpret.ALWAYS:
         if interpret is False:
-            raise ValueError(f"impl={chosen!r} only runs in interpret mode; got interpret=False")
+            raise ValueError(f"impl='{chosen}' only runs in interpret mode; got interpret=False")
         return fn(call)
     if interpret is None:
-        interpret = platform not in native
+        interpret = platform not in backends
     return fn(call, interpret=interpret)

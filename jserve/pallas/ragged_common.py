@@ -133,16 +133,20 @@ def validate_attention_shapes(
         )
     if layer.ndim != 0 or layer.dtype != jnp.int32:
         raise ValueError(f"layer must be an int32 scalar; got {layer.dtype} {list(layer.shape)}")
+    _check_options(sm_scale, sliding_window, soft_cap)
+    return RaggedDims(
+        num_tokens, num_q_heads, head_dim, num_layers, num_blocks, num_kv_heads, block_size,
+        max_seqs, max_blocks, tokens_per_row,
+    )  # fmt: skip
+
+
+def _check_options(sm_scale: float, sliding_window: int | None, soft_cap: float | None) -> None:
     if not isinstance(sm_scale, int | float) or not sm_scale > 0:
         raise ValueError(f"sm_scale must be a positive Python float; got {sm_scale!r}")
     if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
         raise ValueError(f"sliding_window must be None or an int >= 1; got {sliding_window!r}")
     if soft_cap is not None and (not isinstance(soft_cap, int | float) or not soft_cap > 0):
         raise ValueError(f"soft_cap must be None or a positive float; got {soft_cap!r}")
-    return RaggedDims(
-        num_tokens, num_q_heads, head_dim, num_layers, num_blocks, num_kv_heads, block_size,
-        max_seqs, max_blocks, tokens_per_row,
-    )  # fmt: skip
 
 
 @jax.tree_util.register_dataclass
@@ -192,57 +196,6 @@ class RaggedCall:
         dims = validate_attention_shapes(*arrays, sm_scale, sliding_window, soft_cap, impl)
         return cls(*arrays, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                    dims=dims)  # fmt: skip
-
-
-def validate_attention_values(
-    block_tables: np.ndarray,
-    cu_q_lens: np.ndarray,
-    kv_lens: np.ndarray,
-    num_seqs: np.ndarray | int,
-    layer: np.ndarray | int,
-    *,
-    num_tokens: int,
-    num_layers: int,
-    num_blocks: int,
-    block_size: int,
-) -> None:
-    """Dynamic checks on host numpy values (the runtime's step inputs); raises ValueError.
-
-    Padded sequences (index >= num_seqs) are not checked beyond their table entries: kernels
-    never compute them.
-    """
-    tables, cu, kv = np.asarray(block_tables), np.asarray(cu_q_lens), np.asarray(kv_lens)
-    n = int(np.asarray(num_seqs).reshape(()))
-    max_seqs, max_blocks = tables.shape
-    if not 0 <= n <= max_seqs:
-        raise ValueError(f"num_seqs = {n} is outside [0, max_seqs={max_seqs}]")
-    if not 0 <= int(layer) < num_layers:
-        raise ValueError(f"layer = {int(layer)} is outside [0, num_layers={num_layers})")
-    outside = np.argwhere((tables < 0) | (tables >= num_blocks))
-    if outside.size:
-        s, j = outside[0]
-        raise ValueError(
-            f"block_tables[{s}, {j}] = {tables[s, j]} is outside [0, num_blocks={num_blocks}); "
-            "unused entries must point at the sink block 0"
-        )
-    if cu[0] != 0 or np.any(np.diff(cu[: n + 1]) < 0) or cu[n] > num_tokens:
-        raise ValueError(
-            f"cu_q_lens[:num_seqs + 1] = {cu[: n + 1].tolist()} must start at 0, never decrease "
-            f"and end at most at num_tokens = {num_tokens}"
-        )
-    q_lens = np.diff(cu[: n + 1])
-    for s in range(n):
-        if not q_lens[s] <= kv[s] <= max_blocks * block_size:
-            raise ValueError(
-                f"kv_lens[{s}] = {kv[s]} must be >= its q_len ({q_lens[s]}) and <= "
-                f"max_blocks * block_size = {max_blocks * block_size}"
-            )
-        used = tables[s, : -(-int(kv[s]) // block_size)]
-        if np.any(used == 0):
-            raise ValueError(
-                f"sequence {s} reads the sink block 0 in its first {used.size} table entries "
-                f"{used.tolist()}; the sink is never allocated to a real sequence"
-            )
 
 
 def cap_scores(scores: jax.Array, soft_cap: float | None) -> jax.Array:

@@ -22,7 +22,9 @@ sequence owns keep a zero denominator and come out exactly 0.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -94,75 +96,127 @@ def _kernel(
 ):
     head, block = pl.program_id(0), pl.program_id(1)
     chunk = pages_per_chunk * dims.block_size
-    per_row, width = dims.tokens_per_row, dims.tokens_per_row * dims.head_dim
-    layer = layer_ref[0]
     # Scaled in float32, then back to the pool dtype: bf16 pools feed the MXU bf16 x bf16.
     q = (q_ref[...].astype(jnp.float32) * sm_scale).astype(k_buf.dtype)
     row_seq, row_ctx, row_part = row_seq_ref[...], row_ctx_ref[...], row_part_ref[...]
-    # Token of (pool row r, lane l) of a chunk, less the chunk's first: p r + (l // D).
+    token_of_lane = _token_of_lane(dims, chunk)
+    pages = _PageCopies(
+        tables_ref, layer_ref[0], head, k_hbm, v_hbm, k_buf, v_buf, sems, pages_per_chunk,
+        table_stride,
+    )  # fmt: skip
+    rows = (q, row_seq, row_ctx, row_part)
+
+    def seq_step(seq, carry):
+        kv_len = kv_lens_ref[seq]
+        c_lo, c_hi = _chunks_to_read(
+            cu_q_lens_ref, kv_len, seq, block, block_q, chunk, sliding_window
+        )
+        return _attend_chunks(
+            seq, kv_len, c_lo, c_hi, carry, rows, pages, token_of_lane, dims, chunk,
+            sliding_window, soft_cap,
+        )  # fmt: skip
+
+    init = online_softmax_init((q.shape[0],), dims.tokens_per_row * dims.head_dim)
+    m, denom, acc = lax.fori_loop(first_seq_ref[block], last_seq_ref[block] + 1, seq_step, init)
+    acc_ref[...], max_ref[...], denom_ref[...] = acc, m, denom
+
+
+def _attend_chunks(
+    seq, kv_len, c_lo, c_hi, carry, rows, pages, token_of_lane, dims, chunk, sliding_window,
+    soft_cap,
+):  # fmt: skip
+    """The online softmax of the block's `rows` (q, owning sequence, last visible position,
+    lane part) over chunks [c_lo, c_hi) of `seq`'s context, double-buffered: chunk c + 1's
+    pages are on their way while chunk c is scored."""
+    q, row_seq, row_ctx, row_part = rows
+    per_row, width = dims.tokens_per_row, dims.tokens_per_row * dims.head_dim
+
+    @pl.when(c_lo < c_hi)
+    def _():
+        pages.start(seq, c_lo, 0)
+
+    def chunk_step(c, carry):
+        slot = lax.rem(c - c_lo, 2)
+        pages.wait(seq, c, slot)
+
+        @pl.when(c + 1 < c_hi)
+        def _():
+            pages.start(seq, c + 1, 1 - slot)
+
+        k = pages.k_buf[slot].reshape(chunk // per_row, width)
+        v = pages.v_buf[slot].reshape(chunk // per_row, width)
+        live = c * chunk + token_of_lane < kv_len
+        v = jnp.where(live, v, jnp.zeros_like(v))
+        if per_row > 1:  # a live token's row may hold a stale one, whose lanes meet q's 0s
+            k = jnp.where(live, k, jnp.zeros_like(k))
+        scores = cap_scores(qk(q, k), soft_cap)  # [R, C / p] float32
+        # Column i of copy j's scores is the chunk's token p i + j.
+        first = c * chunk + per_row * lax.broadcasted_iota(jnp.int32, (1, chunk // per_row), 1)
+        mask = allowed(first + row_part, row_ctx, kv_len, sliding_window) & (row_seq == seq)
+        return online_softmax_step(carry, scores, mask, v)
+
+    return lax.fori_loop(c_lo, c_hi, chunk_step, carry)
+
+
+def _token_of_lane(dims: RaggedDims, chunk: int) -> jax.Array:
+    """Token of (pool row r, lane l) of a chunk, less the chunk's first: p r + (l // D)."""
+    per_row, width = dims.tokens_per_row, dims.tokens_per_row * dims.head_dim
     token_of_lane = per_row * lax.broadcasted_iota(jnp.int32, (chunk // per_row, width), 0)
     if per_row > 1:  # D is a power of two here (it divides 128)
         lane = lax.broadcasted_iota(jnp.int32, (chunk // per_row, width), 1)
         token_of_lane += lax.shift_right_logical(lane, dims.head_dim.bit_length() - 1)
+    return token_of_lane
 
-    def copies(seq, c, slot):
-        """The 2 * pages_per_chunk DMAs that bring chunk c of `seq` into buffer `slot`."""
+
+def _chunks_to_read(cu_q_lens_ref, kv_len, seq, block, block_q, chunk, sliding_window):
+    """[c_lo, c_hi): the chunks of `seq`'s context its rows in query block `block` may see
+    (c_lo == c_hi when it has none there)."""
+    q_start = cu_q_lens_ref[seq]
+    q_len = cu_q_lens_ref[seq + 1] - q_start
+    t_first = jnp.maximum(q_start, block * block_q)
+    t_last = jnp.minimum(q_start + q_len, (block + 1) * block_q) - 1
+    first_ctx = kv_len - q_len + t_first - q_start
+    lo = 0 if sliding_window is None else jnp.maximum(first_ctx - sliding_window + 1, 0)
+    # lax.div / lax.rem: operands are >= 0, and jnp's floor division lowers through `sign`,
+    # which Mosaic only lowers knowing the TPU generation.
+    c_lo = lax.div(lo, chunk)
+    last_ctx = kv_len - q_len + t_last - q_start
+    return c_lo, jnp.where(t_last >= t_first, lax.div(last_ctx, chunk) + 1, c_lo)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PageCopies:
+    """The DMAs that bring one chunk of a sequence's pages (this layer, this KV head) from the
+    pool in HBM into one of the two VMEM buffers."""
+
+    tables_ref: Any  # SMEM [S * max_blocks_padded] flattened block tables
+    layer: Any
+    head: Any
+    k_hbm: Any
+    v_hbm: Any
+    k_buf: Any
+    v_buf: Any
+    sems: Any
+    pages_per_chunk: int
+    table_stride: int
+
+    def _copies(self, seq, c, slot) -> list:
         out = []
-        for j in range(pages_per_chunk):
-            page = tables_ref[seq * table_stride + c * pages_per_chunk + j]
-            for kind, (src, dst) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf))):
-                out.append(
-                    pltpu.make_async_copy(
-                        src.at[layer, page, head], dst.at[slot, j], sems.at[kind, slot]
-                    )
-                )
+        pairs = ((self.k_hbm, self.k_buf), (self.v_hbm, self.v_buf))
+        for j in range(self.pages_per_chunk):
+            page = self.tables_ref[seq * self.table_stride + c * self.pages_per_chunk + j]
+            for kind, (src, dst) in enumerate(pairs):
+                source = src.at[self.layer, page, self.head]
+                out.append(pltpu.make_async_copy(source, dst.at[slot, j], self.sems.at[kind, slot]))
         return out
 
-    def seq_step(seq, carry):
-        q_start = cu_q_lens_ref[seq]
-        q_len, kv_len = cu_q_lens_ref[seq + 1] - q_start, kv_lens_ref[seq]
-        t_first = jnp.maximum(q_start, block * block_q)
-        t_last = jnp.minimum(q_start + q_len, (block + 1) * block_q) - 1
-        first_ctx = kv_len - q_len + t_first - q_start
-        lo = 0 if sliding_window is None else jnp.maximum(first_ctx - sliding_window + 1, 0)
-        # lax.div / lax.rem: operands are >= 0, and jnp's floor division lowers through `sign`,
-        # which Mosaic only lowers knowing the TPU generation.
-        c_lo = lax.div(lo, chunk)
-        last_ctx = kv_len - q_len + t_last - q_start
-        c_hi = jnp.where(t_last >= t_first, lax.div(last_ctx, chunk) + 1, c_lo)
+    def start(self, seq, c, slot) -> None:
+        for cp in self._copies(seq, c, slot):
+            cp.start()
 
-        @pl.when(c_lo < c_hi)
-        def _():
-            for cp in copies(seq, c_lo, 0):
-                cp.start()
-
-        def chunk_step(c, carry):
-            slot = lax.rem(c - c_lo, 2)
-            for cp in copies(seq, c, slot):
-                cp.wait()
-
-            @pl.when(c + 1 < c_hi)
-            def _():
-                for cp in copies(seq, c + 1, 1 - slot):
-                    cp.start()
-
-            k = k_buf[slot].reshape(chunk // per_row, width)
-            v = v_buf[slot].reshape(chunk // per_row, width)
-            live = c * chunk + token_of_lane < kv_len
-            v = jnp.where(live, v, jnp.zeros_like(v))
-            if per_row > 1:  # a live token's row may hold a stale one, whose lanes meet q's 0s
-                k = jnp.where(live, k, jnp.zeros_like(k))
-            scores = cap_scores(qk(q, k), soft_cap)  # [R, C / p] float32
-            # Column i of copy j's scores is the chunk's token p i + j.
-            first = c * chunk + per_row * lax.broadcasted_iota(jnp.int32, (1, chunk // per_row), 1)
-            mask = allowed(first + row_part, row_ctx, kv_len, sliding_window) & (row_seq == seq)
-            return online_softmax_step(carry, scores, mask, v)
-
-        return lax.fori_loop(c_lo, c_hi, chunk_step, carry)
-
-    init = online_softmax_init((q.shape[0],), width)
-    m, denom, acc = lax.fori_loop(first_seq_ref[block], last_seq_ref[block] + 1, seq_step, init)
-    acc_ref[...], max_ref[...], denom_ref[...] = acc, m, denom
+    def wait(self, seq, c, slot) -> None:
+        for cp in self._copies(seq, c, slot):
+            cp.wait()
 
 
 def _row_metadata(cu_q_lens, kv_lens, num_seqs, num_tokens, group):

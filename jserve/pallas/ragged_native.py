@@ -4,8 +4,9 @@ The kernel (`native/ragged_attention_cpu.cc`, built by `native_build`) follows r
 contract for every row, decode and prefill alike: it reads each page straight from the pool,
 only the positions some row of a work unit may see, once for all of the unit's rows, and
 spreads the units over XLA's intra-op threads. ragged_xla's loops run their small dots one
-after the other on one thread, and a decode row there gathers its pages at a few GB/s. Other
-dtypes, and machines where the kernel cannot be built, use ragged_xla.
+after the other on one thread, and a decode row there gathers its pages into a copy before it
+reads them (bench/RESULTS.md, "Kernels", compares the two). Other dtypes, and machines where
+the kernel cannot be built, use ragged_xla.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ sequence's end never clobber the next sequence's rows.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -79,6 +80,19 @@ def default_triton_config(dims: RaggedDims) -> tuple[int, int]:
     return block_q, max(1, DEFAULT_CHUNK_TOKENS // dims.block_size)
 
 
+class _Options(NamedTuple):
+    """The kernel's static options (see ragged_paged_attention_triton)."""
+
+    dims: RaggedDims
+    block_q: int
+    group_pad: int  # the head group padded to a power of two
+    pages_per_chunk: int
+    num_kv_splits: int
+    sm_scale: float
+    sliding_window: int | None
+    soft_cap: float | None
+
+
 def _kernel(
     item_seq_ref,  # [items] sequence of each work item, max_seqs when unused
     item_q0_ref,  # [items] first query row of the item within its sequence
@@ -93,18 +107,13 @@ def _kernel(
     max_ref,  # out [splits, Hkv, rows_total] running max
     denom_ref,  # out [splits, Hkv, rows_total] softmax denominator
     *,
-    dims: RaggedDims,
-    block_q: int,
-    group_pad: int,
-    pages_per_chunk: int,
-    num_kv_splits: int,
-    sm_scale: float,
-    sliding_window: int | None,
-    soft_cap: float | None,
+    opts: _Options,
 ):
     item, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = item_seq_ref[item]
-    rows, chunk, bs = block_q * group_pad, pages_per_chunk * dims.block_size, dims.block_size
+    dims, group_pad = opts.dims, opts.group_pad
+    rows, bs = opts.block_q * group_pad, dims.block_size
+    chunk = opts.pages_per_chunk * bs
 
     @pl.when(seq < dims.max_seqs)
     def _():
@@ -114,16 +123,10 @@ def _kernel(
         row0 = (q_start + q0) * group_pad
         # Scaled in float32, then back to the pool dtype: bf16 pools use bf16 tensor-core dots.
         q = q_ref[head, pl.ds(row0, rows), :]  # [rows, D]
-        q = (q.astype(jnp.float32) * sm_scale).astype(k_ref.dtype)
+        q = (q.astype(jnp.float32) * opts.sm_scale).astype(k_ref.dtype)
         token = q0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group_pad
         row_ctx = kv_len - q_len + token  # [rows, 1]
-        first_ctx = kv_len - q_len + q0
-        last_ctx = jnp.minimum(first_ctx + block_q, kv_len) - 1
-        lo = 0 if sliding_window is None else jnp.maximum(first_ctx - sliding_window + 1, 0)
-        c_lo, c_hi = lo // chunk, last_ctx // chunk + 1
-        per_split = pl.cdiv(c_hi - c_lo, num_kv_splits)
-        s_lo = c_lo + split * per_split
-        s_hi = jnp.minimum(s_lo + per_split, c_hi)
+        s_lo, s_hi = _split_chunks(kv_len - q_len + q0, kv_len, split, opts)
         dim = lax.broadcasted_iota(jnp.int32, (1, dims.head_dim), 1)
 
         def chunk_step(c, carry):
@@ -133,23 +136,47 @@ def _kernel(
             k = k_ref[at]
             live = jnp.broadcast_to(pos < kv_len, (chunk, dims.head_dim))
             v = plgpu.load(v_ref.at[at], mask=live, other=0.0)
-            scores = cap_scores(qk(q, k), soft_cap)  # [rows, C] float32
-            mask = allowed(pos.reshape(1, chunk), row_ctx, kv_len, sliding_window)
+            scores = cap_scores(qk(q, k), opts.soft_cap)  # [rows, C] float32
+            mask = allowed(pos.reshape(1, chunk), row_ctx, kv_len, opts.sliding_window)
             return online_softmax_step(carry, scores, mask, v)
 
         init = online_softmax_init((rows,), dims.head_dim)
-        m, denom, acc = lax.fori_loop(s_lo, s_hi, chunk_step, init)
+        partial = lax.fori_loop(s_lo, s_hi, chunk_step, init)
         mine = token < q_len  # rows past the sequence's end belong to the next one
-        out_rows = pl.ds(row0, rows)
-        plgpu.store(
-            acc_ref.at[split, head, out_rows, :],
-            acc,
-            mask=jnp.broadcast_to(mine, (rows, dims.head_dim)),
-        )
-        plgpu.store(max_ref.at[split, head, out_rows], m.reshape(rows), mask=mine.reshape(rows))
-        plgpu.store(
-            denom_ref.at[split, head, out_rows], denom.reshape(rows), mask=mine.reshape(rows)
-        )
+        outs = (acc_ref, max_ref, denom_ref)
+        _store_partial(outs, (split, head, pl.ds(row0, rows)), mine, partial, dims.head_dim)
+
+
+def _split_chunks(
+    first_ctx: jax.Array, kv_len: jax.Array, split: jax.Array, opts: _Options
+) -> tuple[jax.Array, jax.Array]:
+    """[lo, hi) of the KV chunks split `split` reads for a query block whose first row sees up
+    to position `first_ctx`: the block's KV range (from the first position its sliding window
+    shows to the last position its last row sees) in chunks of `pages_per_chunk` pages, cut
+    into `num_kv_splits` near-equal parts, the last ones possibly empty."""
+    chunk = opts.pages_per_chunk * opts.dims.block_size
+    last_ctx = jnp.minimum(first_ctx + opts.block_q, kv_len) - 1
+    window = opts.sliding_window
+    lo = 0 if window is None else jnp.maximum(first_ctx - window + 1, 0)
+    c_lo, c_hi = lo // chunk, last_ctx // chunk + 1
+    per_split = pl.cdiv(c_hi - c_lo, opts.num_kv_splits)
+    s_lo = c_lo + split * per_split
+    return s_lo, jnp.minimum(s_lo + per_split, c_hi)
+
+
+def _store_partial(outs: tuple, at: tuple, mine: jax.Array, partial: tuple, head_dim: int) -> None:
+    """Store one program's partial softmax (running max, denominator, unnormalized output) at
+    `at` = (split, KV head, rows) of the outputs `outs` = (acc, max, denom), masked to the rows
+    that are `mine` ([rows, 1])."""
+    acc_ref, max_ref, denom_ref = outs
+    split, head, out_rows = at
+    m, denom, acc = partial
+    rows = acc.shape[0]
+    plgpu.store(
+        acc_ref.at[split, head, out_rows, :], acc, mask=jnp.broadcast_to(mine, (rows, head_dim))
+    )
+    plgpu.store(max_ref.at[split, head, out_rows], m.reshape(rows), mask=mine.reshape(rows))
+    plgpu.store(denom_ref.at[split, head, out_rows], denom.reshape(rows), mask=mine.reshape(rows))
 
 
 def _work_items(
@@ -183,34 +210,18 @@ def ragged_paged_attention_triton(
     block_q = block_q or default_block_q
     pages_per_chunk = pages_per_chunk or default_pages
     validate_triton_config(call.dims, block_q, pages_per_chunk, num_kv_splits)
-    num_tokens, hkv, group, d = (
-        call.dims.num_tokens,
-        call.dims.num_kv_heads,
-        call.dims.group_size,
-        call.dims.head_dim,
-    )
-    group_pad = _next_pow2(group)
-    # [T, Hq, D] -> [Hkv, (T + block_q) * group_pad, D]; pad heads and rows are zeros.
-    qt = call.q.reshape(num_tokens, hkv, group, d)
-    qt = jnp.pad(qt, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
-    qt = qt.transpose(1, 0, 2, 3).reshape(hkv, -1, d)
+    group_pad = _next_pow2(call.dims.group_size)
+    qt = _by_kv_head(call.q, call.dims, block_q, group_pad)
     rows_total = qt.shape[1]
-    num_items = pl.cdiv(num_tokens, block_q) + call.dims.max_seqs
+    num_items = pl.cdiv(call.dims.num_tokens, block_q) + call.dims.max_seqs
     item_seq, item_q0 = _work_items(call.cu_q_lens, call.num_seqs, block_q, num_items)
-    kernel = functools.partial(
-        _kernel,
-        dims=call.dims,
-        block_q=block_q,
-        group_pad=group_pad,
-        pages_per_chunk=pages_per_chunk,
-        num_kv_splits=num_kv_splits,
-        sm_scale=call.sm_scale,
-        sliding_window=call.sliding_window,
-        soft_cap=call.soft_cap,
-    )
-    f32 = jnp.float32
-    acc, m, denom = pl.pallas_call(
-        kernel,
+    opts = _Options(
+        call.dims, block_q, group_pad, pages_per_chunk, num_kv_splits, call.sm_scale,
+        call.sliding_window, call.soft_cap,
+    )  # fmt: skip
+    hkv, d, f32 = call.dims.num_kv_heads, call.dims.head_dim, jnp.float32
+    partials = pl.pallas_call(
+        functools.partial(_kernel, opts=opts),
         grid=(num_items, hkv, num_kv_splits),
         out_shape=(
             jax.ShapeDtypeStruct((num_kv_splits, hkv, rows_total, d), f32),
@@ -230,8 +241,27 @@ def ragged_paged_attention_triton(
         call.k_pool,
         call.v_pool,
     )
-    # Merge the splits' partial softmaxes (an empty split has m = MASK_VALUE: weight 0). Rows no
-    # program wrote (padding tokens, pad heads) hold garbage and are dropped below.
+    return _merge_splits(*partials, call, block_q, group_pad)
+
+
+def _by_kv_head(q: jax.Array, dims: RaggedDims, block_q: int, group_pad: int) -> jax.Array:
+    """Queries [T, Hq, D] laid out as the kernel reads them: [Hkv, (T + block_q) * group_pad,
+    D], row = token * group_pad + head in its group; pad heads and rows are zeros."""
+    num_tokens, hkv, group, d = dims.num_tokens, dims.num_kv_heads, dims.group_size, dims.head_dim
+    qt = q.reshape(num_tokens, hkv, group, d)
+    qt = jnp.pad(qt, ((0, block_q), (0, 0), (0, group_pad - group), (0, 0)))
+    return qt.transpose(1, 0, 2, 3).reshape(hkv, -1, d)
+
+
+def _merge_splits(
+    acc: jax.Array, m: jax.Array, denom: jax.Array, call: RaggedCall, block_q: int, group_pad: int
+) -> jax.Array:
+    """The outputs [T, Hq, D] from the KV splits' partial softmaxes (an empty split has
+    m = MASK_VALUE: weight 0). Rows no program wrote (padding tokens, pad heads) hold garbage
+    and are dropped here; padding tokens' outputs are exactly 0."""
+    num_tokens, hkv, group, d = (
+        call.dims.num_tokens, call.dims.num_kv_heads, call.dims.group_size, call.dims.head_dim,
+    )  # fmt: skip
     weight = jnp.exp(m - m.max(axis=0, keepdims=True))[..., None]
     out = online_softmax_finish((weight * denom[..., None]).sum(0), (weight * acc).sum(0))
     out = out.reshape(hkv, num_tokens + block_q, group_pad, d)[:, :num_tokens, :group]

@@ -1,7 +1,7 @@
 """Compilation discipline: the persistent cache, a process-wide compile counter, and warnings.
 
-Every XLA compilation (or load from the persistent cache) in this process is counted through
-JAX's monitoring hook. What happens after warm-up:
+Every XLA compilation (or load from the persistent cache) in this process is counted. What
+happens after warm-up:
 
 1. The model step and the sampler are compiled ahead of time for every bucket, and serving only
    calls those executables: an input outside the buckets raises instead of compiling.
@@ -12,6 +12,25 @@ JAX's monitoring hook. What happens after warm-up:
    Serving goes on: a stray compile costs one slow step, not the request.
 3. Tests (and benchmarks) wrap code in `forbid_compilation()`, which turns a compile in that
    thread into a `RecompilationError`.
+
+Where the facts come from. JAX records these `jax.monitoring` events around one compilation,
+in the compiling thread, each with the keyword `fun_name` (as of jax 0.10.2):
+`/jax/core/compile/jaxpr_trace_duration` (the Python function traced, "f"),
+`/jax/core/compile/jaxpr_to_mlir_module_duration` ("jit(f)" lowered) and
+`/jax/core/compile/backend_compile_duration` ("jit(f)"), which spans XLA's compile or the load
+from the persistent cache (inside it: `/jax/compilation_cache/compile_requests_use_cache` and,
+on a load, `/jax/compilation_cache/cache_hits`). The counter listens to
+`backend_compile_duration` alone, through the public
+`jax.monitoring.register_event_duration_secs_listener`: one event per executable, with the
+function's name and the duration, is the count, the timing and the name.
+
+No public API names a compilation's argument shapes: the events carry the function's name and
+nothing else. The warning's shapes come from the narrowest fallback there is: the record JAX's
+lowering writes to its logger `jax._src.interpreters.pxla` ("Compiling <module> with global
+shapes and types <avals>", the line `jax_log_compiles` prints), read by a logging filter that
+keeps each lowered function's shapes in its thread until that function's compile takes them,
+and drops the records the logger would not have printed. Should a JAX version change that record,
+the warning says "unknown shapes"; the count, the name and the timing do not depend on it.
 """
 
 from __future__ import annotations
@@ -29,17 +48,22 @@ from jax import monitoring
 log = logging.getLogger(__name__)
 
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-# JAX logs "Compiling <name> with global shapes and types <avals>" here before it compiles.
+# The fallback for argument shapes (see the module docstring): JAX's lowering logger and the
+# start of the DEBUG record it writes before each lowering.
 _LOWERING_LOGGER = "jax._src.interpreters.pxla"
 _LOWERING_MESSAGE = "Compiling %s with global shapes and types %s"
 
 
-class _LoweringSignatures(logging.Filter):
-    """Remembers, per thread, the argument shapes of the last function JAX lowered.
+class _LoweringShapes(logging.Filter):
+    """Keeps, per thread, the argument shapes of the functions JAX lowered and has not compiled
+    yet, by name (the lowering record's module name is the compile event's `fun_name`), so an
+    ahead-of-time `lower()` followed later by `compile()` is still named right.
 
     JAX only formats that record when its logger is enabled for DEBUG, so the logger is set to
     DEBUG and this filter swallows the records it was not going to print before.
     """
+
+    _KEPT = 16  # lowerings per thread awaiting their compile; older ones are dropped
 
     def __init__(self, logger: logging.Logger) -> None:
         super().__init__()
@@ -48,48 +72,58 @@ class _LoweringSignatures(logging.Filter):
         logger.setLevel(logging.DEBUG)
         logger.addFilter(self)
 
+    def _pending(self) -> dict[str, str]:
+        pending = getattr(self._local, "pending", None)
+        if pending is None:
+            pending = self._local.pending = {}
+        return pending
+
     def filter(self, record: logging.LogRecord) -> bool:
         if record.msg.startswith(_LOWERING_MESSAGE) and len(record.args) >= 2:
-            self._local.signature = str(record.args[1])
+            pending = self._pending()
+            pending.pop(str(record.args[0]), None)
+            pending[str(record.args[0])] = str(record.args[1])
+            if len(pending) > self._KEPT:
+                del pending[next(iter(pending))]
         return record.levelno >= self._passes_from
 
-    def last(self) -> str:
-        return getattr(self._local, "signature", "unknown shapes")
+    def take(self, name: str) -> str:
+        """The argument shapes of `name`'s lowering in this thread, once."""
+        return self._pending().pop(name, None) or "unknown shapes"
 
 
 class _CompileCounter:
     def __init__(self) -> None:
         self.count = 0
-        self.seconds = 0.0
         self.serving_count = 0
         self.serving = False
         self._lock = threading.Lock()
         self._forbidden_in: collections.Counter[int] = collections.Counter()  # compiling = error
         self._expected_in: collections.Counter[int] = collections.Counter()  # warming up
-        self._signatures = _LoweringSignatures(logging.getLogger(_LOWERING_LOGGER))
+        self._shapes = _LoweringShapes(logging.getLogger(_LOWERING_LOGGER))
         monitoring.register_event_duration_secs_listener(self._on_event)
 
     def _on_event(self, event: str, duration: float, **kwargs: object) -> None:
         if event != _BACKEND_COMPILE_EVENT:
             return
-        name = kwargs.get("fun_name", "an unnamed function")
+        name = str(kwargs.get("fun_name", "an unnamed function"))
+        shapes = self._shapes.take(name)
         tid = threading.get_ident()
         unexpected = self.serving and tid not in self._expected_in
         with self._lock:
             self.count += 1
-            self.seconds += duration
             self.serving_count += unexpected
         if unexpected:
             log.warning(
                 "compiled %s after warm-up (%.2f s) for arguments %s: an input shape, dtype or "
                 "static argument is outside the precompiled buckets",
-                name, duration, self._signatures.last(),
+                name, duration, shapes,
             )  # fmt: skip
         if tid in self._forbidden_in:
             raise RecompilationError(
-                f"XLA compiled {name} ({duration:.2f} s) for arguments {self._signatures.last()} "
-                "inside forbid_compilation(): some input shape, dtype or static argument is "
-                "outside the precompiled buckets"
+                f"XLA compiled {name} ({duration:.2f} s) for arguments {shapes} inside "
+                "forbid_compilation(): some input shape, dtype or static argument is outside "
+                "the precompiled buckets"
             )
 
 
@@ -138,7 +172,7 @@ def forbid_compilation() -> contextlib.ContextDecorator:
 
 
 def enable_persistent_cache(directory: str | Path) -> Path:
-    """Cache compiled executables on disk so a restart loads them in milliseconds."""
+    """Cache compiled executables on disk so a restart loads them instead of compiling."""
     path = Path(directory).expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))

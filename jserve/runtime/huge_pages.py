@@ -5,9 +5,9 @@ are on for it, and distributions default to `madvise` mode: only ranges a progra
 them. A decode step reads each sequence's K/V pages from all over a pool of a gigabyte, one
 head's page of a block at a time, so nearly every page it reads is a TLB miss and a page walk.
 XLA allocates and fills the pool itself, so its range is collapsed in place after the fact
-(MADV_COLLAPSE, Linux 6.1+). That copies the pool, about 2 s a GiB, so it runs on a thread of
-its own while the engine goes on starting. Everything here is best effort: another OS, an
-older kernel or THP turned off leave the memory as it was.
+(MADV_COLLAPSE, Linux 6.1+). That copies the pool, which takes time in proportion to its
+size, so it runs on a thread of its own while the engine goes on starting. Everything here is
+best effort: another OS, an older kernel or THP turned off leave the memory as it was.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jserve.config.engine_args import AttentionImpl
 from jserve.layers.attention import HeadSharding, PagedAttentionMetadata
 from jserve.models.config import ModelConfig
 from jserve.models.llama import MODEL_AXIS, lay_out_weights
@@ -42,7 +43,7 @@ def mesh_platform(mesh: jax.sharding.Mesh) -> str:
 
 def resolve_attn_impl(attn_impl: str, platform: str, dtype: Any) -> str:
     """The attention implementation `attn_impl` ("auto" or a name) means on `platform`."""
-    return choose_impl(platform, dtype) if attn_impl == "auto" else attn_impl
+    return choose_impl(platform, dtype) if attn_impl == AttentionImpl.AUTO else attn_impl
 
 
 def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any, attn_impl: str) -> int:

@@ -113,7 +113,6 @@ class StepChannel:
         pairs: list[tuple[int, int]],
     ) -> None:
         self.num_processes = jax.process_count()
-        self.is_source = jax.process_index() == 0
         devices = np.array(jax.devices()).reshape(self.num_processes, jax.local_device_count())
         mesh = Mesh(devices, ("processes", "local"))
         self._rows = NamedSharding(mesh, PartitionSpec("processes"))

@@ -9,19 +9,21 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jserve.config.engine_args import Dtype
 from jserve.models.config import ModelConfig
 from jserve.models.llama import MODEL_AXIS, LlamaModel, fuse_projections
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+DTYPES = {Dtype.FLOAT32: jnp.float32, Dtype.BFLOAT16: jnp.bfloat16, Dtype.FLOAT16: jnp.float16}
 
 
-def resolve_dtype(name: str | None, platform: str | None = None) -> Any:
-    """The dtype `name` means on `platform` (default: jax.default_backend()): "auto" is
-    float32 on CPU (bfloat16 is 2-4x slower without AVX512-BF16), bfloat16 on GPU/TPU."""
-    if name is None or name == "auto":
+def resolve_dtype(name: Dtype | str | None, platform: str | None = None) -> Any:
+    """The dtype `name` (a Dtype or its name) stands for on `platform` (default:
+    jax.default_backend()). AUTO (or None) is float32 on CPU, where XLA's bfloat16 arithmetic is
+    slower than float32's unless the CPU has AVX512-BF16, and bfloat16 on GPU/TPU."""
+    if name is None or name == Dtype.AUTO:
         return jnp.float32 if (platform or jax.default_backend()) == "cpu" else jnp.bfloat16
     if name not in DTYPES:
-        raise ValueError(f"dtype must be one of {['auto', *DTYPES]}, got {name!r}")
+        raise ValueError(f"dtype must be one of {[str(d) for d in Dtype]}, got {name!r}")
     return DTYPES[name]
 
 

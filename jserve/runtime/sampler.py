@@ -50,7 +50,6 @@ _ARGMAX_BLOCK = 128  # vocabulary block of the greedy argmax
 class SamplerOutput(NamedTuple):
     tokens: jax.Array  # [S] int32
     sampled_logprob: jax.Array  # [S] float32 raw logprob of the sampled token
-    sampled_rank: jax.Array  # [S] int32 1-based rank of that logprob (0 when no row asked)
     top_ids: jax.Array  # [S, MAX_LOGPROBS] int32 by descending logprob (0 when no row asked)
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32 (0 when no row asked)
 
@@ -100,8 +99,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """Index of the first maximum per row, [S] int32 (a row holding NaN still gets an id < V).
 
     Blocked, so the [S, V] row is read once: each block's max, the row's max, the first
-    block reaching it, then the first index inside that one block. XLA's own argmax is
-    several times slower.
+    block reaching it, then the first index inside that one block. XLA's own argmax reads
+    the row more than once on XLA:CPU (bench/RESULTS.md, "Where a step's time goes now").
     """
     v = x.shape[1]
     blocks = _blocks(x, _ARGMAX_BLOCK)
@@ -278,14 +277,6 @@ def kept_set(logits: jax.Array, t: SamplingTensors) -> KeptSet:
     return kept._replace(cut=cut)
 
 
-def filter_logits(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """Temperature-scaled logits, -inf outside the min-p / top-k / top-p set, [S, V].
-
-    The [S, V] form of `kept_set`, for inspection; sampling never forms it.
-    """
-    return kept_set(logits, t).scaled(logits)
-
-
 # --- drawing ---------------------------------------------------------------------------------
 
 
@@ -317,25 +308,19 @@ def draw(logits: jax.Array, kept: KeptSet, uniforms: jax.Array) -> jax.Array:
 def _logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors) -> SamplerOutput:
     s = logits.shape[0]
 
-    # The [S, V] logprobs are formed inside the branch: passed in from outside, they made
-    # every step several times slower on XLA:CPU even when the branch was not taken.
-    def ranked() -> tuple[jax.Array, ...]:
+    # The [S, V] logprobs are formed inside the branch: passed in from outside, XLA:CPU
+    # formed them in every step, even when the branch was not taken.
+    def wanted() -> tuple[jax.Array, ...]:
         logprobs = logits - jax.nn.logsumexp(logits, -1, keepdims=True)
         sampled = jnp.take_along_axis(logprobs, tokens[:, None], 1)
-        rank = jnp.sum(logprobs >= sampled, -1, dtype=jnp.int32)  # vLLM counts ties as ahead
         top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-        return sampled[:, 0], rank, top_ids.astype(jnp.int32), top_logprobs
+        return sampled[:, 0], top_ids.astype(jnp.int32), top_logprobs
 
-    def unranked() -> tuple[jax.Array, ...]:
+    def unwanted() -> tuple[jax.Array, ...]:
         top = (s, MAX_LOGPROBS)
-        return (
-            jnp.zeros(s, jnp.float32),
-            jnp.zeros(s, jnp.int32),
-            jnp.zeros(top, jnp.int32),
-            jnp.zeros(top, jnp.float32),
-        )
+        return jnp.zeros(s, jnp.float32), jnp.zeros(top, jnp.int32), jnp.zeros(top, jnp.float32)
 
-    return SamplerOutput(tokens, *jax.lax.cond(jnp.any(t.want_logprobs), ranked, unranked))
+    return SamplerOutput(tokens, *jax.lax.cond(jnp.any(t.want_logprobs), wanted, unwanted))
 
 
 def _any_penalty(t: SamplingTensors, vocab_size: int) -> jax.Array:
@@ -396,7 +381,6 @@ class SampledTokens(NamedTuple):
 
     tokens: np.ndarray  # [S] int32
     sampled_logprob: np.ndarray  # [S] float32
-    sampled_rank: np.ndarray  # [S] int32
     top_ids: np.ndarray  # [S, MAX_LOGPROBS] int32
     top_logprobs: np.ndarray  # [S, MAX_LOGPROBS] float32
     num_logprobs: list[int | None]  # per real row, SamplingParams.logprobs

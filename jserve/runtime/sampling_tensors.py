@@ -13,8 +13,8 @@ no-op, and skipping it saves copying whole prompts.
 
 Randomness is drawn here, not on the device: each row gets two uniforms hashed from its seed
 and its number of output tokens alone, so a seeded request's draws cannot depend on its batch
-(and cost no device PRNG: threefry over a [32, 49152] batch of logits costs milliseconds, a
-hash of two words per row microseconds; bench/RESULTS.md, "Sampler").
+(and cost no device PRNG: threefry over a [32, 49152] batch of logits costs far more than a
+hash of two words per row; bench/RESULTS.md, "Sampler", has the figures).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """Compile output constraints into llguidance matchers: bounded, off the step thread, cached.
 
 A compiled constraint is a matcher in its initial state (the "template"); each constrained
-sequence gets a `deep_copy` of it, which costs microseconds, so a schema that 64 requests
-share is compiled once. JSON is generated without free whitespace (`whitespace_flexible`
+sequence gets a `deep_copy` of it, which costs little next to a compile, so a schema that 64
+requests share is compiled once. JSON is generated without free whitespace (`whitespace_flexible`
 off): a small model given the freedom pads with newlines until max_tokens.
 
 Where compiling runs: `GrammarCache.submit` hands it to a small thread pool and returns a
@@ -45,7 +45,7 @@ import llguidance
 import numpy as np
 
 from jserve.loaders.tokenizer import Tokenizer
-from jserve.sampling_params import StructuredOutputsParams
+from jserve.sampling_params import StructuredKind, StructuredOutputsParams
 
 # Options of one choice constraint. Each option is one alternative of a single grammar rule,
 # and llguidance's parser refuses a rule with more alternatives than max_items_in_row (below).
@@ -72,7 +72,12 @@ log = logging.getLogger(__name__)
 _JSON_OPTIONS = {"whitespace_flexible": False}
 # llguidance's words for a valid schema that uses something it cannot enforce.
 _UNSUPPORTED_MARKERS = ("Unimplemented", "Unknown format", "not supported", "unsupported")
-_WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+_WHAT = {
+    StructuredKind.JSON: "JSON schema",
+    StructuredKind.REGEX: "regex",
+    StructuredKind.CHOICE: "choice",
+    StructuredKind.GRAMMAR: "grammar",
+}
 
 
 class GrammarError(ValueError):
@@ -91,7 +96,7 @@ def _json_schema_text(schema: str | dict) -> str:
     return json.dumps(parsed)
 
 
-def grammar_source(spec: StructuredOutputsParams) -> tuple[str, str]:
+def grammar_source(spec: StructuredOutputsParams) -> tuple[StructuredKind, str]:
     """(kind, text): the constraint in the canonical form that keys the cache.
 
     Raises:
@@ -99,15 +104,15 @@ def grammar_source(spec: StructuredOutputsParams) -> tuple[str, str]:
             MAX_CONSTRAINT_CHARS.
     """
     kind = spec.kind
-    if kind == "choice" and len(spec.choice) > MAX_CHOICES:
+    if kind is StructuredKind.CHOICE and len(spec.choice) > MAX_CHOICES:
         raise GrammarError(
             f"a choice has {len(spec.choice)} options; at most {MAX_CHOICES} are served"
         )
-    if kind == "json":
+    if kind is StructuredKind.JSON:
         key = kind, _json_schema_text(spec.json)
-    elif kind == "json_object":
-        key = "json", json.dumps({"type": "object"})
-    elif kind == "choice":
+    elif kind is StructuredKind.JSON_OBJECT:
+        key = StructuredKind.JSON, json.dumps({"type": "object"})
+    elif kind is StructuredKind.CHOICE:
         key = kind, json.dumps(list(spec.choice))
     else:
         key = kind, getattr(spec, kind)
@@ -131,23 +136,23 @@ def short_error(error: str) -> str:
     return text if len(text) <= ERROR_CHARS else text[: ERROR_CHARS - 3] + "..."
 
 
-def _explain(kind: str, error: str) -> str:
+def _explain(kind: StructuredKind, error: str) -> str:
     error = short_error(error)
     if any(marker in error for marker in _UNSUPPORTED_MARKERS):
         return f"the {_WHAT[kind]} uses a feature the grammar engine does not support: {error}"
     return f"invalid {_WHAT[kind]}: {error}"
 
 
-def _llguidance_grammar(kind: str, text: str) -> str:
+def _llguidance_grammar(kind: StructuredKind, text: str) -> str:
     try:
-        if kind == "json":
+        if kind is StructuredKind.JSON:
             return llguidance.LLMatcher.grammar_from_json_schema(text, defaults=_JSON_OPTIONS)
-        return llguidance.grammar_from(kind, text)
+        return llguidance.grammar_from(str(kind), text)
     except ValueError as e:  # e.g. a GBNF grammar that does not convert to Lark
         raise GrammarError(_explain(kind, str(e))) from None
 
 
-def _probe(kind: str, template: llguidance.LLMatcher, stop_ids: frozenset[int]) -> None:
+def _probe(kind: StructuredKind, template: llguidance.LLMatcher, stop_ids: frozenset[int]) -> None:
     """Compute the template's first mask and consume one allowed token on a copy: a grammar
     whose lexer or parser is past LIMITS at its first token fails here, not at a step."""
     mask = np.frombuffer(template.compute_bitmask(), np.uint8)
@@ -185,8 +190,6 @@ class GrammarCache:
         self._pool = ThreadPoolExecutor(
             COMPILE_THREADS, thread_name_prefix="jserve-grammar", initializer=_lower_priority
         )
-        self.hits = 0
-        self.misses = 0
 
     @property
     def llg_tokenizer(self) -> llguidance.LLTokenizer:
@@ -220,12 +223,10 @@ class GrammarCache:
             entry = self._entries.get(key)
             compiles_here = entry is None
             if compiles_here:
-                self.misses += 1
                 entry = self._entries[key] = Future()
                 if len(self._entries) > self.capacity:
                     self._entries.popitem(last=False)  # its waiters keep their future
             else:
-                self.hits += 1
                 self._entries.move_to_end(key)
         if compiles_here:
             try:
@@ -241,7 +242,7 @@ class GrammarCache:
             if self._entries.get(key) is entry:
                 del self._entries[key]
 
-    def _compile(self, kind: str, text: str) -> llguidance.LLMatcher:
+    def _compile(self, kind: StructuredKind, text: str) -> llguidance.LLMatcher:
         grammar = _llguidance_grammar(kind, text)
         template = llguidance.LLMatcher(self.llg_tokenizer, grammar, log_level=0, limits=LIMITS)
         if template.is_error():

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jserve.config.scheduler import CacheConfig, SchedulerConfig
+from jserve.core.block_manager import BlockManager
 from jserve.core.plan import StepPlan
 from jserve.core.request import Request
 from jserve.core.scheduler import Scheduler
@@ -14,6 +15,18 @@ from jserve.core.tenants import TenantPolicy
 
 EOS = 2
 FILLER = 7  # a sampled token that never stops anything
+
+
+def free_block_ids(manager: BlockManager) -> set[int]:
+    """Blocks an allocation may take: the plain free ones and the prefix cache's evictable
+    ones (read from the manager's internals, for invariant checks)."""
+    cache = manager.prefix_cache
+    return set(manager._free) | (set(cache._evictable) if cache is not None else set())
+
+
+def tracked(scheduler: Scheduler, request_id: str) -> Request | None:
+    """The unfinished request `scheduler` tracks under `request_id`, if any (its internals)."""
+    return scheduler._requests.get(request_id)
 
 
 def make_scheduler(

@@ -6,6 +6,8 @@ from jserve.core.block_manager import SINK_BLOCK_ID, BlockManager
 from jserve.core.prefix_cache import PrefixCache, hash_block_tokens
 from jserve.core.request import Request
 
+from .helpers import free_block_ids
+
 
 def request(request_id: str, tokens: list[int]) -> Request:
     return Request(request_id, tokens)
@@ -61,7 +63,7 @@ def test_free_returns_blocks_and_fork_shares_them():
     assert [manager.ref_counts[b] for b in sibling.block_ids] == [1, 1]
     assert manager.num_free_blocks == 7 - 2
     manager.free(sibling)
-    assert manager.num_free_blocks == 7 and manager.free_block_ids() == set(range(1, 8))
+    assert manager.num_free_blocks == 7 and free_block_ids(manager) == set(range(1, 8))
 
 
 def test_prefix_hit_reuses_full_blocks_and_leaves_one_token():
@@ -144,7 +146,7 @@ def test_a_hit_on_an_evictable_block_takes_it_out_of_the_free_pool():
     assert manager.num_reused_free(hits) == 1
     manager.use_prefix(again, hits)
     assert manager.ref_counts[hits[0]] == 1 and manager.num_free_blocks == 2
-    assert hits[0] not in manager.free_block_ids()
+    assert hits[0] not in free_block_ids(manager)
 
 
 def test_prefix_cache_keeps_the_first_block_for_a_duplicate_key():

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 
 import pytest
 
-from jserve.config.engine_args import EngineArgs
-from jserve.config.scheduler import CacheConfig, SchedulerConfig
+from jserve.config.engine_args import (
+    AttentionImpl,
+    Dtype,
+    EngineArgs,
+    add_engine_arguments,
+    engine_args_from_namespace,
+)
+from jserve.config.scheduler import (
+    CacheConfig,
+    FairnessPolicy,
+    Lane,
+    SchedulerConfig,
+    SchedulingPolicy,
+)
 from jserve.config.settings import InvalidSetting
 from jserve.sampling_params import SamplingParams
 
-from .helpers import make_scheduler
+from .helpers import make_request, make_scheduler
 
 
 def test_scheduler_config_defaults_are_valid_and_frozen():
@@ -262,3 +275,46 @@ def test_engine_args_keep_one_request_from_filling_the_queue(kwargs, message):
         EngineArgs(**kwargs)
     assert EngineArgs().max_n == 64
     assert EngineArgs(max_waiting_requests=100, max_n=50).max_n == 50
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "field", "member"),
+    [
+        ("--fairness", "fcfs", "fairness", FairnessPolicy.FCFS),
+        ("--scheduling", "static", "scheduling", SchedulingPolicy.STATIC),
+        ("--attention-impl", "xla", "attention_impl", AttentionImpl.XLA),
+        ("--dtype", "bfloat16", "dtype", Dtype.BFLOAT16),
+    ],
+)
+def test_a_vocabulary_setting_holds_its_enum_member_from_a_flag_or_text(flag, value, field, member):
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = engine_args_from_namespace(parser.parse_args([flag, value]))
+    assert getattr(args, field) is member
+    assert getattr(EngineArgs(**{field: value}), field) is member
+    assert getattr(EngineArgs(), field) is type(member)(parser.get_default(field))
+    default = getattr(EngineArgs(), field)
+    assert f"(default: '{default}'" in EngineArgs.__doc__  # the docs show the value, no repr
+    assert f"<{type(member).__name__}" not in EngineArgs.__doc__
+
+
+def test_an_unknown_attention_impl_is_a_usage_error_naming_the_choices(capsys):
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention-impl", "flash"])
+    err = capsys.readouterr().err
+    assert "invalid choice: 'flash'" in err
+    assert "'auto', 'reference', 'xla', 'native', 'interpret', 'triton', 'mosaic'" in err
+    with pytest.raises(InvalidSetting, match="attention_impl must be one of auto, reference"):
+        EngineArgs(attention_impl="flash")
+
+
+def test_a_lane_given_by_name_becomes_its_member_and_long_prompts_move_lane():
+    scheduler = make_scheduler(long_prompt_threshold=8)
+    short, long = make_request("s", 4, lane="interactive"), make_request("l", 9)
+    batch = make_request("b", 4, lane="batch")
+    for request in (short, long, batch):
+        scheduler.add_request(request)
+    assert (short.lane, long.lane, batch.lane) == (Lane.INTERACTIVE, Lane.LONG, Lane.BATCH)
+    assert all(type(r.lane) is Lane for r in (short, long, batch))

@@ -10,7 +10,7 @@ from jserve.core.fairness import DECODE_TOKEN_COST, PREFILL_TOKEN_COST
 from jserve.core.request import RequestStatus
 from jserve.core.tenants import TenantLabels, TenantPolicy, load_tenant_policy
 
-from .helpers import make_request, make_scheduler, run_until_idle, step
+from .helpers import make_request, make_scheduler, run_until_idle, step, tracked
 
 
 def admission_order(scheduler) -> list[str]:
@@ -107,7 +107,7 @@ def test_a_tenant_at_its_cap_waits_while_others_run():
         step(scheduler)
         running_a = [r for r in scheduler.running if r.tenant == "A"]
         assert len(running_a) <= 2
-    assert scheduler.get_request("b0") is None or scheduler.get_request("b0").status is (
+    assert tracked(scheduler, "b0") is None or tracked(scheduler, "b0").status is (
         RequestStatus.RUNNING
     )
     run_until_idle(scheduler)

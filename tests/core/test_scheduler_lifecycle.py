@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from jserve.core.request import RequestStatus
+from jserve.core.step_costs import StepCosts
+from jserve.core.tenants import TenantPolicy
 from jserve.errors import RequestRejected
 from jserve.outputs import FinishReason
 
-from .helpers import EOS, FILLER, chunks, make_request, make_scheduler, run_until_idle, step
+from .helpers import (
+    EOS,
+    FILLER,
+    chunks,
+    make_request,
+    make_scheduler,
+    run_until_idle,
+    step,
+    tracked,
+)
 
 
 def rejection(scheduler, request) -> RequestRejected:
@@ -77,7 +90,7 @@ def test_siblings_wait_for_the_leader_then_fork_its_full_prompt_blocks(
         ("g-1", 4 * shared_blocks, tail, True),
         ("g-2", 4 * shared_blocks, tail, True),
     ]
-    leader, *siblings = (scheduler.get_request(f"g-{i}") for i in range(3))
+    leader, *siblings = (tracked(scheduler, f"g-{i}") for i in range(3))
     shared = leader.block_ids[:shared_blocks]
     manager = scheduler.block_manager
     assert [manager.ref_counts[b] for b in shared] == [3] * shared_blocks
@@ -113,7 +126,7 @@ def test_waiting_request_past_its_deadline_finishes_with_deadline():
     assert plan.finished == {}
     plan, _ = step(scheduler, now=5.0)
     assert plan.finished == {"late": FinishReason.TIMEOUT}
-    assert scheduler.get_request("late") is None
+    assert tracked(scheduler, "late") is None
     assert scheduler.stats().num_waiting == 0
     assert [s.request_id for s in plan.seqs] == ["busy"]
 
@@ -160,7 +173,7 @@ def test_abort_while_the_step_runs_is_skipped_by_update():
     scheduler.abort("r")
     finished = scheduler.update_from_output(plan, {"r": 5, "s": 5})
     assert finished == []
-    assert list(scheduler.get_request("s").output_token_ids) == [5]
+    assert list(tracked(scheduler, "s").output_token_ids) == [5]
 
 
 def test_stop_token_respects_min_tokens_and_max_tokens_gives_length():
@@ -194,3 +207,25 @@ def test_a_missing_sampled_token_is_an_error_that_names_the_request():
     plan = scheduler.schedule(0.0)
     with pytest.raises(ValueError, match="no sampled token for request 'r'"):
         scheduler.update_from_output(plan, {})
+
+
+def test_a_fresh_scheduler_keeps_settings_policy_costs_and_event_recording_but_no_requests():
+    costs = StepCosts([32], [8])
+    scheduler = make_scheduler(block_size=4, num_blocks=48, step_costs=costs)
+    scheduler.record_kv_events()
+    scheduler.reconfigure(dataclasses.replace(scheduler.config, max_num_seqs=4))
+    scheduler.fair.policy = TenantPolicy(weights={"a": 2.0})
+    scheduler.add_request(make_request("r", 9))
+    step(scheduler)
+    assert [type(e).__name__ for e in scheduler.take_kv_events()] == ["BlocksStored"]
+
+    fresh = scheduler.fresh()
+    assert fresh.config is scheduler.config and fresh.config.max_num_seqs == 4
+    assert fresh.cache_config == scheduler.cache_config
+    assert fresh.num_usable_blocks == 47
+    assert fresh.fair.policy is scheduler.fair.policy and fresh.step_costs is costs
+    assert not fresh.has_unfinished_requests() and fresh.stats().kv_cache_usage == 0.0
+    fresh.add_request(make_request("s", 9))
+    step(fresh)
+    assert [type(e).__name__ for e in fresh.take_kv_events()] == ["BlocksStored"]
+    assert make_scheduler().fresh().take_kv_events() == []  # not recording stays so

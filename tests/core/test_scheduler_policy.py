@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from jserve.core.request import RequestStatus
 
-from .helpers import chunks, make_request, make_scheduler, run_until_idle, step
+from .helpers import chunks, make_request, make_scheduler, run_until_idle, step, tracked
 
 
 def counting_token(scheduler):
     """Each request's k-th output token is 100 + k, so lost or repeated tokens show."""
-    return lambda request_id: 100 + scheduler.get_request(request_id).num_output_tokens
+    return lambda request_id: 100 + tracked(scheduler, request_id).num_output_tokens
 
 
 def test_victim_is_latest_arrival_and_it_resumes_with_its_tokens():
@@ -32,7 +32,7 @@ def test_victim_is_latest_arrival_and_it_resumes_with_its_tokens():
     for _ in range(5):
         plan, _ = step(scheduler, token)
         assert plan.preempted_ids == []
-    c = scheduler.get_request("c")
+    c = tracked(scheduler, "c")
     assert list(c.output_token_ids) == [100, 101, 102, 103, 104]
 
     plan, _ = step(scheduler, token)  # position 16 needs a 5th block: none is free
@@ -93,7 +93,7 @@ def test_strict_lane_priority_then_fifo():
     scheduler.add_request(make_request("doc", 10, max_tokens=1, arrival_time=1.0))
     scheduler.add_request(make_request("chat-1", 4, max_tokens=1, arrival_time=2.0))
     scheduler.add_request(make_request("chat-2", 4, max_tokens=1, arrival_time=3.0))
-    assert scheduler.get_request("doc").lane == "long"
+    assert tracked(scheduler, "doc").lane == "long"
     order = [plan.seqs[0].request_id for plan in run_until_idle(scheduler)]
     assert order == ["chat-1", "chat-2", "doc", "bat"]
 

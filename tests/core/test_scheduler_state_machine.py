@@ -26,7 +26,7 @@ from hypothesis.stateful import (
 
 from jserve.config.scheduler import LANES, CacheConfig, SchedulerConfig
 from jserve.core.block_manager import SINK_BLOCK_ID
-from jserve.core.fairness import service_gap_bound
+from jserve.core.fairness import DECODE_TOKEN_COST
 from jserve.core.request import Request, RequestStatus
 from jserve.core.scheduler import Scheduler
 from jserve.core.stopping import StopConditions
@@ -34,9 +34,18 @@ from jserve.core.tenants import TenantPolicy
 from jserve.errors import RequestRejected
 from jserve.outputs import FinishReason
 
+from .helpers import free_block_ids
+
 EOS = 2
 SHARED_PREFIXES = [tuple(range(3, 3 + 40)), tuple(range(50, 50 + 40))]
 TENANTS = ("a", "b", "c")
+
+
+def service_gap_bound(max_num_seqs: int, max_model_len: int, weight: float) -> float:
+    """B: the most service a tenant of `weight` can still receive from its admitted requests
+    of one lane (the gap bound between backlogged tenants, beyond their starting gap; see
+    jserve.core.fairness)."""
+    return max_num_seqs * max_model_len * DECODE_TOKEN_COST / weight
 
 
 @st.composite
@@ -209,7 +218,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._step(lambda: 7)
         assert not self.live, f"{len(self.live)} requests left after {bound} steps"
         assert not self.scheduler.has_unfinished_requests()
-        assert self.manager.free_block_ids() == set(range(1, self.manager.num_blocks))
+        assert free_block_ids(self.manager) == set(range(1, self.manager.num_blocks))
         assert not any(self.manager.ref_counts)
 
     def teardown(self):
@@ -366,14 +375,14 @@ class SchedulerMachine(RuleBasedStateMachine):
             for block in request.block_ids:
                 held[block] += 1
         assert list(manager.ref_counts) == held
-        free = manager.free_block_ids()
+        free = free_block_ids(manager)
         referenced = {b for b, count in enumerate(held) if count}
         assert not free & referenced
         assert free | referenced == set(range(1, manager.num_blocks))
         assert SINK_BLOCK_ID not in free and held[SINK_BLOCK_ID] == 0
         if manager.prefix_cache is not None:
-            cached = manager.prefix_cache.cached_block_ids()
-            assert manager.prefix_cache.evictable_block_ids() == cached - referenced
+            cached = set(manager.prefix_cache._hash_of_block)
+            assert set(manager.prefix_cache._evictable) == cached - referenced
 
     @invariant()
     def request_states_are_consistent(self):

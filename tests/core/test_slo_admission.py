@@ -11,7 +11,7 @@ from jserve.core.buckets import make_seq_buckets, make_token_buckets
 from jserve.core.step_costs import StepCosts, learned_report, load_bucket_report
 from jserve.errors import RequestRejected
 
-from .helpers import make_request, make_scheduler, run_until_idle, step
+from .helpers import make_request, make_scheduler, run_until_idle, step, tracked
 
 TOKEN_BUCKETS = make_token_buckets(32, smallest=1)  # 1, 2, 4, 8, 16, 32
 SEQ_BUCKETS = make_seq_buckets(8)  # 8
@@ -58,7 +58,7 @@ def test_a_deadline_that_cannot_be_met_is_refused_with_the_numbers():
     assert info.value.reason == "deadline"
     assert "estimated to take" in str(info.value) and "leaves 0.50 s" in str(info.value)
     assert info.value.retry_after >= 1.0
-    assert scheduler.get_request("late") is None
+    assert tracked(scheduler, "late") is None
     # No deadline, no check; work ahead makes a later request's estimate longer.
     for i in range(6):
         scheduler.add_request(make_request(f"bulk{i}", 30, max_tokens=4))

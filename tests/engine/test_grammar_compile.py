@@ -97,14 +97,12 @@ def test_concurrent_requests_for_one_constraint_compile_it_once(grammars, monkey
         return compile_(kind, text)
 
     monkeypatch.setattr(grammars, "_compile", counted)
-    misses, hits = grammars.misses, grammars.hits
     spec = StructuredOutputsParams(json=nested(3))
     futures = [grammars.submit(spec) for _ in range(6)]
     done, _ = wait(futures, timeout=60)
     assert len(done) == 6
     assert len({id(f.result()) for f in futures}) == 1  # one template for all
     assert len(compiles) == 1 and compiles[0].startswith("jserve-grammar")
-    assert (grammars.misses - misses, grammars.hits - hits) == (1, 5)
     assert grammars.template(spec) is futures[0].result()  # the synchronous path: cached
     bad = StructuredOutputsParams(regex="(unclosed")
     for _ in range(3):  # a refusal is cached too

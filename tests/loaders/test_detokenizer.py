@@ -19,7 +19,7 @@ REPLACEMENT = "\ufffd"
 
 def byte_token(tokenizer, byte: int) -> int:
     """The id of the single-byte token for `byte`, or None if the vocabulary lacks it."""
-    return tokenizer.token_to_id(byte_to_unicode()[byte])
+    return tokenizer.backend.token_to_id(byte_to_unicode()[byte])
 
 
 @st.composite

@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from jserve.pallas.ragged_common import (
-    check_tile_options,
-    validate_attention_shapes,
-    validate_attention_values,
-)
+from jserve.pallas.ragged_common import check_tile_options, validate_attention_shapes
 from jserve.pallas.ragged_mosaic import validate_mosaic_config
 from jserve.pallas.ragged_triton import validate_triton_config
 from tests.pallas.ragged_cases import Geometry, build_case
@@ -72,47 +67,6 @@ f32, i32 = jnp.float32, jnp.int32
 def test_shape_validation_messages(change, message):
     with pytest.raises(ValueError, match=message):
         validate_attention_shapes(**_shape_args(**change))
-
-
-def _values(**change):
-    args = dict(
-        block_tables=CASE.block_tables, cu_q_lens=CASE.cu_q_lens, kv_lens=CASE.kv_lens,
-        num_seqs=CASE.num_seqs, layer=CASE.layer,
-    )  # fmt: skip
-    return args | change
-
-
-SIZES = dict(num_tokens=7, num_layers=2, num_blocks=9, block_size=16)
-
-
-def test_valid_values_pass():
-    validate_attention_values(**_values(), **SIZES)
-
-
-def _with(array: np.ndarray, index, value) -> np.ndarray:
-    out = array.copy()
-    out[index] = value
-    return out
-
-
-@pytest.mark.parametrize(
-    ("change", "message"),
-    [
-        (dict(num_seqs=np.array([5])), r"num_seqs = 5 is outside \[0, max_seqs=4\]"),
-        (dict(layer=np.array(2)), r"layer = 2 is outside \[0, num_layers=2\)"),
-        (dict(block_tables=_with(CASE.block_tables, (3, 1), 9)),
-         r"block_tables\[3, 1\] = 9 is outside \[0, num_blocks=9\)"),
-        (dict(cu_q_lens=_with(CASE.cu_q_lens, 1, 5)), r"cu_q_lens\[:num_seqs \+ 1\] = \[0, 5, 4\]"),
-        (dict(cu_q_lens=_with(CASE.cu_q_lens, 2, 8)), "end at most at num_tokens = 7"),
-        (dict(kv_lens=_with(CASE.kv_lens, 1, 2)), r"kv_lens\[1\] = 2 must be >= its q_len \(3\)"),
-        (dict(kv_lens=_with(CASE.kv_lens, 1, 65)), "max_blocks \\* block_size = 64"),
-        (dict(block_tables=_with(CASE.block_tables, (1, 2), 0)),
-         "sequence 1 reads the sink block 0"),
-    ],
-)  # fmt: skip
-def test_value_validation_messages(change, message):
-    with pytest.raises(ValueError, match=message):
-        validate_attention_values(**_values(**change), **SIZES)
 
 
 def test_interpret_config():

@@ -11,6 +11,7 @@ import pytest
 from jserve.runtime.compilation import (
     COMPILE_COUNTER,
     RecompilationError,
+    compilation_count,
     expect_compilation,
     forbid_compilation,
     serving_compilation_count,
@@ -78,3 +79,40 @@ def test_jax_debug_records_stay_hidden(capsys, serving):
     finally:
         root.removeHandler(handler)
     assert "Compiling" not in capsys.readouterr().err
+
+
+def test_each_executable_is_counted_once_through_jax_monitoring():
+    """One `backend_compile_duration` event per executable, none for a call that reuses it."""
+    events = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            events.append(kwargs["fun_name"])
+
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        before = compilation_count()
+        f = _fresh_function()
+        f(np.ones((2, 3), np.float32)).block_until_ready()
+        f(np.ones((2, 3), np.float32)).block_until_ready()
+        f(np.ones((4, 3), np.float32)).block_until_ready()
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert events == ["jit(stray_step_function)"] * 2
+    assert compilation_count() == before + 2
+
+
+def test_shapes_are_matched_to_the_function_compiled_not_the_last_lowered(serving, caplog):
+    def other_function(x):
+        return x - 1
+
+    first = _fresh_function().lower(np.ones((3, 2), np.float32))
+    second = jax.jit(other_function).lower(np.ones((9,), np.int32))
+    with caplog.at_level(logging.WARNING, logger="jserve.runtime.compilation"):
+        first.compile()
+        second.compile()
+    messages = [r.getMessage() for r in caplog.records if r.name == "jserve.runtime.compilation"]
+    assert len(messages) == 2
+    assert "jit(stray_step_function)" in messages[0] and "float32[3,2]" in messages[0]
+    assert "jit(other_function)" in messages[1] and "int32[9]" in messages[1]
+    assert "float32[3,2]" not in messages[1]

@@ -22,8 +22,8 @@ from jserve.runtime.sampler import (
     _largest,
     apply_penalties,
     draw,
-    filter_logits,
     first_argmax,
+    kept_set,
 )
 from jserve.runtime.sampling_tensors import SamplingRow, SamplingTensorBuilder, seeded_uniforms
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -32,6 +32,12 @@ V = 10_000  # > 64 * TOP_CANDIDATES, so the blocked candidate search runs; not a
 BUCKETS = (4, 8, 16)
 MAX_MODEL_LEN = 64
 EOS = 2
+
+
+def filter_logits(logits: jax.Array, t) -> jax.Array:
+    """Temperature-scaled logits, -inf outside the min-p / top-k / top-p set, [S, V]: the
+    [S, V] form of the sampler's `kept_set`, which sampling never forms."""
+    return kept_set(logits, t).scaled(logits)
 
 
 @pytest.fixture(scope="module")
@@ -354,7 +360,7 @@ def test_draw_never_returns_a_masked_token_at_extreme_uniforms():
 # --- logprobs and padding ---------------------------------------------------------------------
 
 
-def test_logprobs_are_raw_log_softmax_with_rank_and_sorted_top(sampler):
+def test_logprobs_are_raw_log_softmax_with_sorted_top(sampler):
     rng = np.random.default_rng(7)
     x = distinct_logits(rng, 4)
     rows = [
@@ -369,7 +375,6 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_sorted_top(sampler):
         ref = x[i].astype(np.float64) - np.log(np.exp(x[i].astype(np.float64)).sum())
         token = out.tokens[i]
         np.testing.assert_allclose(out.sampled_logprob[i], ref[token], atol=2e-5)
-        assert out.sampled_rank[i] == 1 + (ref > ref[token]).sum()
         np.testing.assert_array_equal(out.top_ids[i], np.argsort(-ref)[:MAX_LOGPROBS])
         np.testing.assert_allclose(out.top_logprobs[i], np.sort(ref)[::-1][:20], atol=2e-5)
     assert out.row(3) == (out.tokens[3], None)
@@ -392,7 +397,7 @@ def test_garbage_in_padding_rows_leaves_real_rows_unchanged(sampler):
     x[5, :7] = np.inf
     x[6, 9:] = -np.inf
     dirty = sampler.sample(jnp.asarray(x), rows)
-    for field in ("tokens", "sampled_logprob", "sampled_rank", "top_ids", "top_logprobs"):
+    for field in ("tokens", "sampled_logprob", "top_ids", "top_logprobs"):
         np.testing.assert_array_equal(getattr(dirty, field)[:3], getattr(clean, field)[:3])
     assert np.isfinite(dirty.sampled_logprob[:3]).all()
     assert ((dirty.tokens >= 0) & (dirty.tokens < V)).all()

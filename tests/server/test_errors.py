@@ -4,12 +4,14 @@ the server stays healthy afterwards."""
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 from server_harness import metric, parse_sse, serve, stream_events
 
 from jserve.config.validation import INT32_MAX
-from jserve.errors import RequestRejected
+from jserve.errors import RejectReason, RequestRejected
+from jserve.server.api_errors import rejection_to_api_error
 from jserve.server.mock_engine import MockEngine
 from jserve.server.state import STATE, set_engine
 
@@ -303,6 +305,24 @@ async def test_engine_exceptions_map_to_statuses(error, status, code):
         assert response.status == status
         assert _check_error_body(await response.json(), status)["code"] == code
         assert (await client.get("/health")).status == 200
+
+
+_REJECTION_STATUS = {
+    RejectReason.TOO_LONG: (400, "context_length_exceeded"),
+    RejectReason.INVALID: (400, "invalid"),
+    RejectReason.QUEUE_FULL: (429, "queue_full"),
+    RejectReason.DEADLINE: (429, "deadline_unmeetable"),
+    RejectReason.KV_FULL: (503, "kv_cache_full"),
+    RejectReason.SHUTTING_DOWN: (503, "shutting_down"),
+}
+
+
+def test_every_rejection_reason_has_its_status_and_a_plain_string_code():
+    assert set(_REJECTION_STATUS) == set(RejectReason)
+    for reason, (status, code) in _REJECTION_STATUS.items():
+        error = rejection_to_api_error(RequestRejected(reason, "no"))
+        body = json.loads(error.response().body)["error"]
+        assert (error.status, body["code"], body["message"]) == (status, code, "no")
 
 
 class _FailsAfterOneToken(MockEngine):
