@@ -94,9 +94,9 @@ def ragged_paged_attention(
 
     Args:
       q: [T, Hq, D] queries of all scheduled tokens, T padded to a bucket.
-      k_pool: keys of all layers, laid out as `kv_cache_shape(..., impl=<the implementation>)`
-        gives ([L, num_blocks, Hkv, block_size, D] but for Mosaic with head_dim < 128).
-      v_pool: values of all layers, the same layout.
+      k_pool, v_pool: keys and values of all layers, laid out as `kv_cache_shape(...,
+        impl=<the implementation>)` gives ([L, num_blocks, Hkv, block_size, D] but for
+        Mosaic with head_dim < 128).
       block_tables: [S, max_blocks] int32 pool block of each sequence's i-th block; S padded.
       cu_q_lens: [S + 1] int32 cumulative query lengths; only [:num_seqs + 1] is read.
       kv_lens: [S] int32 context length of each sequence including this step's tokens.
@@ -108,12 +108,11 @@ def ragged_paged_attention(
       impl: an AttentionImpl (or its name); AUTO picks by `platform` (`choose_impl`).
       interpret: for "triton" / "mosaic": None runs natively on their backend and interprets
         elsewhere; True forces the interpreter. "interpret" always interprets (False is an
-        error); "reference", "xla" and "native" take None only.
+        error); the others take None only.
       platform: the platform the call is compiled for, which AUTO and `interpret=None`
         follow (default: jax.default_backend(); jserve.aot names a chip this process lacks).
 
-    Returns:
-      [T, Hq, D] attention outputs in q's dtype.
+    Returns [T, Hq, D] attention outputs in q's dtype.
     """
     platform = platform or jax.default_backend()
     chosen = choose_impl(platform, q.dtype) if impl == AttentionImpl.AUTO else impl

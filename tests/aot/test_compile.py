@@ -20,8 +20,25 @@ from jserve.aot.compiler import compile_engine
 from jserve.aot.targets import cuda_target, tpu_target
 from jserve.config.engine_args import EngineArgs
 from jserve.loaders.model_source import load_config
-from jserve.models.config import SMOLLM2_135M, ModelConfig
+from jserve.models.config import ModelConfig
 from jserve.server.cli import main
+
+# SmolLM2-135M-Instruct's shape (the default model's GGUF says the same), written out so the
+# compile tests need no weights.
+SMOLLM2_135M = ModelConfig(
+    architecture="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=8192,
+)
 
 STEPS = [(8, 8), (16, 8)]  # the largest decode bucket and a mixed one
 ARGS = EngineArgs(max_num_seqs=8, max_num_batched_tokens=16)
