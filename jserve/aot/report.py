@@ -150,11 +150,18 @@ class Report:
         out = [f"{_label(r)} failed to compile: {r.error}" for r in self.executables if r.error]
         m = self.memory
         if not m.fits:
+            assert m.hbm_bytes is not None
+            fix = "lower --kv-cache-memory / --kv-cache-fraction or raise --tensor-parallel-size"
+            if m.weights_bytes >= m.hbm_bytes:
+                fix = (
+                    "the weights alone do not fit: split them over more chips (a larger "
+                    "--tensor-parallel-size, on a larger slice) or chips with more HBM"
+                )
             out.append(
                 f"does not fit: {_gib(m.total_bytes)} needed per chip (weights "
                 f"{_gib(m.weights_bytes)}, KV pool {_gib(m.kv_pool_bytes)}, scratch "
                 f"{_gib(m.scratch_bytes)}, code {_gib(m.code_bytes)}) > {_gib(m.hbm_bytes)} HBM; "
-                "lower --kv-cache-memory / --kv-cache-fraction or raise --tensor-parallel-size"
+                f"{fix}"
             )
         return out
 

@@ -14,16 +14,19 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
 from jserve.aot import host
+from jserve.aot.chips import TPU_TOPOLOGIES
 from jserve.aot.compiler import compile_engine
 from jserve.aot.report import ExecutableReport, HostCost, HostLoad
 from jserve.aot.targets import cuda_target, tpu_target
 from jserve.config.engine_args import EngineArgs
 from jserve.loaders.model_source import load_config
 from jserve.models.config import SMOLLM2_135M, ModelConfig
+from jserve.runtime.params import make_mesh
 from jserve.server.cli import main
 from jserve.simulate.cli import add_simulate_arguments, run_simulate
 from jserve.simulate.costs import CompiledEngine
@@ -32,6 +35,7 @@ from jserve.simulate.workload import SimRequest
 
 STEPS = [(8, 8), (16, 8)]  # the largest decode bucket and a mixed one
 ARGS = EngineArgs(max_num_seqs=8, max_num_batched_tokens=16)
+LLAMA_70B = Path(__file__).resolve().parents[2] / "bench/configs/llama-3-70b/config.json"
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -117,6 +121,16 @@ def test_unknown_targets_and_models_are_refused(tmp_path, capsys):
     assert "jserve supports ['LlamaForCausalLM'" in capsys.readouterr().err
 
 
+def test_every_tpu_slice_is_one_device_per_chip_as_a_mesh_needs():
+    """A v4's TensorCores are one device ("megacore"), as JAX serves on it: a mesh over a
+    slice of two devices per chip is refused by jax.make_mesh."""
+    for topology in TPU_TOPOLOGIES:
+        target = tpu_target(topology)
+        assert len(target.devices) == target.num_chips, topology
+    devices = tpu_target("v4:2x2x1").devices
+    assert make_mesh(4, devices).devices.size == 4
+
+
 def test_a_pool_bigger_than_hbm_fails_naming_the_shortfall(smollm2, capsys):
     code = main(
         ["compile", "--target", "tpu", "--topology", "v5e:1x1", "--max-num-seqs", "8",
@@ -189,6 +203,41 @@ def test_llama_8b_shape_tensor_parallel_on_v5e_2x2_slow(tmp_path):
     assert report.memory.weights_bytes == pytest.approx(split, rel=1e-3)
     for row in report.executables:
         assert row.temp_bytes < 0.05 * report.memory.kv_pool_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("topology", "tp", "fraction"), [("v6e:2x4", 8, 0.35), ("v5p:2x2x1", 4, 0.5)]
+)
+def test_llama_70b_shape_fits_a_single_host_slice_slow(topology, tp, fraction):
+    """A Llama-3-70B-shaped model (80 layers, hidden 8192, 64 / 8 heads of 128) in bfloat16
+    holds on the single-host slices with enough HBM: 8 v6e chips of 32 GiB, 4 v5p of 95 GiB.
+    Its decode bucket compiles, the weights on a chip are its split, and the pool holds over
+    a hundred 2,048-token sequences."""
+    name, cfg = load_config(LLAMA_70B)
+    args = dataclasses.replace(ARGS, tensor_parallel_size=tp)
+    report = compile_engine(args, cfg, name, tpu_target(topology), fraction, steps=[(8, 8)])
+    assert report.errors == []
+    embedding = cfg.vocab_size * cfg.hidden_size  # replicated; the rest split tp ways
+    split = (parameter_count(cfg) - embedding) * 2 / tp + embedding * 2
+    assert parameter_count(cfg) == pytest.approx(70.55e9, rel=1e-3)
+    assert report.memory.weights_bytes == pytest.approx(split, rel=1e-3)
+    assert report.memory.fits and report.memory.capacity[2048] > 100
+    (row,) = report.executables
+    assert row.temp_bytes < 0.05 * report.memory.kv_pool_bytes and row.roofline_ms > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("topology", "tp"), [("v5e:2x4", 8), ("v4:2x2x1", 4)])
+def test_llama_70b_shape_does_not_fit_the_smaller_slices_slow(topology, tp):
+    """8 v5e chips of 16 GiB and 4 v4 chips of 32 GiB hold 128 GiB, less than the 70B
+    weights alone (131 GiB): the report says so, with the numbers."""
+    name, cfg = load_config(LLAMA_70B)
+    args = dataclasses.replace(ARGS, tensor_parallel_size=tp)
+    report = compile_engine(args, cfg, name, tpu_target(topology), 0.05, steps=[(8, 8)])
+    memory = report.memory
+    assert memory.hbm_bytes is not None and memory.weights_bytes > memory.hbm_bytes
+    assert any("the weights alone do not fit" in e for e in report.errors), report.errors
 
 
 def test_everything_compiles_split_over_three_gpus(smollm2):
