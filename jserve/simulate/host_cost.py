@@ -26,6 +26,8 @@ from jserve.core.stopping import StopConditions
 EOS = 2
 SYSTEM_PROMPT = list(range(100, 164))  # 64 shared tokens
 REFERENCE_LEN = 2048  # the max_model_len the lengths above are given for
+WARM_UP_LIMIT = 10_000  # iterations to fill the running set (a few hundred at 1,024)
+FULL = 0.95  # the running set is full at this share of its target
 
 
 @dataclass
@@ -114,9 +116,17 @@ def measure_iterations(
     requests queued, after the running set has filled and its first prompts are prefilled."""
     load = _Load(running, waiting, block_size, max_model_len, seed)
     load.top_up(running + waiting)
-    while len(load.scheduler.running) < running:
-        load.iteration()  # warm-up: fill the running set
+    # Warm-up: fill the running set, arrivals going on (at a short context requests finish
+    # fast, so a few slots are always between a finish and an admission).
+    for _ in range(WARM_UP_LIMIT):
+        if len(load.scheduler.running) >= FULL * running:
+            break
+        load.top_up(waiting)
+        load.iteration()
+    else:
+        raise RuntimeError(f"the load did not reach {running} running in {WARM_UP_LIMIT} steps")
     for _ in range(50):
+        load.top_up(waiting)
         load.iteration()  # ... and let the first prompts' prefill finish
     costs = []
     for _ in range(iterations):
