@@ -2,9 +2,11 @@
 
 The engine's own set-up decides what is compiled: `step_shapes` (dtype, attention
 implementation, KV pool size, buckets), `ModelStep` (the step function, its shardings, the
-pool's layout and its zero-initialisation) and the sampler, each given the target's mesh
-instead of this machine's. Parameters are ShapeDtypeStructs (`abstract_model`): no weights
-are read or allocated.
+pool's layout and its zero-initialisation), the weights' layout (CPU's native matmul packs
+them at load time) and the sampler, each given the target's mesh instead of this machine's.
+Parameters are ShapeDtypeStructs (`abstract_model`): no weights are read or allocated. Each
+executable is lowered exactly as the engine lowers it, so with a cache directory a server
+with the same flags loads what this writes (jserve.aot.cache).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
-"""The compile report: each executable's compile time, cost and memory, and each chip's fit.
+"""The compile report: each executable's compile time, cost and memory, each chip's fit,
+where the executables were written (jserve.aot.cache) and the host's scheduler cost beside
+the decode step (jserve.aot.host).
 
-All figures are per device (one chip, or one TensorCore where a chip shows two), as XLA
-reports them for an SPMD program. Memory on a chip while serving is the parameters' shard,
-the KV pool's shard, the largest scratch any one executable needs (one runs at a time) and
-the code of all of them (all stay loaded).
+All figures are per device (one chip), as XLA reports them for an SPMD program. Memory on a
+chip while serving is the parameters' shard, the KV pool's shard, the largest scratch any one
+executable needs (one runs at a time) and the code of all of them (all stay loaded).
 """
 
 from __future__ import annotations

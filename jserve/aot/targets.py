@@ -48,7 +48,7 @@ class Target:
 
     @property
     def num_chips(self) -> int:
-        """Chips (not devices: a v4 or v5p chip may show one device per TensorCore)."""
+        """Chips: distinct TPU coordinates (one device each here), else devices."""
         return len({tuple(d.coords) if hasattr(d, "coords") else d.id for d in self.devices})
 
 
