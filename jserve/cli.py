@@ -58,8 +58,10 @@ def _compile(args: argparse.Namespace) -> int:
     # Before JAX starts: compile-only devices need no accelerator, and none may be claimed.
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     from jserve.aot.compiler import compile_engine
+    from jserve.aot.host import measure_host
     from jserve.aot.targets import cpu_target, cuda_target, tpu_target
     from jserve.config.engine_args import engine_args_from_namespace
+    from jserve.engine.setup import compilation_cache_dir
     from jserve.loaders.model_source import load_config
 
     engine_args = engine_args_from_namespace(args)
@@ -70,7 +72,14 @@ def _compile(args: argparse.Namespace) -> int:
         target = cuda_target(args.gpu, engine_args.tensor_parallel_size)
     else:
         target = cpu_target()
-    report = compile_engine(engine_args, cfg, name, target, args.kv_cache_fraction, args.steps)
+    # Executables are written to the compilation cache only when a cache directory is named.
+    named = engine_args.cache_dir or engine_args.compilation_cache_dir
+    cache_dir = compilation_cache_dir(engine_args) if named else None
+    report = compile_engine(
+        engine_args, cfg, name, target, args.kv_cache_fraction, args.steps, cache_dir
+    )
+    if args.host_iterations:
+        report.host = measure_host(report.block_size, report.max_model_len, args.host_iterations)
     sys.stdout.write(report.table())
     if args.report:
         report.write(args.report)
@@ -90,14 +99,23 @@ def _step_buckets(text: str) -> list[tuple[int, int]]:
     return pairs
 
 
+def _host_iterations(text: str) -> int:
+    n = int(text)
+    if n < 0 or n == 1:
+        raise argparse.ArgumentTypeError(f"0 (no measurement) or at least 2, got {n}")
+    return n
+
+
 def _add_compile_command(sub: argparse._SubParsersAction) -> None:
     from jserve.aot.chips import GPUS, TPU_TOPOLOGIES
 
     comp = sub.add_parser(
         "compile",
         help="compile every executable the engine would run for a TPU slice or NVIDIA GPUs "
-        "(no accelerator needed, no weights read) and report compile times, costs, memory and "
-        "what fits; exits 1 if anything fails to compile or does not fit",
+        "(no accelerator needed, no weights read) and report compile times, costs, memory, "
+        "what fits and the host's scheduler cost beside the step; with --cache-dir or "
+        "--compilation-cache-dir, also write the executables to that compilation cache for a "
+        "server to load; exits 1 if anything fails to compile or does not fit",
     )
     comp.add_argument("--target", choices=["tpu", "cuda", "cpu"], required=True)
     comp.add_argument(
@@ -117,6 +135,11 @@ def _add_compile_command(sub: argparse._SubParsersAction) -> None:
         "--steps", default=None, type=_step_buckets,
         help="only the model step of these buckets, TOKENSxSEQS comma-separated (e.g. 8x8,64x8),"
         " and no sampler: a quick check",
+    )  # fmt: skip
+    comp.add_argument(
+        "--host-iterations", type=_host_iterations, default=1000,
+        help="scheduler iterations to time at each host load (256 and 1,024 running decodes), "
+        "set beside the estimated decode step; 0: no host measurement (default: %(default)s)",
     )  # fmt: skip
     comp.add_argument("--report", default=None, help="also write the report as JSON to this file")
     add_engine_arguments(comp)

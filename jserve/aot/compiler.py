@@ -2,9 +2,11 @@
 
 The engine's own set-up decides what is compiled: `step_shapes` (dtype, attention
 implementation, KV pool size, buckets), `ModelStep` (the step function, its shardings, the
-pool's layout and its zero-initialisation) and the sampler, each given the target's mesh
-instead of this machine's. Parameters are ShapeDtypeStructs (`abstract_model`): no weights
-are read or allocated.
+pool's layout and its zero-initialisation), the weights' layout (CPU's native matmul packs
+them at load time) and the sampler, each given the target's mesh instead of this machine's.
+Parameters are ShapeDtypeStructs (`abstract_model`): no weights are read or allocated. Each
+executable is lowered exactly as the engine lowers it, so with a cache directory a server
+with the same flags loads what this writes (jserve.aot.cache).
 """
 
 from __future__ import annotations
@@ -14,17 +16,20 @@ import functools
 import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
 
+from jserve.aot.cache import CompilationCache
 from jserve.aot.costs import KERNEL_IMPLS, Cost, attention_cost, loop_corrected_cost
-from jserve.aot.report import ExecutableReport, Report, memory_per_chip
+from jserve.aot.report import ExecutableReport, MemoryFit, Report, memory_per_chip
 from jserve.aot.targets import Target
 from jserve.config.engine_args import EngineArgs
 from jserve.engine.setup import StepShapes, step_shapes
 from jserve.models.config import ModelConfig
-from jserve.models.llama import lay_out_weights
+from jserve.models.llama import pack_weights, weights_to_pack, with_packed_weights
 from jserve.pallas.layer_matmul import MatmulImpl
 from jserve.runtime.model_runner import ModelStep
 from jserve.runtime.params import abstract_model, make_mesh
@@ -56,63 +61,92 @@ def _pool_bytes(args: EngineArgs, target: Target, kv_cache_fraction: float | Non
     return dataclasses.replace(args, kv_cache_memory=total, num_kv_blocks=None)
 
 
-def _measure(name: str, compile_fn: Callable[[], Any]) -> tuple[Any, ExecutableReport]:
-    """Compile one executable; a failure is reported (error set), not raised."""
-    start = time.perf_counter()
-    try:
-        compiled = compile_fn()
-    except Exception as e:  # a compiler's refusal belongs in the report
+@dataclass(frozen=True)
+class _Job:
+    """What every executable of one `compile_engine` call is compiled for, and where it goes."""
+
+    step: ModelStep
+    shapes: StepShapes
+    args: EngineArgs
+    target: Target
+    cache: CompilationCache | None
+
+    def measure(self, name: str, compile_fn: Callable[[], Any]) -> tuple[Any, ExecutableReport]:
+        """Compile one executable; a failure is reported (error set), not raised."""
+        before = None if self.cache is None else self.cache.state()
+        start = time.perf_counter()
+        try:
+            compiled = compile_fn()
+        except Exception as e:  # a compiler's refusal belongs in the report
+            seconds = time.perf_counter() - start
+            error = f"{type(e).__name__}: {e}"
+            return None, ExecutableReport(name, compile_s=seconds, error=error)
         seconds = time.perf_counter() - start
-        return None, ExecutableReport(name, compile_s=seconds, error=f"{type(e).__name__}: {e}")
-    seconds = time.perf_counter() - start
-    mem = compiled.memory_analysis()
-    return compiled, ExecutableReport(
-        name,
-        compile_s=seconds,
-        argument_bytes=mem.argument_size_in_bytes,
-        output_bytes=mem.output_size_in_bytes,
-        alias_bytes=mem.alias_size_in_bytes,
-        temp_bytes=mem.temp_size_in_bytes,
-        code_bytes=mem.generated_code_size_in_bytes,
-    )
-
-
-def _with_cost(row: ExecutableReport, cost: Cost, kernel: Cost, target: Target) -> None:
-    row.flops, row.bytes = cost.flops, cost.bytes
-    row.attention_flops, row.attention_bytes = kernel.flops, kernel.bytes
-    if target.chip is not None:
-        per_device = target.num_chips / len(target.devices)
-        total = cost + kernel
-        row.roofline_ms = 1e3 * max(
-            total.flops / (target.chip.peak_flops * per_device),
-            total.bytes / (target.chip.hbm_bandwidth * per_device),
+        mem = compiled.memory_analysis()
+        row = ExecutableReport(
+            name,
+            compile_s=seconds,
+            argument_bytes=mem.argument_size_in_bytes,
+            output_bytes=mem.output_size_in_bytes,
+            alias_bytes=mem.alias_size_in_bytes,
+            temp_bytes=mem.temp_size_in_bytes,
+            code_bytes=mem.generated_code_size_in_bytes,
         )
+        if self.cache is not None and before is not None:
+            row.cache, row.cache_entry = self.cache.since(before)
+        return compiled, row
+
+    def with_cost(self, row: ExecutableReport, cost: Cost, kernel: Cost) -> None:
+        row.flops, row.bytes = cost.flops, cost.bytes
+        row.attention_flops, row.attention_bytes = kernel.flops, kernel.bytes
+        chip = self.target.chip
+        if chip is not None:
+            per_device = self.target.num_chips / len(self.target.devices)
+            total = cost + kernel
+            row.roofline_ms = 1e3 * max(
+                total.flops / (chip.peak_flops * per_device),
+                total.bytes / (chip.hbm_bandwidth * per_device),
+            )
+
+    def pool(self) -> jax.ShapeDtypeStruct:
+        """One of the K and V pools, as the engine allocates it on the mesh."""
+        shape = self.step.kv_cache_shape(self.shapes.num_blocks, self.args.block_size)
+        return jax.ShapeDtypeStruct(shape, self.step.dtype, sharding=self.step.kv_cache_sharding())
 
 
-def _abstract_state(step: ModelStep) -> Any:
-    graphdef_unused, state = abstract_model(step.cfg, step.dtype, step.mesh)
-    del graphdef_unused
+def _laid_out_state(job: _Job) -> tuple[Any, list[ExecutableReport]]:
+    """The parameters as the steps take them, and the row of the executable that lays them
+    out at load time (`pack_weights`: CPU's native matmul; none for XLA's dot)."""
+    step = job.step
+    _, state = abstract_model(step.cfg, step.dtype, step.mesh)
     if step.matmul_impl == MatmulImpl.XLA:  # lay_out_weights leaves it as it is
-        return state
-    return jax.eval_shape(functools.partial(lay_out_weights, matmul_impl=step.matmul_impl), state)
+        return state, []
+    weights = weights_to_pack(state)
+    compiled, row = job.measure(
+        "weight layout", lambda: pack_weights.lower(weights, step.matmul_impl).compile()
+    )
+    if compiled is None:
+        return state, [row]
+    # The packed weights carry the shardings XLA gives them, as the engine's do: a step lowered
+    # for other shardings would be another program (and miss the compilation cache).
+    packed = {
+        name: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+        for name, x in compiled.out_info.items()
+    }
+    return with_packed_weights(state, packed), [row]
 
 
-def _compile_steps(
-    step: ModelStep,
-    shapes: StepShapes,
-    args: EngineArgs,
-    target: Target,
-    pairs: list[tuple[int, int]],
-) -> list[ExecutableReport]:
+def _compile_steps(job: _Job, state: Any, pairs: list[tuple[int, int]]) -> list[ExecutableReport]:
     """The model step of each (tokens, seqs) bucket in `pairs`, as ModelRunner.precompile
     compiles it."""
-    cfg, state, pool = step.cfg, _abstract_state(step), _pool(step, shapes, args)
+    step, shapes, args = job.step, job.shapes, job.args
+    cfg, pool = step.cfg, job.pool()
     builder = shapes.input_builder(args.block_size)
     itemsize = jax.numpy.dtype(step.dtype).itemsize
     rows = []
     for tokens, seqs in pairs:
         kind = "decode" if tokens == seqs else "mixed"
-        compiled, row = _measure(
+        compiled, row = job.measure(
             f"{kind} step",
             lambda t=tokens, s=seqs: step.lower(
                 state, (pool, pool), builder.example(t, s)
@@ -125,25 +159,24 @@ def _compile_steps(
                 shards = args.tensor_parallel_size
                 context = shapes.max_model_len
                 kernel = attention_cost(cfg, tokens, seqs, context, itemsize, shards)
-            _with_cost(row, loop_corrected_cost(compiled, cfg.num_layers, pool), kernel, target)
+            job.with_cost(row, loop_corrected_cost(compiled, cfg.num_layers, pool), kernel)
         rows.append(row)
     return rows
 
 
-def _compile_rest(
-    step: ModelStep, shapes: StepShapes, args: EngineArgs, target: Target
-) -> list[ExecutableReport]:
+def _compile_rest(job: _Job) -> list[ExecutableReport]:
     """The KV pool's zero-initialisation and the sampler's executables."""
-    init = step.kv_cache_init(shapes.num_blocks, args.block_size)
-    _, pool_row = _measure("kv pool init", lambda: init.lower().compile())
+    step, shapes = job.step, job.shapes
+    init = step.kv_cache_init(shapes.num_blocks, job.args.block_size)
+    _, pool_row = job.measure("kv pool init", lambda: init.lower().compile())
     rows = [pool_row]
     sampler = shapes.sampler(step.cfg.vocab_size)
     for seqs in sampler.builder.seq_buckets:
         lowered = functools.partial(sampler.lower, seqs, step.logits_sharding)
-        compiled, row = _measure("sample", lambda lowered=lowered: lowered().compile())
+        compiled, row = job.measure("sample", lambda lowered=lowered: lowered().compile())
         row.seqs = seqs
         if compiled is not None:
-            _with_cost(row, loop_corrected_cost(compiled, 0), Cost(0.0, 0.0), target)
+            job.with_cost(row, loop_corrected_cost(compiled, 0), Cost(0.0, 0.0))
         rows.append(row)
     return rows
 
@@ -155,12 +188,14 @@ def compile_engine(
     target: Target,
     kv_cache_fraction: float | None = None,
     steps: list[tuple[int, int]] | None = None,
+    cache_dir: str | Path | None = None,
 ) -> Report:
     """Compile what an engine started with `args` for model `cfg` on `target` would, and
     report each executable and the memory of each chip. With `steps`, only the model step of
-    those (tokens, seqs) buckets (a quick check; code and scratch then cover only them).
-    Raises ValueError for a split, a pool, a bucket or a model the engine would refuse;
-    compiler errors go in the report."""
+    those (tokens, seqs) buckets (a quick check; code and scratch then cover only them). With
+    `cache_dir`, every executable is also written to JAX's persistent compilation cache there
+    (jserve.aot.cache; for the rest of this process). Raises ValueError for a split, a pool, a
+    bucket or a model the engine would refuse; compiler errors go in the report."""
     check_split(args.tensor_parallel_size, target)
     args = _pool_bytes(args, target, kv_cache_fraction)
     mesh = make_mesh(args.tensor_parallel_size, target.devices)
@@ -175,33 +210,47 @@ def compile_engine(
         raise ValueError(f"no step bucket {unknown} in this engine's buckets {shapes.pairs}")
     graphdef, _ = abstract_model(cfg, shapes.dtype, mesh)
     step = ModelStep.make(cfg, graphdef, mesh, shapes.dtype, shapes.attn_impl)
+    cache = None if cache_dir is None else CompilationCache(cache_dir)
+    job = _Job(step, shapes, args, target, cache)
     # No context mesh, as in the engine: the steps carry their shardings, the sampler runs on one
     # device of the mesh.
-    rows = _compile_steps(step, shapes, args, target, steps or shapes.pairs)
+    state, rows = _laid_out_state(job)
+    rows += _compile_steps(job, state, steps or shapes.pairs)
     if steps is None:
-        rows += _compile_rest(step, shapes, args, target)
-    weights = sum(_shard_bytes(x) for x in jax.tree.leaves(_abstract_state(step)))
-    pool = _pool(step, shapes, args)
-    memory = memory_per_chip(rows, weights, 2 * _shard_bytes(pool), target, args, shapes, cfg)
+        rows += _compile_rest(job)
+    weights = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
+    memory = memory_per_chip(rows, weights, 2 * _shard_bytes(job.pool()), target, args, shapes, cfg)
+    return _report(job, model_name, rows, memory)
+
+
+def _report(job: _Job, model_name: str, rows: list[ExecutableReport], memory: MemoryFit) -> Report:
+    args, shapes = job.args, job.shapes
+    dtype = jax.numpy.dtype(shapes.dtype).name
+    # The flags that decide what an engine compiles: with them, `jserve serve` runs (or loads
+    # from the compilation cache) exactly these executables.
+    serve_flags = (
+        f"--dtype {dtype} --attention-impl {shapes.attn_impl} --tensor-parallel-size "
+        f"{args.tensor_parallel_size} --max-num-seqs {args.max_num_seqs} "
+        f"--max-num-batched-tokens {args.max_num_batched_tokens} --max-model-len "
+        f"{shapes.max_model_len} --block-size {args.block_size} --num-kv-blocks {shapes.num_blocks}"
+    )
     return Report(
         model=model_name,
-        target=target.name,
-        chip=target.chip,
-        dtype=jax.numpy.dtype(shapes.dtype).name,
+        target=job.target.name,
+        chip=job.target.chip,
+        dtype=dtype,
         attention_impl=shapes.attn_impl,
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=shapes.max_model_len,
         block_size=args.block_size,
         num_blocks=shapes.num_blocks,
+        token_buckets=list(shapes.token_buckets),
+        seq_buckets=list(shapes.seq_buckets),
         executables=rows,
         memory=memory,
+        serve_flags=serve_flags,
+        compilation_cache_dir=None if job.cache is None else str(job.cache.directory),
     )
-
-
-def _pool(step: ModelStep, shapes: StepShapes, args: EngineArgs) -> jax.ShapeDtypeStruct:
-    """One of the K and V pools, as the engine allocates it on the mesh."""
-    shape = step.kv_cache_shape(shapes.num_blocks, args.block_size)
-    return jax.ShapeDtypeStruct(shape, step.dtype, sharding=step.kv_cache_sharding())
 
 
 def _shard_bytes(x: jax.ShapeDtypeStruct) -> int:

@@ -1,13 +1,15 @@
-"""The compile report: each executable's compile time, cost and memory, and each chip's fit.
+"""The compile report: each executable's compile time, cost and memory, each chip's fit,
+where the executables were written (jserve.aot.cache) and the host's scheduler cost beside
+the decode step (jserve.aot.host).
 
-All figures are per device (one chip, or one TensorCore where a chip shows two), as XLA
-reports them for an SPMD program. Memory on a chip while serving is the parameters' shard,
-the KV pool's shard, the largest scratch any one executable needs (one runs at a time) and
-the code of all of them (all stay loaded).
+All figures are per device (one chip), as XLA reports them for an SPMD program. Memory on a
+chip while serving is the parameters' shard, the KV pool's shard, the largest scratch any one
+executable needs (one runs at a time) and the code of all of them (all stay loaded).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -19,6 +21,7 @@ from jserve.aot.targets import Chip, Target
 from jserve.config.engine_args import EngineArgs
 from jserve.models.config import ModelConfig
 
+GOAL_SHARE = 0.2  # the host keeps the chip busy when an iteration takes under this of a step
 CONTEXTS = (
     2048,
     8192,
@@ -44,6 +47,8 @@ class ExecutableReport:
     temp_bytes: int = 0  # scratch
     code_bytes: int = 0
     error: str | None = None
+    cache: str | None = None  # what became of it in the compilation cache (a CacheOutcome)
+    cache_entry: str | None = None  # the file it wrote there
 
 
 @dataclass
@@ -103,6 +108,25 @@ def memory_per_chip(
 
 
 @dataclass
+class HostLoad:
+    """The host's scheduler iteration cost at one synthetic load (jserve.simulate.host_cost)."""
+
+    running: int
+    waiting: int
+    iterations: int
+    p50_ms: float
+    p99_ms: float
+    cpu_p50_ms: float
+
+
+@dataclass
+class HostCost:
+    cpu: str  # the model name of the CPU it was measured on
+    load_average: float  # 1-minute load average before the measurement
+    loads: list[HostLoad]
+
+
+@dataclass
 class Report:
     model: str
     target: str
@@ -113,8 +137,13 @@ class Report:
     max_model_len: int
     block_size: int
     num_blocks: int
+    token_buckets: list[int]
+    seq_buckets: list[int]
     executables: list[ExecutableReport]
     memory: MemoryFit
+    serve_flags: str  # the engine flags a server needs to run these executables
+    compilation_cache_dir: str | None = None  # where the executables were written
+    host: HostCost | None = None
 
     @property
     def errors(self) -> list[str]:
@@ -122,11 +151,18 @@ class Report:
         out = [f"{_label(r)} failed to compile: {r.error}" for r in self.executables if r.error]
         m = self.memory
         if not m.fits:
+            assert m.hbm_bytes is not None
+            fix = "lower --kv-cache-memory / --kv-cache-fraction or raise --tensor-parallel-size"
+            if m.weights_bytes >= m.hbm_bytes:
+                fix = (
+                    "the weights alone do not fit: split them over more chips (a larger "
+                    "--tensor-parallel-size, on a larger slice) or chips with more HBM"
+                )
             out.append(
                 f"does not fit: {_gib(m.total_bytes)} needed per chip (weights "
                 f"{_gib(m.weights_bytes)}, KV pool {_gib(m.kv_pool_bytes)}, scratch "
                 f"{_gib(m.scratch_bytes)}, code {_gib(m.code_bytes)}) > {_gib(m.hbm_bytes)} HBM; "
-                "lower --kv-cache-memory / --kv-cache-fraction or raise --tensor-parallel-size"
+                f"{fix}"
             )
         return out
 
@@ -153,7 +189,50 @@ class Report:
             "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         lines += [_row(r) for r in self.executables]
-        return "\n".join([*lines, "", *self._memory_lines()]) + "\n"
+        lines += ["", *self._memory_lines(), *self._cache_lines(), *self._host_lines()]
+        return "\n".join(lines) + "\n"
+
+    def _cache_lines(self) -> list[str]:
+        if self.compilation_cache_dir is None:
+            return []
+        outcomes = collections.Counter(r.cache for r in self.executables if r.cache)
+        counts = ", ".join(f"{outcome} {n}" for outcome, n in sorted(outcomes.items()))
+        return [
+            "",
+            f"Compilation cache {self.compilation_cache_dir}: {counts} (each row's cache and "
+            "cache_entry in the JSON; a loaded row's compile s is the load's). `jserve serve` "
+            "with this directory as --compilation-cache-dir and these engine flags loads them "
+            "instead of compiling, on a machine with the same jax, jaxlib and libtpu (or CUDA "
+            "plugin) versions, XLA_FLAGS and LIBTPU_INIT_ARGS, and the same slice "
+            f"(docs/tpu.md): {self.serve_flags}",
+        ]
+
+    def _host_lines(self) -> list[str]:
+        if self.host is None:
+            return []
+        decodes = [
+            r
+            for r in self.executables
+            if r.name == "decode step" and r.roofline_ms is not None and r.seqs is not None
+        ]
+        lines = [
+            "",
+            f"Host: one scheduler iteration (schedule + update_from_output, "
+            f"jserve.simulate.host_cost) on {self.host.cpu}, 1-minute load "
+            f"{self.host.load_average:.1f}, beside the estimated decode step. The host keeps "
+            f"the chip busy when an iteration takes under {GOAL_SHARE:.0%} of the step.",
+            "",
+            "| running | waiting | iterations | p50 ms | p99 ms | CPU p50 ms | decode step "
+            "| keeps the chip busy |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for load in self.host.loads:
+            step, verdict = _host_verdict(load, decodes)
+            lines.append(
+                f"| {load.running} | {load.waiting} | {load.iterations} | {load.p50_ms:.3f} "
+                f"| {load.p99_ms:.3f} | {load.cpu_p50_ms:.3f} | {step} | {verdict} |"
+            )
+        return lines
 
     def _memory_lines(self) -> list[str]:
         m = self.memory
@@ -179,6 +258,28 @@ class Report:
             lines += ["", "| context | sequences that fit |", "|---|---|"]
             lines += [f"| {c} | {n} |" for c, n in m.capacity.items()]
         return lines
+
+
+def _host_verdict(load: HostLoad, decodes: list[ExecutableReport]) -> tuple[str, str]:
+    """(the decode step compared with, whether the host keeps the chip busy at `load`): the
+    decode step of `load.running` sequences, or the largest one compiled below it (a step of
+    more sequences reads more, so it is no shorter: a "yes" still holds, a "no" is unknown)."""
+    below = [r for r in decodes if r.seqs is not None and r.seqs <= load.running]
+    if not below:
+        return "-", "no roofline (a CPU target) or no decode step compiled"
+    row = max(below, key=lambda r: r.seqs or 0)
+    assert row.roofline_ms is not None
+    step = f"{row.roofline_ms:.3f} ms ({row.seqs} seqs)"
+    share = load.p50_ms / row.roofline_ms
+    if share < GOAL_SHARE:
+        return step, f"yes: the p50 is {share:.1%} of it"
+    if row.seqs == load.running:
+        return step, f"no: the p50 is {share:.0%} of it"
+    return step, (
+        f"not known: the p50 is {share:.0%} of a step of {row.seqs} sequences; compile a "
+        f"decode step of {load.running} (--max-num-seqs {load.running} --steps "
+        f"{load.running}x{load.running})"
+    )
 
 
 def _gib(n: int | None) -> str:

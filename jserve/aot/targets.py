@@ -22,16 +22,18 @@ from jserve.aot.chips import CHIPS, GPUS, TPU_TOPOLOGIES, Chip, Platform
 
 @dataclass(frozen=True)
 class _TpuGeneration:
-    host_bounds: tuple[int, int, int]  # the chips one host holds: a single-host slice's bounds
     accelerator_type: str  # TPU_ACCELERATOR_TYPE for n chips, "{cores}" = TensorCores
     cores_per_chip: int
+    # libtpu's chip configuration: a v4's "default" shows each of its two TensorCores as a
+    # device, where JAX serves (and meshes need) one device per chip: "megacore".
+    chip_config: str = "default"
 
 
 _TPU_GENERATIONS = {
-    "v4": _TpuGeneration((2, 2, 1), "v4-{cores}", 2),
-    "v5e": _TpuGeneration((2, 4, 1), "v5litepod-{cores}", 1),
-    "v5p": _TpuGeneration((2, 2, 1), "v5p-{cores}", 2),
-    "v6e": _TpuGeneration((2, 4, 1), "v6e-{cores}", 1),
+    "v4": _TpuGeneration("v4-{cores}", 2, "megacore"),
+    "v5e": _TpuGeneration("v5litepod-{cores}", 1),
+    "v5p": _TpuGeneration("v5p-{cores}", 2),
+    "v6e": _TpuGeneration("v6e-{cores}", 1),
 }
 
 
@@ -46,7 +48,7 @@ class Target:
 
     @property
     def num_chips(self) -> int:
-        """Chips (not devices: a v4 or v5p chip may show one device per TensorCore)."""
+        """Chips: distinct TPU coordinates (one device each here), else devices."""
         return len({tuple(d.coords) if hasattr(d, "coords") else d.id for d in self.devices})
 
 
@@ -75,7 +77,7 @@ def tpu_target(topology: str) -> Target:
     topo = topologies.get_topology_desc(
         platform="tpu",
         topology_name=topology,
-        chip_config_name="default",
+        chip_config_name=spec.chip_config,
         chips_per_host_bounds=bounds,
         num_slices=1,
         wrap=(False, False, False),

@@ -44,6 +44,7 @@ from jserve.kv_events.records import AllBlocksCleared
 from jserve.loaders.model_source import LoadedModel
 from jserve.outputs import EngineStats, FinishReason, RequestOutput
 from jserve.runtime.compilation import (
+    cache_hit_count,
     compilation_count,
     expect_compilation,
     mark_serving,
@@ -133,10 +134,13 @@ class LLMEngine:
         """Compile every bucket now, so serving never compiles (see runtime.compilation); each
         phase logs its progress (runtime.startup)."""
 
-        before = compilation_count()
+        before, loaded = compilation_count(), cache_hit_count()
         secs = self.runner.precompile(self.inputs_builder.example, self._bucket_pairs)
         secs += self.sampler.precompile(self.runner.logits_sharding)
-        log.info("precompiled %d executables in %.1f s", compilation_count() - before, secs)
+        log.info(
+            "precompiled %d executables in %.1f s (%d loaded from the compilation cache)",
+            compilation_count() - before, secs, cache_hit_count() - loaded,
+        )  # fmt: skip
         mark_serving()
 
     # ---- requests ------------------------------------------------------------------------

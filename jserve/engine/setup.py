@@ -85,6 +85,11 @@ def step_shapes(args: EngineArgs, cfg: ModelConfig, platform: str) -> StepShapes
     )
 
 
+def compilation_cache_dir(args: EngineArgs) -> str:
+    """Where the engine keeps (and `jserve compile --cache-dir` writes) compiled executables."""
+    return args.compilation_cache_dir or f"{args.cache_dir or default_cache_dir()}/xla"
+
+
 @dataclass
 class EngineParts:
     model_name: str
@@ -102,7 +107,7 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
     """Load (or take `loaded`), place and size everything; compiles nothing yet."""
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
     cache_dir = args.cache_dir or default_cache_dir()
-    enable_persistent_cache(args.compilation_cache_dir or f"{cache_dir}/xla")
+    enable_persistent_cache(compilation_cache_dir(args))
     if jax.default_backend() == "cpu":  # before the runner picks its kernels: built in cache_dir
         load_native_kernels(cache_dir)
     loaded = loaded or load_model(args.model, cache_dir=cache_dir)

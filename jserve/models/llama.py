@@ -26,6 +26,7 @@ Loaders produce the unfused HF names; `fuse_projections` converts once at load t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -194,20 +195,44 @@ def _as_layer_matrices(name: str, w: jax.Array) -> jax.Array:
 def lay_out_weights(state: nnx.State, matmul_impl: MatmulImpl | str) -> nnx.State:
     """The model's parameters laid out for `matmul_impl`, as `LlamaModel.__call__` then reads
     them: unchanged for "xla"; for "native", the projections and the output head (the
-    embedding, when tied: the lookup then reads the packed table) packed by
-    `pack_layer_weight`. Once, at load time; the other parameters are shared with `state`."""
+    embedding, when tied: the lookup then reads the packed table) packed by `pack_weights`.
+    Once, at load time; the other parameters are shared with `state`."""
     if matmul_impl == MatmulImpl.XLA:
         return state
-    out = jax.tree.map(lambda x: x, state)  # new containers, the same arrays
-    pack = jax.jit(pack_layer_weight, static_argnums=1)
-    for name in PROJECTIONS:
-        param = out["layers"][name]
-        param.set_value(pack(_as_layer_matrices(name, param.get_value()), matmul_impl))
-    if "lm_head" in out:  # [D, V]
-        out["lm_head"].set_value(pack(out["lm_head"].get_value()[None], matmul_impl))
+    return with_packed_weights(state, pack_weights(weights_to_pack(state), matmul_impl))
+
+
+def weights_to_pack(state: nnx.State) -> dict[str, Any]:
+    """The parameters `pack_weights` lays out, by name: the projections and the output head."""
+    head = "lm_head" if "lm_head" in state else "embed"
+    return {name: _variable(state, name).get_value() for name in (*PROJECTIONS, head)}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def pack_weights(
+    weights: dict[str, jax.Array], matmul_impl: MatmulImpl | str
+) -> dict[str, jax.Array]:
+    """`weights_to_pack`'s arrays packed by `pack_layer_weight`, in one executable: the one
+    the engine runs at load time, which `jserve compile` compiles too (the steps take the
+    shardings XLA gives its outputs)."""
+    matrices = {name: _as_layer_matrices(name, weights[name]) for name in PROJECTIONS}
+    if "lm_head" in weights:  # [D, V]
+        matrices["lm_head"] = weights["lm_head"][None]
     else:  # tied: the embedding [V, D] is the head's weight transposed
-        out["embed"].set_value(pack(out["embed"].get_value().T[None], matmul_impl))
+        matrices["embed"] = weights["embed"].T[None]
+    return {name: pack_layer_weight(w, matmul_impl) for name, w in matrices.items()}
+
+
+def with_packed_weights(state: nnx.State, packed: dict[str, Any]) -> nnx.State:
+    """`state` in new containers, the parameters named in `packed` replaced by its values."""
+    out = jax.tree.map(lambda x: x, state)  # new containers, the same arrays
+    for name, value in packed.items():
+        _variable(out, name).set_value(value)
     return out
+
+
+def _variable(state: nnx.State, name: str) -> Any:
+    return state["layers"][name] if name in PROJECTIONS else state[name]
 
 
 def fuse_projections(cfg: ModelConfig, layers: dict[str, Any]) -> dict[str, Any]:

@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 _BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 # The fallback for argument shapes (see the module docstring): JAX's lowering logger and the
 # start of the DEBUG record it writes before each lowering.
+_CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"  # an executable loaded, not compiled
 _LOWERING_LOGGER = "jax._src.interpreters.pxla"
 _LOWERING_MESSAGE = "Compiling %s with global shapes and types %s"
 
@@ -102,6 +103,13 @@ class _CompileCounter:
         self._expected_in: collections.Counter[int] = collections.Counter()  # warming up
         self._shapes = _LoweringShapes(logging.getLogger(_LOWERING_LOGGER))
         monitoring.register_event_duration_secs_listener(self._on_event)
+        self.cache_hits = 0
+        monitoring.register_event_listener(self._on_cache_event)
+
+    def _on_cache_event(self, event: str, **kwargs: object) -> None:
+        if event == _CACHE_HIT_EVENT:
+            with self._lock:
+                self.cache_hits += 1
 
     def _on_event(self, event: str, duration: float, **kwargs: object) -> None:
         if event != _BACKEND_COMPILE_EVENT:
@@ -137,6 +145,11 @@ COMPILE_COUNTER = _CompileCounter()
 def compilation_count() -> int:
     """Compilations (including persistent-cache loads) in this process so far."""
     return COMPILE_COUNTER.count
+
+
+def cache_hit_count() -> int:
+    """Compilations in this process served by the persistent cache (loaded, not compiled)."""
+    return COMPILE_COUNTER.cache_hits
 
 
 def serving_compilation_count() -> int:

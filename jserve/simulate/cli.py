@@ -1,16 +1,18 @@
 """`jserve simulate`: capacity planning with the real scheduler in virtual time, in seconds.
 
     jserve simulate --rate 4 --tenants A:4,B:1             # a synthetic workload, CPU table
-    jserve simulate --cost-model roofline --rate 300       # an H200 serving an 8B model
+    jserve simulate --compile-report bench/results/compile_llama-3-8b_h200.json --rate 300
     jserve simulate --dataset requests.jsonl               # arrivals and lengths from a file
     jserve simulate --preset all                           # the policy comparisons
     jserve simulate --compare-serve bench/results/serve_chunked-prefill.json
 
-No model runs: each step the scheduler plans is priced by a cost model (jserve.simulate.costs)
-and the virtual clock advances by that much. The measured cost model reads a per-bucket table:
+No model runs: each step the scheduler plans is priced by a per-bucket table
+(jserve.simulate.costs) and the virtual clock advances by that much. The table is measured:
 by default the CPU table `python -m bench.bucket_costs` wrote (relative to the repository
 root), or any `--bucket-report` (a bucket report, or a table `jserve serve --save-step-costs`
-learned while serving). Every figure printed is labelled simulated.
+learned while serving); or, with `--compile-report`, estimated: each step bucket's roofline
+from a `jserve compile --report` JSON, for a TPU or GPU this machine lacks, the scheduler
+limited as that compiled engine is. Every figure printed is labelled simulated.
 """
 
 from __future__ import annotations
@@ -20,14 +22,16 @@ import math
 
 from jserve.config.scheduler import SchedulerConfig
 from jserve.core.buckets import engine_buckets
-from jserve.simulate.costs import MeasuredCost, RooflineCost
-from jserve.simulate.presets import PRESETS
+from jserve.simulate.costs import CompiledEngine, MeasuredCost
+from jserve.simulate.presets import DEFAULT_COMPILE_REPORT, PRESETS
 from jserve.simulate.report import serving_report
 from jserve.simulate.simulator import simulate
 from jserve.simulate.versus_measured import compare_serve
 from jserve.simulate.workload import load_jsonl, parse_tenant_shares, synthetic
 
 DEFAULT_REPORT = "bench/results/buckets_cpu.json"
+# The scheduler's limits without a compile report (a compile report brings its engine's).
+ENGINE_LIMITS = {"--max-num-seqs": 32, "--max-num-batched-tokens": 512, "--num-kv-blocks": 4096}
 
 
 def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -45,9 +49,14 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     what.add_argument("--dataset", help="JSONL workload: arrival_s, prompt_tokens, max_tokens "
                       "(tenant, lane, timeout optional)")  # fmt: skip
     costs = parser.add_argument_group("cost model")
-    costs.add_argument("--cost-model", choices=["measured", "roofline"], default="measured")
     costs.add_argument("--bucket-report", default=DEFAULT_REPORT,
                        help="the measured per-bucket table (default: %(default)s)")  # fmt: skip
+    costs.add_argument(
+        "--compile-report", metavar="JSON",
+        help="price steps by a `jserve compile --report` JSON's roofline step times (an "
+        "estimate) and limit the scheduler as that engine is; the presets' second cost model "
+        f"(default there: {DEFAULT_COMPILE_REPORT})",
+    )  # fmt: skip
     load = parser.add_argument_group("synthetic workload")
     load.add_argument("--num-requests", type=int, help="default: per preset, else 200")
     load.add_argument("--rate", type=float, help="req/s, Poisson (default: per preset, else "
@@ -60,9 +69,9 @@ def add_simulate_arguments(parser: argparse.ArgumentParser) -> None:
     engine = parser.add_argument_group("scheduler")
     engine.add_argument("--fairness", choices=["vtc", "fcfs"], default="vtc")
     engine.add_argument("--scheduling", choices=["continuous", "static"], default="continuous")
-    engine.add_argument("--max-num-seqs", type=int, default=32)
-    engine.add_argument("--max-num-batched-tokens", type=int, default=512)
-    engine.add_argument("--num-kv-blocks", type=int, default=4096)
+    for flag, default in ENGINE_LIMITS.items():
+        engine.add_argument(flag, type=int, help=f"default: {default}; with --compile-report, "
+                            "the compiled engine's")  # fmt: skip
     engine.add_argument("--target-itl-ms", type=float, default=0.0)
     slo = parser.add_argument_group("goodput")
     slo.add_argument("--slo-ttft", type=float, help="ms")
@@ -88,21 +97,31 @@ def _simulate_workload(args: argparse.Namespace) -> str:
         rate = math.inf if args.rate is None else args.rate
         workload = synthetic(args.num_requests or 200, rate, args.prompt_len, args.output_len,
                              parse_tenant_shares(args.tenants), args.seed)  # fmt: skip
-    config = SchedulerConfig(
-        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=2048, fairness=args.fairness, scheduling=args.scheduling,
-        target_itl_ms=args.target_itl_ms,
-    )  # fmt: skip
-    token_buckets, seq_buckets = engine_buckets(  # as a CPU engine has them
-        args.max_num_batched_tokens, args.max_num_seqs, args.cost_model == "measured"
-    )
-    if args.cost_model == "measured":
-        model = MeasuredCost.from_report(args.bucket_report, token_buckets, seq_buckets)
-        costs = model.fresh_table()
+    policy = {"fairness": args.fairness, "scheduling": args.scheduling,
+              "target_itl_ms": args.target_itl_ms}  # fmt: skip
+    if args.compile_report:
+        given = [flag for flag in ENGINE_LIMITS if getattr(args, _dest(flag)) is not None]
+        if given:
+            raise ValueError(
+                f"{', '.join(given)}: a compile report brings its engine's limits; leave "
+                "them out, or compile with the ones to simulate"
+            )
+        engine = CompiledEngine.from_report(args.compile_report)
+        config, num_blocks = engine.scheduler_config(**policy), engine.num_blocks
+        model, costs, block_size = engine.cost_model(), engine.fresh_table(), engine.block_size
     else:
-        model = RooflineCost()
-        costs = model.table(token_buckets, seq_buckets)
-    result = simulate(workload, config, args.num_kv_blocks, model, costs)
+        limits = {flag: getattr(args, _dest(flag)) or d for flag, d in ENGINE_LIMITS.items()}
+        seqs, tokens = limits["--max-num-seqs"], limits["--max-num-batched-tokens"]
+        config = SchedulerConfig(
+            max_num_seqs=seqs, max_num_batched_tokens=tokens, max_model_len=2048, **policy
+        )
+        token_buckets, seq_buckets = engine_buckets(tokens, seqs, decode_midpoints=True)
+        model = MeasuredCost.from_report(args.bucket_report, token_buckets, seq_buckets)
+        costs, num_blocks, block_size = model.fresh_table(), limits["--num-kv-blocks"], 16
+    result = simulate(workload, config, num_blocks, model, costs, None, block_size)
     slo = {"slo_ttft_ms": args.slo_ttft, "slo_tpot_ms": args.slo_tpot}
-    title = f"{args.cost_model} cost model, {len(workload)} requests"
-    return serving_report(result, title, slo)
+    return serving_report(result, f"{model.label}, {len(workload)} requests", slo)
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")

@@ -1,13 +1,13 @@
 """Cost models: what one planned step takes, in seconds of the simulator's virtual clock.
 
-- MeasuredCost: a per-bucket table (a `python -m bench.bucket_costs` report, or the table a
-  server learned while serving, `jserve serve --save-step-costs`); a step costs its padded
-  bucket plus the engine's host work per step.
-- RooflineCost: a GPU or TPU from its published figures: max(bytes moved / memory bandwidth,
-  FLOPs / matmul rate) plus a fixed launch overhead, where the bytes are the weights once plus
-  the KV cache every sequence reads, and the FLOPs 2 x parameters per token (defaults: an H200,
-  4.3 TB/s and 790 TFLOP/s bf16, serving an 8B-parameter Llama-3-like model). Decode is then
-  memory-bound: batching is nearly free.
+Every model is a per-bucket table (`MeasuredCost`): a step costs its padded bucket, plus the
+engine's host work per step where the table knows it. The table is
+- measured: a `python -m bench.bucket_costs` report, or the table a server learned while
+  serving (`jserve serve --save-step-costs`);
+- or estimated: a `jserve compile` report (`CompiledEngine`), each step bucket's roofline
+  (max(FLOPs / peak, bytes / HBM bandwidth) of XLA's cost analysis of the compiled step and
+  the attention kernel's own count at max_model_len context, on the chip's public peaks; see
+  docs/tpu.md). A floor, with no host time: an estimate for a chip this machine lacks.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jserve.core.buckets import step_buckets
+from jserve.config.scheduler import SchedulerConfig
 from jserve.core.plan import StepPlan
 from jserve.core.step_costs import StepCosts, load_bucket_report
 
@@ -29,13 +29,12 @@ class MeasuredCost:
     host work per step (scheduling, input building, sampling, output processing) that the
     table's model-step times leave out."""
 
-    label = "measured table"
-
-    def __init__(self, costs: StepCosts, host_s: float = 0.0) -> None:
+    def __init__(self, costs: StepCosts, host_s: float = 0.0, label: str = "measured table"):
         if not costs.seconds:
             raise ValueError("a measured cost model needs a table with at least one bucket")
         self.costs = costs
         self.host_s = host_s
+        self.label = label
 
     @classmethod
     def from_report(
@@ -76,30 +75,63 @@ def host_seconds_per_step(report_path: str) -> float:
 
 
 @dataclass(frozen=True)
-class RooflineCost:
-    """max(bytes / bandwidth, flops / peak) + overhead, per step."""
+class CompiledEngine:
+    """The engine a `jserve compile` report describes: its step buckets, each one's roofline
+    time, and its KV pool."""
 
-    bandwidth: float = 4.3e12  # bytes/s: H200 measured copy bandwidth
-    peak_flops: float = 790e12  # bf16 dense matmul
-    params: float = 8.0e9  # Llama-3-8B-like
-    bytes_per_param: float = 2.0
-    kv_bytes_per_token: float = 32 * 8 * 128 * 2 * 2  # layers * kv heads * dim * (k, v) * bf16
-    overhead_s: float = 0.0015  # launches and host work per step
-    label: str = "roofline (H200, 8B bf16)"
+    label: str
+    token_buckets: tuple[int, ...]
+    seq_buckets: tuple[int, ...]
+    step_seconds: dict[tuple[int, int], float]
+    num_blocks: int
+    block_size: int
+    max_model_len: int
 
-    def __call__(self, plan: StepPlan) -> float:
-        kv_tokens = sum(seq.start_pos + len(seq.token_ids) for seq in plan.seqs)
-        moved = self.params * self.bytes_per_param + kv_tokens * self.kv_bytes_per_token
-        flops = 2.0 * self.params * plan.num_batched_tokens
-        return max(moved / self.bandwidth, flops / self.peak_flops) + self.overhead_s
+    @classmethod
+    def from_report(cls, path: str) -> CompiledEngine:
+        """Read a `jserve compile --report` JSON; ValueError naming what is missing."""
+        try:
+            report = json.loads(Path(path).read_text())
+            steps = {
+                (int(r["tokens"]), int(r["seqs"])): float(r["roofline_ms"]) / 1000.0
+                for r in report["executables"]
+                if r["name"].endswith(" step") and r["roofline_ms"] is not None
+            }
+            engine = cls(
+                label=f"roofline estimate ({report['model']} on {report['target']})",
+                token_buckets=tuple(report["token_buckets"]),
+                seq_buckets=tuple(report["seq_buckets"]),
+                step_seconds=steps,
+                num_blocks=int(report["num_blocks"]),
+                block_size=int(report["block_size"]),
+                max_model_len=int(report["max_model_len"]),
+            )
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(
+                f"{path} is not a `jserve compile --report` JSON with token_buckets, "
+                f"seq_buckets and executables: {type(exc).__name__}: {exc}"
+            ) from None
+        if not steps:
+            raise ValueError(
+                f"{path} has no model step with a roofline time: compile for a TPU or GPU "
+                "target (a CPU target has no chip figures)"
+            )
+        return engine
 
-    def table(self, token_buckets: tuple[int, ...], seq_buckets: tuple[int, ...]) -> StepCosts:
-        """The same model as a bucket table, for admission and target_itl_ms (each sequence
-        of a bucket priced with a 512-token context)."""
-        seed = {}
-        for tokens, seqs in step_buckets(token_buckets, seq_buckets):
-            moved = self.params * self.bytes_per_param + 512 * seqs * self.kv_bytes_per_token
-            flops = 2.0 * self.params * tokens
-            compute = max(moved / self.bandwidth, flops / self.peak_flops)
-            seed[(tokens, seqs)] = compute + self.overhead_s
-        return StepCosts(token_buckets, seq_buckets, seed)
+    def cost_model(self) -> MeasuredCost:
+        """Each step at its bucket's roofline (a bucket not compiled: the nearest one's,
+        scaled by tokens), no host time."""
+        return MeasuredCost(self.fresh_table(), 0.0, self.label)
+
+    def fresh_table(self) -> StepCosts:
+        return StepCosts(self.token_buckets, self.seq_buckets, self.step_seconds)
+
+    def scheduler_config(self, **settings: object) -> SchedulerConfig:
+        """The compiled engine's limits (its largest buckets and max_model_len), with
+        `settings` (fairness, scheduling, ...) on top."""
+        return SchedulerConfig(
+            max_num_seqs=self.seq_buckets[-1],
+            max_num_batched_tokens=self.token_buckets[-1],
+            max_model_len=self.max_model_len,
+            **settings,  # type: ignore[arg-type]
+        )

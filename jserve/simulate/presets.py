@@ -1,7 +1,8 @@
 """The comparisons the scheduler's policies are judged by (docs/scheduling.md), simulated.
 
-Each preset runs its workload under both cost models (the measured CPU table and the H200
-roofline), every side of a comparison on the same requests, and returns a printed table.
+Each preset runs its workload under both cost models (the measured CPU table and a compile
+report's roofline estimate, by default an 8B Llama on one H200), every side of a comparison on
+the same requests, and returns a printed table.
 """
 
 from __future__ import annotations
@@ -13,15 +14,16 @@ from collections.abc import Callable
 import numpy as np
 
 from jserve.config.scheduler import SchedulerConfig
-from jserve.core.buckets import engine_buckets, make_seq_buckets, make_token_buckets
+from jserve.core.buckets import engine_buckets
 from jserve.core.step_costs import StepCosts
-from jserve.simulate.costs import CostModel, MeasuredCost, RooflineCost
+from jserve.simulate.costs import CompiledEngine, CostModel, MeasuredCost
 from jserve.simulate.metrics import summarize
 from jserve.simulate.report import fmt, tenant_figures, text_table
 from jserve.simulate.simulator import simulate
 from jserve.simulate.workload import SimRequest, synthetic
 
 KV_BLOCKS = 4096
+DEFAULT_COMPILE_REPORT = "bench/results/compile_llama-3-8b_h200.json"
 
 
 def engine_config(**overrides: object) -> SchedulerConfig:
@@ -30,14 +32,24 @@ def engine_config(**overrides: object) -> SchedulerConfig:
 
 
 def cost_models(args: argparse.Namespace) -> list[tuple[str, CostModel, Callable[[], StepCosts]]]:
-    """(label, cost model, factory of the scheduler's StepCosts) for each cost model."""
+    """(label, cost model, factory of the scheduler's StepCosts) for each cost model: the
+    measured CPU table and a compile report's roofline estimate (default: an 8B Llama on one
+    H200, whose engine runs the presets' 32 sequences and 512-token steps)."""
     token_buckets, seq_buckets = engine_buckets(512, 32, decode_midpoints=True)  # a CPU's
     measured = MeasuredCost.from_report(args.bucket_report, token_buckets, seq_buckets)
-    roofline = RooflineCost()
-    token_buckets, seq_buckets = make_token_buckets(512, smallest=1), make_seq_buckets(32)
+    path = args.compile_report or DEFAULT_COMPILE_REPORT
+    compiled = CompiledEngine.from_report(path)
+    base = engine_config()
+    if compiled.seq_buckets[-1] < base.max_num_seqs:
+        raise ValueError(f"{path}: the presets run {base.max_num_seqs} sequences a step; its "
+                         f"engine was compiled for {compiled.seq_buckets[-1]}")  # fmt: skip
+    if compiled.token_buckets[-1] < base.max_num_batched_tokens:
+        raise ValueError(f"{path}: the presets run {base.max_num_batched_tokens}-token steps; "
+                         f"its engine was compiled for {compiled.token_buckets[-1]}")  # fmt: skip
+    estimate = compiled.cost_model()
     return [
         ("measured (CPU table)", measured, measured.fresh_table),
-        (roofline.label, roofline, lambda: roofline.table(token_buckets, seq_buckets)),
+        (estimate.label, estimate, compiled.fresh_table),
     ]
 
 
@@ -45,7 +57,7 @@ def fairness(args: argparse.Namespace) -> str:
     """Tenants A and B both backlogged, A sending 4x B's requests: FCFS vs fair share."""
     out = []
     for label, model, costs in cost_models(args):
-        rate = args.rate or (6.0 if "CPU" in label else 400.0)
+        rate = args.rate or (6.0 if "CPU" in label else 200.0)
         workload = synthetic(args.num_requests or 200, rate, "uniform:64:256", "uniform:32:96",
                              {"A": 4.0, "B": 1.0}, args.seed)  # fmt: skip
         rows = [["policy", "B share*", "A share*", "B TTFT p99 ms", "A TTFT p99 ms", "A tok/s"]]
@@ -78,7 +90,7 @@ def deadline(args: argparse.Namespace) -> str:
     out = []
     for label, model, costs in cost_models(args):
         cpu = "CPU" in label
-        rate = args.rate or (8.0 if cpu else 400.0)
+        rate = args.rate or (8.0 if cpu else 200.0)
         timeout = 30.0 if cpu else 1.0
         num_requests = args.num_requests or (1200 if cpu else 2000)
         workload = [
@@ -118,7 +130,7 @@ def adaptive(args: argparse.Namespace) -> str:
     out = []
     for label, model, costs in cost_models(args):
         cpu = "CPU" in label
-        target = args.target_itl_ms or (450.0 if cpu else 6.0)
+        target = args.target_itl_ms or (450.0 if cpu else 11.0)
         decodes = [SimRequest(0.0, 32, 400 if cpu else 1900, "decode") for _ in range(8)]
         period = 4.0 if cpu else 0.05
         longs = [SimRequest(1.0 + period * i, 1536, 1, "prefill") for i in range(12)]
@@ -141,7 +153,7 @@ def policies(args: argparse.Namespace) -> str:
     """Static vs continuous batching vs continuous with fair share, under both cost models."""
     out = []
     for label, model, costs in cost_models(args):
-        rate = args.rate or (4.0 if "CPU" in label else 300.0)
+        rate = args.rate or (4.0 if "CPU" in label else 150.0)
         workload = synthetic(args.num_requests or 200, rate, "lognormal:128:0.8:1024",
                              "lognormal:64:1.0:512", {"A": 4.0, "B": 1.0}, args.seed)  # fmt: skip
         rows = [["policy", "req/s", "out tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms"]]

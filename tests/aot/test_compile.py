@@ -11,17 +11,27 @@ accepted values. The larger matrix is `slow`.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
+from jserve.aot import host
+from jserve.aot.chips import TPU_TOPOLOGIES
 from jserve.aot.compiler import compile_engine
+from jserve.aot.report import ExecutableReport, HostCost, HostLoad
 from jserve.aot.targets import cuda_target, tpu_target
 from jserve.config.engine_args import EngineArgs
 from jserve.loaders.model_source import load_config
 from jserve.models.config import ModelConfig
+from jserve.runtime.params import make_mesh
 from jserve.server.cli import main
+from jserve.simulate.cli import add_simulate_arguments, run_simulate
+from jserve.simulate.costs import CompiledEngine
+from jserve.simulate.simulator import simulate
+from jserve.simulate.workload import SimRequest
 
 # SmolLM2-135M-Instruct's shape (the default model's GGUF says the same), written out so the
 # compile tests need no weights.
@@ -42,6 +52,7 @@ SMOLLM2_135M = ModelConfig(
 
 STEPS = [(8, 8), (16, 8)]  # the largest decode bucket and a mixed one
 ARGS = EngineArgs(max_num_seqs=8, max_num_batched_tokens=16)
+LLAMA_70B = Path(__file__).resolve().parents[2] / "bench/configs/llama-3-70b/config.json"
 
 
 def parameter_count(cfg: ModelConfig) -> int:
@@ -67,13 +78,24 @@ def smollm2():
     return "SmolLM2-135M", SMOLLM2_135M
 
 
-@pytest.mark.parametrize(
-    "make_target", [lambda: tpu_target("v5e:1x1"), lambda: cuda_target("h200", 1)]
-)
-def test_smollm2_steps_compile_with_no_pool_copy(smollm2, make_target):
+@pytest.fixture(scope="module")
+def v5e_report(smollm2):
+    """SmolLM2's two STEPS buckets compiled for one v5e, the pool taking half its HBM."""
     name, cfg = smollm2
-    target = make_target()
-    report = compile_engine(ARGS, cfg, name, target, kv_cache_fraction=0.5, steps=STEPS)
+    return compile_engine(ARGS, cfg, name, tpu_target("v5e:1x1"), 0.5, steps=STEPS)
+
+
+@pytest.fixture(scope="module")
+def h200_report(smollm2):
+    name, cfg = smollm2
+    return compile_engine(ARGS, cfg, name, cuda_target("h200", 1), 0.5, steps=STEPS)
+
+
+@pytest.mark.parametrize("which", ["v5e_report", "h200_report"])
+def test_smollm2_steps_compile_with_no_pool_copy(smollm2, which, request):
+    _, cfg = smollm2
+    report = request.getfixturevalue(which)
+    target = tpu_target("v5e:1x1") if which == "v5e_report" else cuda_target("h200", 1)
     assert report.errors == []
     assert report.dtype == "bfloat16" and report.attention_impl in ("mosaic", "triton")
     assert [(r.tokens, r.seqs) for r in report.executables] == STEPS
@@ -116,10 +138,21 @@ def test_unknown_targets_and_models_are_refused(tmp_path, capsys):
     assert "jserve supports ['LlamaForCausalLM'" in capsys.readouterr().err
 
 
+def test_every_tpu_slice_is_one_device_per_chip_as_a_mesh_needs():
+    """A v4's TensorCores are one device ("megacore"), as JAX serves on it: a mesh over a
+    slice of two devices per chip is refused by jax.make_mesh."""
+    for topology in TPU_TOPOLOGIES:
+        target = tpu_target(topology)
+        assert len(target.devices) == target.num_chips, topology
+    devices = tpu_target("v4:2x2x1").devices
+    assert make_mesh(4, devices).devices.size == 4
+
+
 def test_a_pool_bigger_than_hbm_fails_naming_the_shortfall(smollm2, capsys):
     code = main(
         ["compile", "--target", "tpu", "--topology", "v5e:1x1", "--max-num-seqs", "8",
-         "--max-num-batched-tokens", "8", "--steps", "8x8", "--kv-cache-memory", str(20 * 2**30)]
+         "--max-num-batched-tokens", "8", "--steps", "8x8", "--kv-cache-memory", str(20 * 2**30),
+         "--host-iterations", "0"]
     )  # fmt: skip
     assert code == 1
     err = capsys.readouterr().err
@@ -189,6 +222,41 @@ def test_llama_8b_shape_tensor_parallel_on_v5e_2x2_slow(tmp_path):
         assert row.temp_bytes < 0.05 * report.memory.kv_pool_bytes
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("topology", "tp", "fraction"), [("v6e:2x4", 8, 0.35), ("v5p:2x2x1", 4, 0.5)]
+)
+def test_llama_70b_shape_fits_a_single_host_slice_slow(topology, tp, fraction):
+    """A Llama-3-70B-shaped model (80 layers, hidden 8192, 64 / 8 heads of 128) in bfloat16
+    holds on the single-host slices with enough HBM: 8 v6e chips of 32 GiB, 4 v5p of 95 GiB.
+    Its decode bucket compiles, the weights on a chip are its split, and the pool holds over
+    a hundred 2,048-token sequences."""
+    name, cfg = load_config(LLAMA_70B)
+    args = dataclasses.replace(ARGS, tensor_parallel_size=tp)
+    report = compile_engine(args, cfg, name, tpu_target(topology), fraction, steps=[(8, 8)])
+    assert report.errors == []
+    embedding = cfg.vocab_size * cfg.hidden_size  # replicated; the rest split tp ways
+    split = (parameter_count(cfg) - embedding) * 2 / tp + embedding * 2
+    assert parameter_count(cfg) == pytest.approx(70.55e9, rel=1e-3)
+    assert report.memory.weights_bytes == pytest.approx(split, rel=1e-3)
+    assert report.memory.fits and report.memory.capacity[2048] > 100
+    (row,) = report.executables
+    assert row.temp_bytes < 0.05 * report.memory.kv_pool_bytes and row.roofline_ms > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("topology", "tp"), [("v5e:2x4", 8), ("v4:2x2x1", 4)])
+def test_llama_70b_shape_does_not_fit_the_smaller_slices_slow(topology, tp):
+    """8 v5e chips of 16 GiB and 4 v4 chips of 32 GiB hold 128 GiB, less than the 70B
+    weights alone (131 GiB): the report says so, with the numbers."""
+    name, cfg = load_config(LLAMA_70B)
+    args = dataclasses.replace(ARGS, tensor_parallel_size=tp)
+    report = compile_engine(args, cfg, name, tpu_target(topology), 0.05, steps=[(8, 8)])
+    memory = report.memory
+    assert memory.hbm_bytes is not None and memory.weights_bytes > memory.hbm_bytes
+    assert any("the weights alone do not fit" in e for e in report.errors), report.errors
+
+
 def test_everything_compiles_split_over_three_gpus(smollm2):
     """The whole set (one bucket: step, pool init, sampler) with the model split over 3 H100s:
     the sampler compiles for one device of the mesh, as the engine runs it."""
@@ -200,3 +268,86 @@ def test_everything_compiles_split_over_three_gpus(smollm2):
     step = report.executables[0]  # at 1 token XLA writes the pool in place, not by scatter
     assert 0 < step.bytes < report.memory.kv_pool_bytes
     assert report.memory.weights_bytes < parameter_count(cfg) * 2 / 2  # split, embedding whole
+
+
+def test_a_compile_report_prices_the_simulators_steps(v5e_report, tmp_path, capsys):
+    """`jserve simulate --compile-report`: every step costs its bucket's roofline, a bucket
+    not compiled the nearest one's (a decode of one token: the 8x8 step's)."""
+    path = tmp_path / "report.json"
+    v5e_report.write(path)
+    engine = CompiledEngine.from_report(str(path))
+    roofline = {(r.tokens, r.seqs): r.roofline_ms / 1e3 for r in v5e_report.executables}
+    assert engine.step_seconds == roofline and len(roofline) == 2
+    assert engine.scheduler_config().max_num_seqs == 8 and engine.num_blocks > 1000
+    # A 16-token prompt is one 16x8 step (its first token), then two one-token decodes.
+    workload = [SimRequest(0.0, 16, 3)]
+    config, model, table = engine.scheduler_config(), engine.cost_model(), engine.fresh_table()
+    result = simulate(workload, config, engine.num_blocks, model, table, None, engine.block_size)
+    (record,) = result.records
+    assert result.steps == 3 and record.success
+    assert record.ttft == pytest.approx(roofline[(16, 8)])
+    assert record.e2e == pytest.approx(roofline[(16, 8)] + 2 * roofline[(8, 8)])
+    args = ["simulate", "--compile-report", str(path), "--num-requests", "4"]
+    assert main(args) == 0
+    assert "roofline estimate (SmolLM2-135M on v5e:1x1), 4 requests [simulated]" in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_compile_report_is_refused_without_rooflines_or_beside_limits(v5e_report, tmp_path):
+    path = tmp_path / "report.json"
+    v5e_report.write(path)
+    with pytest.raises(ValueError, match="--max-num-seqs: a compile report brings its engine"):
+        run_simulate_args(["--compile-report", str(path), "--max-num-seqs", "4"])
+    data = json.loads(path.read_text())
+    for row in data["executables"]:
+        row["roofline_ms"] = None  # as a CPU target writes it
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="no model step with a roofline time"):
+        CompiledEngine.from_report(str(path))
+    path.write_text("{}")
+    with pytest.raises(ValueError, match="not a `jserve compile --report` JSON"):
+        CompiledEngine.from_report(str(path))
+
+
+def run_simulate_args(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    add_simulate_arguments(parser)
+    return run_simulate(parser.parse_args(argv))
+
+
+def _decode(seqs: int, roofline_ms: float) -> ExecutableReport:
+    return ExecutableReport("decode step", tokens=seqs, seqs=seqs, roofline_ms=roofline_ms)
+
+
+@pytest.mark.parametrize(
+    "decodes, verdict",
+    [
+        ([_decode(8, 1.0), _decode(1024, 20.0)], "yes: the p50 is 15.0% of it"),
+        ([_decode(1024, 10.0)], "no: the p50 is 30% of it"),
+        ([_decode(8, 20.0), _decode(32, 30.0)], "yes: the p50 is 10.0% of it"),  # 32 seqs' step
+        ([_decode(32, 10.0)], "not known: the p50 is 30% of a step of 32 sequences"),
+        ([], "no roofline (a CPU target) or no decode step compiled"),
+    ],
+)
+def test_the_host_is_set_beside_the_decode_step_of_as_many_sequences(v5e_report, decodes, verdict):
+    """At 1,024 running the host keeps the chip busy if an iteration's p50 is under a fifth of
+    the decode step of 1,024 sequences; a smaller step compiled can only show that it does."""
+    load = HostLoad(running=1024, waiting=1024, iterations=10, p50_ms=3.0, p99_ms=9.0,
+                    cpu_p50_ms=2.9)  # fmt: skip
+    report = dataclasses.replace(
+        v5e_report, executables=decodes, host=HostCost("Some CPU", 0.5, [load])
+    )
+    line = report.table().splitlines()[-1]
+    assert line.startswith("| 1024 | 1024 | 10 | 3.000 | 9.000 | 2.900 |") and verdict in line
+    assert "on Some CPU, 1-minute load 0.5" in report.table()
+
+
+def test_the_host_is_measured_at_each_load(monkeypatch):
+    monkeypatch.setattr(host, "LOADS", ((8, 16), (16, 8)))
+    cost = host.measure_host(block_size=16, max_model_len=512, iterations=20)
+    assert [(x.running, x.waiting, x.iterations) for x in cost.loads] == [(8, 16, 20), (16, 8, 20)]
+    assert all(0 < x.p50_ms <= x.p99_ms and x.cpu_p50_ms > 0 for x in cost.loads)
+    assert cost.cpu == host.cpu_model() != "" and cost.load_average >= 0
+    with pytest.raises(ValueError, match="--host-iterations must be 0"):
+        host.measure_host(16, 512, 1)

@@ -12,10 +12,9 @@ import pytest
 
 from jserve.config.engine_args import EngineArgs
 from jserve.config.scheduler import SchedulerConfig
-from jserve.core.plan import ScheduledSeq, StepPlan
 from jserve.core.step_costs import StepCosts
 from jserve.server.cli import main as jserve
-from jserve.simulate.costs import MeasuredCost, RooflineCost
+from jserve.simulate.costs import MeasuredCost
 from jserve.simulate.metrics import RequestRecord, summarize
 from jserve.simulate.simulator import simulate
 from jserve.simulate.versus_measured import compare_serve, served_config
@@ -52,21 +51,6 @@ def test_deadlines_expire_or_are_refused_in_virtual_time():
     assert early.records[1].error == "rejected deadline" and early.deadline_misses == 0
 
 
-def test_the_roofline_is_memory_bound_for_decodes_and_compute_bound_for_prefill():
-    model = RooflineCost(overhead_s=0.0)
-    weights = model.params * model.bytes_per_param / model.bandwidth
-
-    def plan(tokens: int, seqs: int) -> StepPlan:
-        per_seq = tokens // seqs
-        seq = ScheduledSeq("r", 0, [0] * per_seq, [], True, (), [])
-        return StepPlan(seqs=[seq] * seqs, num_batched_tokens=tokens)
-
-    decode = model(plan(8, 8))  # 8 one-token decodes: weights plus 8 tokens of KV
-    assert decode == pytest.approx(weights + 8 * model.kv_bytes_per_token / model.bandwidth)
-    prefill = model(plan(4096, 1))
-    assert prefill == pytest.approx(2 * model.params * 4096 / model.peak_flops)
-
-
 def test_jsonl_workloads_load_and_bad_lines_say_where(tmp_path):
     path = tmp_path / "w.jsonl"
     row = {"arrival_s": 0.5, "prompt_tokens": 12, "max_tokens": 4, "tenant": "a", "timeout": 2}
@@ -92,9 +76,10 @@ def test_fairness_preset_gives_the_light_tenant_its_share(capsys):
     "args, message",
     [
         (["--bucket-report", "/no/such/table.json"], "no step-cost table at /no/such/table.json"),
-        (["--cost-model", "roofline", "--tenants", "A:x"], "bad tenant share 'A:x'"),
-        (["--cost-model", "roofline", "--rate", "0"], "request rate must be > 0"),
-        (["--cost-model", "roofline", "--prompt-len", "uniform:9:3"], "bad length distribution"),
+        (["--tenants", "A:x"], "bad tenant share 'A:x'"),
+        (["--rate", "0"], "request rate must be > 0"),
+        (["--prompt-len", "uniform:9:3"], "bad length distribution"),
+        (["--compile-report", "/no/such.json"], "/no/such.json is not a `jserve compile"),
     ],
 )
 def test_bad_arguments_exit_2_with_one_line_that_says_what_to_fix(capsys, args, message):
