@@ -136,6 +136,7 @@ void block(const float* x, int64_t ldx, const float* panel, int64_t K, float* ou
 #undef JSERVE_ROW
 #undef JSERVE_STORE
 #else
+#include "k_order.h"  // the sums in k order, as the vector paths' FMAs
 template <int MR, int NP>
 void block(const float* x, int64_t ldx, const float* panel, int64_t K, float* out, int64_t ldo,
            const float* next) {
