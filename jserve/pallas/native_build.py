@@ -51,7 +51,7 @@ SOURCES = tuple(
     for name in ("ragged_attention_cpu.cc", "packed_matmul_cpu.cc", "quant_matmul_cpu.cc")
 )
 # included by the sources; part of the build key
-HEADERS = (NATIVE_DIR / "parallel_units.h", NATIVE_DIR / "k_order.h")
+HEADERS = tuple(NATIVE_DIR / name for name in ("parallel_units.h", "k_order.h", "float_block.h"))
 # Every level's flags; the level adds its own (native_isa). Reassociation lets the compiler
 # vectorize dot products; no -ffast-math, whose finite-math assumption would break the -inf of
 # the online softmax's first page.

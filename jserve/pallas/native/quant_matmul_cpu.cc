@@ -13,32 +13,41 @@
 // Formats may differ between panels and layers (a Q4_K_M file mixes Q4_K and Q6_K within a
 // fused projection), never within a panel.
 //
-// Inside the kernel a group's quants become float32 weights in registers, exactly as
-// gguf.quants dequantizes them (every product of a scale and a quant below is exact in float32
-// but Q6_K's, which rounds once, as numpy's does), and each column sums its products one FMA
-// per k in k order, as native/packed_matmul_cpu.cc does over the dequantized float32 weight: the
-// two kernels give the same bits, so serving the blocks never changes a greedy token. No integer
-// dot products: quantizing x to int8 per block (llama.cpp's way) would change the sums.
-//
-// Register blocks are MR rows of x times NP panels, the accumulators held over all of K; rows of
-// x go in chunks that fit L2 and work units of (row chunk, group of panels) run over XLA's
-// intra-op threads (parallel_units.h), each writing its own columns of y. The first row block
-// of a chunk prefetches the next panels into L2. Rows past `rows` (a step's padding) are zeros.
+// The kernel makes float32 weights exactly as gguf.quants dequantizes them (every product of
+// a scale and a quant below is exact in float32 but Q6_K's, which rounds once, as numpy's
+// does), and each column sums its products one FMA per k in k order, as
+// native/packed_matmul_cpu.cc does over the dequantized float32 weight: the two kernels give
+// the same bits, so serving the blocks never changes a greedy token. (Quantizing x to int8 per
+// block and taking integer dot products, llama.cpp's way, would change the sums.) Two ways:
+// - a chunk of at most one register block of rows (MR rows x NP panels, the accumulators held
+//   over all of K) turns each k's quants into weights in registers as it goes: at a few
+//   tokens a step is bound by reading the weights, a quarter to a sixth of float32's here;
+// - a chunk of more rows dequantizes each panel once into a float32 panel in a buffer that
+//   stays in L1/L2, which the float32 kernel's own register block reads (float_block.h), so
+//   the dequantization is shared by all the chunk's rows.
+// Rows of x go in chunks that fit L2 and work units of (row chunk, group of panels) run over
+// XLA's intra-op threads (parallel_units.h), each writing its own columns of y. The first row
+// block of a chunk prefetches the next panels into L2. Rows past `rows` (a step's padding) are
+// zeros.
 
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #endif
 
+#include "float_block.h"
 #include "parallel_units.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
+
+namespace f32 = jserve::f32;
 
 constexpr int64_t kPanel = 16;                   // columns per panel: one vector of 16 lanes
 constexpr int64_t kMagic = 0x3142515645534a;     // "JSEVQB1", little-endian
@@ -455,30 +464,68 @@ struct Problem {
   int64_t t, k, n;
 };
 
-// y[t0:t1, the columns of panels j to j + NP - 1] = x[t0:t1] @ those panels (all of format F).
-// A block whose columns run past N goes through a local buffer so only y's own columns are
-// written.
-template <class F, int NP>
-void rows_of_panels(const Problem& p, int64_t j, int64_t t0, int64_t t1, int64_t next) {
-  const uint8_t* panels[2] = {p.w.panel(j), NP > 1 ? p.w.panel(j + 1) : nullptr};
-  const uint8_t* ahead = next >= 0 ? p.w.panel(next) : nullptr;
-  const int64_t ahead_bytes = next >= 0 ? NP * bytes_of(p.w.format(next), p.k) : 0;
-  const int64_t c0 = j * kPanel, width = std::min<int64_t>(NP * kPanel, p.n - c0);
-  const bool whole = width == NP * kPanel;
-  float padded[kRows * NP * kPanel];
-  for (int64_t t = t0; t < t1; t += kRows) {
-    const int64_t rows = std::min<int64_t>(kRows, t1 - t);
-    float* out = whole ? p.y + t * p.n + c0 : padded;
-    const int64_t ldo = whole ? p.n : NP * kPanel;
-    block_of_rows<F, kRows, NP>(rows, p.x + t * p.k, p.k, panels, p.k, out, ldo,
-                                t == t0 ? ahead : nullptr, ahead_bytes);
+// A panel of format F as the float32 kernel's panel: out [K, 16], exactly its weights.
+template <class F>
+void dequantize(const uint8_t* panel, int64_t K, float* out) {
+  for (int64_t g = 0; g < K / F::kGroupK; ++g) {
+    const typename F::Group group = F::open(panel, g);
+    for (int s = 0; s < F::kGroupK / F::kStep; ++s, out += F::kStep * kPanel) {
+      VF w0 = zero(), w1 = w0, w2 = w0, w3 = w0;
+      F::weights(group, s, w0, w1, w2, w3);
+      store(out, w0);
+      if constexpr (F::kStep > 1) store(out + kPanel, w1);
+      if constexpr (F::kStep > 2) store(out + 2 * kPanel, w2), store(out + 3 * kPanel, w3);
+    }
+  }
+}
+
+// y[t0:t1, c0:c0 + COLS] by blocks of up to MR rows, each written by block(t, rows, out, ldo).
+// A block whose columns run past N goes through a local buffer so only y's own are written.
+template <int MR, int COLS, class Block>
+void by_row_blocks(const Problem& p, int64_t c0, int64_t t0, int64_t t1, const Block& block) {
+  const int64_t width = std::min<int64_t>(COLS, p.n - c0);
+  const bool whole = width == COLS;
+  float padded[MR * COLS];
+  for (int64_t t = t0; t < t1; t += MR) {
+    const int64_t rows = std::min<int64_t>(MR, t1 - t);
+    block(t, rows, whole ? p.y + t * p.n + c0 : padded, whole ? p.n : COLS);
     if (!whole) {
       for (int64_t r = 0; r < rows; ++r) {
-        const float* row = padded + r * NP * kPanel;
-        std::copy(row, row + width, p.y + (t + r) * p.n + c0);
+        std::copy(padded + r * COLS, padded + r * COLS + width, p.y + (t + r) * p.n + c0);
       }
     }
   }
+}
+
+// y[t0:t1, the columns of panels j to j + NP - 1] = x[t0:t1] @ those panels (all of format F).
+// One register block of rows turns the quants into weights in registers as it goes; more rows
+// than that share one dequantization: the panels become float32 panels in a buffer that stays
+// in L1 or L2, which the float32 kernel's own register block then reads (the same bits).
+template <class F, int NP>
+void rows_of_panels(const Problem& p, int64_t j, int64_t t0, int64_t t1, int64_t next) {
+  if (t1 - t0 > kRows) {
+    thread_local std::vector<float> floats;
+    floats.resize(NP * p.k * kPanel);
+    for (int q = 0; q < NP; ++q) dequantize<F>(p.w.panel(j + q), p.k, &floats[q * p.k * kPanel]);
+    constexpr int FP = f32::kBlockPanels < NP ? f32::kBlockPanels : NP;  // its block's panels
+    for (int q = 0; q < NP; q += FP) {
+      const float* panel = &floats[q * p.k * kPanel];
+      by_row_blocks<f32::kRows, FP * kPanel>(
+          p, (j + q) * kPanel, t0, t1, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
+            f32::block_of_rows<f32::kRows, FP>(rows, p.x + t * p.k, p.k, panel, p.k, out, ldo,
+                                               nullptr);
+          });
+    }
+    return;
+  }
+  const uint8_t* panels[2] = {p.w.panel(j), NP > 1 ? p.w.panel(j + 1) : nullptr};
+  const uint8_t* ahead = next >= 0 ? p.w.panel(next) : nullptr;
+  const int64_t ahead_bytes = next >= 0 ? NP * bytes_of(p.w.format(next), p.k) : 0;
+  by_row_blocks<kRows, NP * kPanel>(
+      p, j * kPanel, t0, t1, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
+        block_of_rows<F, kRows, NP>(rows, p.x + t * p.k, p.k, panels, p.k, out, ldo,
+                                    t == t0 ? ahead : nullptr, ahead_bytes);
+      });
 }
 
 template <int NP>
@@ -493,19 +540,13 @@ void rows_of_panels_as_stored(const Problem& p, int64_t j, int64_t t0, int64_t t
   }
 }
 
-// Columns of a packed weight's layer 0: out[t, :] = column ids[t] (clamped to the panels).
+// Column c of a packed panel of format F: out [K].
 template <class F>
 void column(const uint8_t* panel, int64_t c, int64_t K, float* out) {
-  alignas(64) float lanes[4][kPanel];
-  for (int64_t g = 0; g < K / F::kGroupK; ++g) {
-    const typename F::Group group = F::open(panel, g);
-    for (int s = 0; s < F::kGroupK / F::kStep; ++s) {
-      VF w0 = zero(), w1 = w0, w2 = w0, w3 = w0;
-      F::weights(group, s, w0, w1, w2, w3);
-      store(lanes[0], w0), store(lanes[1], w1), store(lanes[2], w2), store(lanes[3], w3);
-      for (int i = 0; i < F::kStep; ++i) *out++ = lanes[i][c];
-    }
-  }
+  thread_local std::vector<float> floats;
+  floats.resize(K * kPanel);
+  dequantize<F>(panel, K, floats.data());
+  for (int64_t k = 0; k < K; ++k) out[k] = floats[k * kPanel + c];
 }
 
 void column_as_stored(const Weight& w, int64_t id, float* out) {
