@@ -41,9 +41,12 @@ def _float_panels(layers: list[np.ndarray]) -> jax.Array:
 
 @pytest.mark.parametrize("impl", NATIVE)
 @pytest.mark.parametrize("fmt", FORMATS)
-# (tokens, K, N): one token, a short last register block, N past a panel, N under one panel,
-# two row blocks and a ragged tail
-@pytest.mark.parametrize(("tokens", "k", "n"), [(1, 256, 40), (3, 512, 16), (17, 256, 7)])
+# (tokens, K, N): one token, a short register block, N past a panel, N under one panel, more
+# rows than a register block (the first keeps the weights it makes, the float32 block reads
+# them for the rest), and rows in two chunks of L2 (a long K makes chunks short)
+@pytest.mark.parametrize(
+    ("tokens", "k", "n"), [(1, 256, 40), (3, 512, 16), (17, 256, 7), (100, 1536, 40)]
+)
 def test_matches_float64_and_the_float32_kernel_bit_for_bit(impl, fmt, tokens, k, n):
     rng = np.random.default_rng(tokens * k + n)
     mats = [random_blocks(fmt, n, k, rng) for _ in range(2)]

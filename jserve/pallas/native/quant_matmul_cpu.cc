@@ -18,13 +18,13 @@
 // does), and each column sums its products one FMA per k in k order, as
 // native/packed_matmul_cpu.cc does over the dequantized float32 weight: the two kernels give
 // the same bits, so serving the blocks never changes a greedy token. (Quantizing x to int8 per
-// block and taking integer dot products, llama.cpp's way, would change the sums.) Two ways:
-// - a chunk of at most one register block of rows (MR rows x NP panels, the accumulators held
-//   over all of K) turns each k's quants into weights in registers as it goes: at a few
-//   tokens a step is bound by reading the weights, a quarter to a sixth of float32's here;
-// - a chunk of more rows dequantizes each panel once into a float32 panel in a buffer that
-//   stays in L1/L2, which the float32 kernel's own register block reads (float_block.h), so
-//   the dequantization is shared by all the chunk's rows.
+// block and taking integer dot products, llama.cpp's way, would change the sums.) A register
+// block of MR rows x NP panels, its accumulators held over all of K, turns each k's quants
+// into weights in registers as it goes: at a few tokens a step is bound by reading weights, and
+// blocks are 3.8 (Q8_0) to 7.1 (Q4_0, Q4_K) times fewer bytes than float32. Past one register block of rows, the first block also
+// keeps the weights it makes, as float32 panels in a buffer that stays in L1/L2 (the stores and
+// the dequantization mostly use ports its FMAs leave free), and the float32 kernel's own block
+// (float_block.h) reads them for the chunk's other rows, so the dequantization is shared.
 // Rows of x go in chunks that fit L2 and work units of (row chunk, group of panels) run over
 // XLA's intra-op threads (parallel_units.h), each writing its own columns of y. The first row
 // block of a chunk prefetches the next panels into L2. Rows past `rows` (a step's padding) are
@@ -345,6 +345,15 @@ constexpr int64_t panel_bytes(int64_t k) {
   return k / F::kSuperK * F::kSuperBytes;
 }
 
+// The weights w0.. of k, k + 1, .. (F::kStep of them) into a float32 panel [K, 16].
+template <class F>
+inline void keep_weights(float* panel, int64_t k, VF w0, VF w1, VF w2, VF w3) {
+  float* row = panel + k * kPanel;
+  store(row, w0);
+  if constexpr (F::kStep > 1) store(row + kPanel, w1);
+  if constexpr (F::kStep > 2) store(row + 2 * kPanel, w2), store(row + 3 * kPanel, w3);
+}
+
 // ---- the register block ------------------------------------------------------------------
 // out[r, 16 p + c] = x[r, :] @ panel p's column c, for r < MR and p < NP. The accumulators are
 // named variables: GCC keeps a vector array on the stack and stores it back on every k.
@@ -359,6 +368,7 @@ constexpr int64_t panel_bytes(int64_t k) {
   if constexpr (NP > p) {                                                         \
     VF w0 = zero(), w1 = w0, w2 = w0, w3 = w0;                                    \
     F::weights(group##p, s, w0, w1, w2, w3);                                      \
+    if constexpr (KEEP) keep_weights<F>(kept + p * K * kPanel, k, w0, w1, w2, w3); \
     JSERVE_K(p, 0) JSERVE_K(p, 1) JSERVE_K(p, 2) JSERVE_K(p, 3)                   \
   }
 #define JSERVE_STORE(r)                                                     \
@@ -366,9 +376,11 @@ constexpr int64_t panel_bytes(int64_t k) {
     store(out + r * ldo, a##r##_0);                                         \
     if constexpr (NP > 1) store(out + r * ldo + kPanel, a##r##_1);          \
   }
-template <class F, int MR, int NP>
+// With KEEP, the weights made on the way are also stored in `kept` as the NP panels of the
+// float32 kernel's layout ([K, 16] each), for the float32 block to read for more rows.
+template <class F, int MR, int NP, bool KEEP>
 void block(const float* x, int64_t ldx, const uint8_t* const* panels, int64_t K, float* out,
-           int64_t ldo, const uint8_t* next, int64_t next_bytes) {
+           int64_t ldo, const uint8_t* next, int64_t next_bytes, float* kept) {
   static_assert(MR <= 8 && (NP == 1 || NP == 2));
   VF a0_0 = zero(), a0_1 = a0_0, a1_0 = a0_0, a1_1 = a0_0, a2_0 = a0_0, a2_1 = a0_0;
   VF a3_0 = a0_0, a3_1 = a0_0, a4_0 = a0_0, a4_1 = a0_0, a5_0 = a0_0, a5_1 = a0_0;
@@ -380,7 +392,8 @@ void block(const float* x, int64_t ldx, const uint8_t* const* panels, int64_t K,
     const typename F::Group group0 = F::open(panels[0], g);
     const typename F::Group group1 = NP > 1 ? F::open(panels[1], g) : group0;
     for (int s = 0; s < F::kGroupK / F::kStep; ++s) {
-      const float* xk = x + g * F::kGroupK + s * F::kStep;
+      const int64_t k = g * F::kGroupK + s * F::kStep;
+      const float* xk = x + k;
       JSERVE_PANEL(0) JSERVE_PANEL(1)
     }
   }
@@ -392,14 +405,16 @@ void block(const float* x, int64_t ldx, const uint8_t* const* panels, int64_t K,
 #undef JSERVE_PANEL
 #undef JSERVE_STORE
 
-// block<rows, NP>, for the last block of a chunk, which may be short.
-template <class F, int MR, int NP>
+// block<rows, NP, KEEP>, for the last block of a chunk, which may be short.
+template <class F, int MR, int NP, bool KEEP>
 void block_of_rows(int64_t rows, const float* x, int64_t ldx, const uint8_t* const* panels,
-                   int64_t K, float* out, int64_t ldo, const uint8_t* next, int64_t next_bytes) {
+                   int64_t K, float* out, int64_t ldo, const uint8_t* next, int64_t next_bytes,
+                   float* kept) {
   if (rows == MR) {
-    block<F, MR, NP>(x, ldx, panels, K, out, ldo, next, next_bytes);
+    block<F, MR, NP, KEEP>(x, ldx, panels, K, out, ldo, next, next_bytes, kept);
   } else if constexpr (MR > 1) {
-    block_of_rows<F, MR - 1, NP>(rows, x, ldx, panels, K, out, ldo, next, next_bytes);
+    block_of_rows<F, MR - 1, NP, KEEP>(rows, x, ldx, panels, K, out, ldo, next, next_bytes,
+                                       kept);
   }
 }
 
@@ -464,7 +479,8 @@ struct Problem {
   int64_t t, k, n;
 };
 
-// A panel of format F as the float32 kernel's panel: out [K, 16], exactly its weights.
+// A panel of format F as the float32 kernel's panel: out [K, 16], exactly its weights (the
+// column gather's source).
 template <class F>
 void dequantize(const uint8_t* panel, int64_t K, float* out) {
   for (int64_t g = 0; g < K / F::kGroupK; ++g) {
@@ -498,34 +514,39 @@ void by_row_blocks(const Problem& p, int64_t c0, int64_t t0, int64_t t1, const B
 }
 
 // y[t0:t1, the columns of panels j to j + NP - 1] = x[t0:t1] @ those panels (all of format F).
-// One register block of rows turns the quants into weights in registers as it goes; more rows
-// than that share one dequantization: the panels become float32 panels in a buffer that stays
-// in L1 or L2, which the float32 kernel's own register block then reads (the same bits).
+// Register blocks of rows turn the quants into weights in registers as they go. Past one block
+// of rows, the first block also keeps the weights it makes, as float32 panels in a buffer that
+// stays in L1/L2 (its FMAs leave the ports that make them mostly free), and the float32
+// kernel's own register block reads those for the other rows (the same bits).
 template <class F, int NP>
 void rows_of_panels(const Problem& p, int64_t j, int64_t t0, int64_t t1, int64_t next) {
-  if (t1 - t0 > kRows) {
-    thread_local std::vector<float> floats;
-    floats.resize(NP * p.k * kPanel);
-    for (int q = 0; q < NP; ++q) dequantize<F>(p.w.panel(j + q), p.k, &floats[q * p.k * kPanel]);
-    constexpr int FP = f32::kBlockPanels < NP ? f32::kBlockPanels : NP;  // its block's panels
-    for (int q = 0; q < NP; q += FP) {
-      const float* panel = &floats[q * p.k * kPanel];
-      by_row_blocks<f32::kRows, FP * kPanel>(
-          p, (j + q) * kPanel, t0, t1, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
-            f32::block_of_rows<f32::kRows, FP>(rows, p.x + t * p.k, p.k, panel, p.k, out, ldo,
-                                               nullptr);
-          });
-    }
-    return;
-  }
   const uint8_t* panels[2] = {p.w.panel(j), NP > 1 ? p.w.panel(j + 1) : nullptr};
   const uint8_t* ahead = next >= 0 ? p.w.panel(next) : nullptr;
   const int64_t ahead_bytes = next >= 0 ? NP * bytes_of(p.w.format(next), p.k) : 0;
+  if (t1 - t0 <= kRows) {
+    by_row_blocks<kRows, NP * kPanel>(
+        p, j * kPanel, t0, t1, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
+          block_of_rows<F, kRows, NP, false>(rows, p.x + t * p.k, p.k, panels, p.k, out, ldo,
+                                             ahead, ahead_bytes, nullptr);
+        });
+    return;
+  }
+  thread_local std::vector<float> floats;
+  floats.resize(NP * p.k * kPanel);
   by_row_blocks<kRows, NP * kPanel>(
-      p, j * kPanel, t0, t1, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
-        block_of_rows<F, kRows, NP>(rows, p.x + t * p.k, p.k, panels, p.k, out, ldo,
-                                    t == t0 ? ahead : nullptr, ahead_bytes);
+      p, j * kPanel, t0, t0 + kRows, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
+        block<F, kRows, NP, true>(p.x + t * p.k, p.k, panels, p.k, out, ldo, ahead,
+                                  ahead_bytes, floats.data());
       });
+  constexpr int FP = f32::kBlockPanels < NP ? f32::kBlockPanels : NP;  // its block's panels
+  for (int q = 0; q < NP; q += FP) {
+    const float* panel = &floats[q * p.k * kPanel];
+    by_row_blocks<f32::kRows, FP * kPanel>(
+        p, (j + q) * kPanel, t0 + kRows, t1, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
+          f32::block_of_rows<f32::kRows, FP>(rows, p.x + t * p.k, p.k, panel, p.k, out, ldo,
+                                             nullptr);
+        });
+  }
 }
 
 template <int NP>
