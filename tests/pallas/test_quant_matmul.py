@@ -41,11 +41,13 @@ def _float_panels(layers: list[np.ndarray]) -> jax.Array:
 
 @pytest.mark.parametrize("impl", NATIVE)
 @pytest.mark.parametrize("fmt", FORMATS)
-# (tokens, K, N): one token, a short register block, N past a panel, N under one panel, more
-# rows than a register block (the first keeps the weights it makes, the float32 block reads
-# them for the rest), and rows in two chunks of L2 (a long K makes chunks short)
+# (tokens, K, N): one token, two tokens over blocks of four panels and the rest, a short
+# register block, N under one panel, more rows than a register block (the first keeps the
+# weights it makes, the float32 block reads them for the rest), and rows in two chunks of L2
+# (a long K makes chunks short)
 @pytest.mark.parametrize(
-    ("tokens", "k", "n"), [(1, 256, 40), (3, 512, 16), (17, 256, 7), (100, 1536, 40)]
+    ("tokens", "k", "n"),
+    [(1, 256, 40), (2, 256, 100), (3, 512, 16), (17, 256, 7), (100, 1536, 40)],
 )
 def test_matches_float64_and_the_float32_kernel_bit_for_bit(impl, fmt, tokens, k, n):
     rng = np.random.default_rng(tokens * k + n)
@@ -87,11 +89,12 @@ def test_formats_mixed_within_a_weight_and_across_layers(impl):
     layer1 = [random_blocks(BlockFormat.Q6_K, n, k, rng)]
     packed = pack_weight([layer0, layer1])
     floats = [np.concatenate([dequantized(m) for m in layer0], axis=1), dequantized(layer1[0])]
-    x = rng.standard_normal((5, k)).astype(np.float32)
-    for layer in range(2):
-        np.testing.assert_array_equal(
-            _matmul(x, packed, layer, n), _matmul(x, _float_panels(floats), layer, n)
-        )
+    for tokens in (1, 5):  # blocks of four panels at one token, of two at more
+        x = rng.standard_normal((tokens, k)).astype(np.float32)
+        for layer in range(2):
+            np.testing.assert_array_equal(
+                _matmul(x, packed, layer, n), _matmul(x, _float_panels(floats), layer, n)
+            )
     counts = {"Q4_K": 3, "Q6_K": 2 + 6, "Q8_0": 1}
     assert weight_info(packed) == {"layers": 2, "panels": 6, "k": k, **counts}
 

@@ -21,7 +21,8 @@
 // block and taking integer dot products, llama.cpp's way, would change the sums.) A register
 // block of MR rows x NP panels, its accumulators held over all of K, turns each k's quants
 // into weights in registers as it goes: at a few tokens a step is bound by reading weights, and
-// blocks are 3.8 (Q8_0) to 7.1 (Q4_0, Q4_K) times fewer bytes than float32. Past one register block of rows, the first block also
+// blocks are 3.8 (Q8_0) to 7.1 (Q4_0, Q4_K) times fewer bytes than float32; at one or two rows
+// a block takes four panels (AVX-512), so four chains of FMAs are in flight. Past one register block of rows, the first block also
 // keeps the weights it makes, as float32 panels in a buffer that stays in L1/L2 (the stores and
 // the dequantization mostly use ports its FMAs leave free), and the float32 kernel's own block
 // (float_block.h) reads them for the chunk's other rows, so the dequantization is shared.
@@ -55,6 +56,14 @@ constexpr int64_t kHeaderWords = 4;              // magic, L, P, K
 constexpr int64_t kChunkBytes = 512 << 10;       // a row chunk of x stays within L2
 constexpr int64_t kUnitsPerThread = 4;           // slack, so a late pool thread costs little
 constexpr int kBlockPanels = 2;                  // NP of a full register block
+// At one or two rows the FMAs of a panel's column form one chain of latency-bound steps (k by
+// k), so a block of kFewRows rows takes kFewRowsPanels panels: more chains in flight.
+constexpr int kFewRows = 2;
+#if defined(__AVX512F__)
+constexpr int kFewRowsPanels = 4;  // 8 accumulators, 4 panels' scales and weights: 32 zmm
+#else
+constexpr int kFewRowsPanels = kBlockPanels;
+#endif
 #if defined(__AVX512F__)
 constexpr int kRows = 8;  // 16 accumulators, a panel's weights and both panels' scales: 32 zmm
 #else
@@ -368,33 +377,40 @@ inline void keep_weights(float* panel, int64_t k, VF w0, VF w1, VF w2, VF w3) {
   if constexpr (NP > p) {                                                         \
     VF w0 = zero(), w1 = w0, w2 = w0, w3 = w0;                                    \
     F::weights(group##p, s, w0, w1, w2, w3);                                      \
-    if constexpr (KEEP) keep_weights<F>(kept + p * K * kPanel, k, w0, w1, w2, w3); \
+    if constexpr (KEEP) keep_weights<F>(kept + p * K * kPanel, k, w0, w1, w2, w3);  \
     JSERVE_K(p, 0) JSERVE_K(p, 1) JSERVE_K(p, 2) JSERVE_K(p, 3)                   \
   }
 #define JSERVE_STORE(r)                                                     \
   if constexpr (MR > r) {                                                   \
     store(out + r * ldo, a##r##_0);                                         \
     if constexpr (NP > 1) store(out + r * ldo + kPanel, a##r##_1);          \
+    if constexpr (NP > 2) store(out + r * ldo + 2 * kPanel, a##r##_2);      \
+    if constexpr (NP > 3) store(out + r * ldo + 3 * kPanel, a##r##_3);      \
   }
 // With KEEP, the weights made on the way are also stored in `kept` as the NP panels of the
 // float32 kernel's layout ([K, 16] each), for the float32 block to read for more rows.
 template <class F, int MR, int NP, bool KEEP>
 void block(const float* x, int64_t ldx, const uint8_t* const* panels, int64_t K, float* out,
            int64_t ldo, const uint8_t* next, int64_t next_bytes, float* kept) {
-  static_assert(MR <= 8 && (NP == 1 || NP == 2));
+  static_assert(MR <= 8 && NP <= 4 && MR * NP <= 16 && !(KEEP && NP > 2));
   VF a0_0 = zero(), a0_1 = a0_0, a1_0 = a0_0, a1_1 = a0_0, a2_0 = a0_0, a2_1 = a0_0;
   VF a3_0 = a0_0, a3_1 = a0_0, a4_0 = a0_0, a4_1 = a0_0, a5_0 = a0_0, a5_1 = a0_0;
   VF a6_0 = a0_0, a6_1 = a0_0, a7_0 = a0_0, a7_1 = a0_0;
+  VF a0_2 = a0_0, a0_3 = a0_0, a1_2 = a0_0, a1_3 = a0_0, a2_2 = a0_0, a2_3 = a0_0;
+  VF a3_2 = a0_0, a3_3 = a0_0, a4_2 = a0_0, a4_3 = a0_0, a5_2 = a0_0, a5_3 = a0_0;
+  VF a6_2 = a0_0, a6_3 = a0_0, a7_2 = a0_0, a7_3 = a0_0;  // NP 4 takes at most 4 rows
   const int64_t groups = K / F::kGroupK;
   const int64_t ahead = next ? (next_bytes + groups - 1) / groups : 0;  // of `next`, a group
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t b = 0; b < ahead; b += 64) __builtin_prefetch(next + g * ahead + b, 0, 2);
     const typename F::Group group0 = F::open(panels[0], g);
     const typename F::Group group1 = NP > 1 ? F::open(panels[1], g) : group0;
+    const typename F::Group group2 = NP > 2 ? F::open(panels[2], g) : group0;
+    const typename F::Group group3 = NP > 3 ? F::open(panels[3], g) : group0;
     for (int s = 0; s < F::kGroupK / F::kStep; ++s) {
       const int64_t k = g * F::kGroupK + s * F::kStep;
       const float* xk = x + k;
-      JSERVE_PANEL(0) JSERVE_PANEL(1)
+      JSERVE_PANEL(0) JSERVE_PANEL(1) JSERVE_PANEL(2) JSERVE_PANEL(3)
     }
   }
   JSERVE_STORE(0) JSERVE_STORE(1) JSERVE_STORE(2) JSERVE_STORE(3)
@@ -520,32 +536,37 @@ void by_row_blocks(const Problem& p, int64_t c0, int64_t t0, int64_t t1, const B
 // kernel's own register block reads those for the other rows (the same bits).
 template <class F, int NP>
 void rows_of_panels(const Problem& p, int64_t j, int64_t t0, int64_t t1, int64_t next) {
-  const uint8_t* panels[2] = {p.w.panel(j), NP > 1 ? p.w.panel(j + 1) : nullptr};
+  const uint8_t* panels[NP];
+  for (int q = 0; q < NP; ++q) panels[q] = p.w.panel(j + q);
   const uint8_t* ahead = next >= 0 ? p.w.panel(next) : nullptr;
   const int64_t ahead_bytes = next >= 0 ? NP * bytes_of(p.w.format(next), p.k) : 0;
-  if (t1 - t0 <= kRows) {
-    by_row_blocks<kRows, NP * kPanel>(
+  constexpr int MR = NP > kBlockPanels ? kFewRows : kRows;
+  if (NP > kBlockPanels || t1 - t0 <= kRows) {
+    by_row_blocks<MR, NP * kPanel>(
         p, j * kPanel, t0, t1, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
-          block_of_rows<F, kRows, NP, false>(rows, p.x + t * p.k, p.k, panels, p.k, out, ldo,
-                                             ahead, ahead_bytes, nullptr);
+          block_of_rows<F, MR, NP, false>(rows, p.x + t * p.k, p.k, panels, p.k, out, ldo,
+                                          ahead, ahead_bytes, nullptr);
         });
     return;
   }
-  thread_local std::vector<float> floats;
-  floats.resize(NP * p.k * kPanel);
-  by_row_blocks<kRows, NP * kPanel>(
-      p, j * kPanel, t0, t0 + kRows, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
-        block<F, kRows, NP, true>(p.x + t * p.k, p.k, panels, p.k, out, ldo, ahead,
-                                  ahead_bytes, floats.data());
-      });
-  constexpr int FP = f32::kBlockPanels < NP ? f32::kBlockPanels : NP;  // its block's panels
-  for (int q = 0; q < NP; q += FP) {
-    const float* panel = &floats[q * p.k * kPanel];
-    by_row_blocks<f32::kRows, FP * kPanel>(
-        p, (j + q) * kPanel, t0 + kRows, t1, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
-          f32::block_of_rows<f32::kRows, FP>(rows, p.x + t * p.k, p.k, panel, p.k, out, ldo,
-                                             nullptr);
+  if constexpr (NP <= kBlockPanels) {  // (NP of kFewRowsPanels only takes few rows)
+    thread_local std::vector<float> floats;
+    floats.resize(NP * p.k * kPanel);
+    by_row_blocks<kRows, NP * kPanel>(
+        p, j * kPanel, t0, t0 + kRows, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
+          block<F, kRows, NP, true>(p.x + t * p.k, p.k, panels, p.k, out, ldo, ahead,
+                                    ahead_bytes, floats.data());
         });
+    constexpr int FP = f32::kBlockPanels < NP ? f32::kBlockPanels : NP;  // its block's panels
+    for (int q = 0; q < NP; q += FP) {
+      const float* panel = &floats[q * p.k * kPanel];
+      const int64_t c0 = (j + q) * kPanel;
+      by_row_blocks<f32::kRows, FP * kPanel>(
+          p, c0, t0 + kRows, t1, [&](int64_t t, int64_t rows, float* out, int64_t ldo) {
+            f32::block_of_rows<f32::kRows, FP>(rows, p.x + t * p.k, p.k, panel, p.k, out, ldo,
+                                               nullptr);
+          });
+    }
   }
 }
 
@@ -606,16 +627,21 @@ ffi::Error QuantMatmulImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   const int64_t chunks = (p.t + chunk_rows - 1) / chunk_rows;
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());  // the caller among them
   const int64_t groups_wanted = std::max<int64_t>(1, workers * kUnitsPerThread / chunks);
-  const int64_t group = (panels + groups_wanted * kBlockPanels - 1) /
-                        (groups_wanted * kBlockPanels) * kBlockPanels;  // whole blocks
+  const int64_t group = (panels + groups_wanted * kFewRowsPanels - 1) /
+                        (groups_wanted * kFewRowsPanels) * kFewRowsPanels;  // whole blocks
   const int64_t groups = (panels + group - 1) / group;
   jserve::run_units(pool, chunks * groups, [&](int64_t u) {
     const int64_t t0 = u / groups * chunk_rows, t1 = std::min(p.t, t0 + chunk_rows);
     const int64_t j0 = u % groups * group, j1 = std::min(panels, j0 + group);
+    const int64_t most = t1 - t0 <= kFewRows ? kFewRowsPanels : kBlockPanels;
     for (int64_t j = j0; j < j1;) {
-      const bool pair = j + 1 < j1 && p.w.format(j + 1) == p.w.format(j);
-      const int64_t after = j + (pair ? 2 : 1), next = after < j1 ? after : -1;
-      if (pair) {
+      int64_t np = 1;  // panels of one format taken together, at most `most`
+      while (np < most && j + np < j1 && p.w.format(j + np) == p.w.format(j)) ++np;
+      np = np >= kFewRowsPanels ? kFewRowsPanels : np >= 2 ? 2 : 1;
+      const int64_t after = j + np, next = after < j1 ? after : -1;
+      if (np == kFewRowsPanels) {
+        rows_of_panels_as_stored<kFewRowsPanels>(p, j, t0, t1, next);
+      } else if (np == 2) {
         rows_of_panels_as_stored<2>(p, j, t0, t1, next);
       } else {
         rows_of_panels_as_stored<1>(p, j, t0, t1, next);
