@@ -164,7 +164,7 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
 
 
 def weight_bytes(state: Any) -> int:
-    """Bytes of a model's parameters, all devices together."""
+    """Bytes of a model's parameters (each array's whole size, counted once)."""
     return sum(leaf.nbytes for leaf in jax.tree.leaves(state))
 
 
