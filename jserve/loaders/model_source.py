@@ -34,7 +34,7 @@ from jserve.loaders.hf_params import Params
 from jserve.loaders.safetensors_dir import load_safetensors_dir
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
-from jserve.pallas.quant_blocks import MAGIC, weight_info
+from jserve.pallas.quant_blocks import MAGIC, BlockFormat, weight_info
 
 log = logging.getLogger(__name__)
 
@@ -112,8 +112,8 @@ def read_checkpoint_dir(path: Path, name: str | None = None) -> LoadedModel:
 def _gguf_cache_entry(path: Path, cache_dir: Path, packed: bool = False) -> Path:
     st = path.stat()
     what = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
-    if packed:  # the packed layout's version is part of the key: a new layout converts anew
-        what += f"|packed {MAGIC:x}"
+    if packed:  # a new layout, or a new format read, converts anew (or retries a refusal)
+        what += f"|packed {MAGIC:x} {','.join(BlockFormat)}"
     key = hashlib.sha256(what.encode()).hexdigest()
     return cache_dir / "models" / f"{path.stem}-{key[:16]}"
 
