@@ -3,8 +3,9 @@
 The step is `ModelRunner.run` on one bucket filled with decode rows, each sequence with its own
 pages at the given context (bench.bucket_costs' `representative_inputs`), timed up to its logits.
 The matmul-only stack is the same step's products and nothing else: the four projections of
-every layer at the step's token count under `lax.scan` (weights of the model's shapes, laid out
-for the engine's matmul implementation) and the lm_head at one row per sequence. Both are timed
+every layer at the step's token count under `lax.scan` (on the native kernels the engine's own
+weights as it lays them out, packed GGUF blocks included; under XLA random ones of the model's
+shapes) and the lm_head at one row per sequence. Both are timed
 in alternation (bench.ab_driver), in one process, so a change in the machine's state moves
 both; the report gives the median of the rounds and the step's share of the matmul-only rate
 (stack / step), with the min, median and max of each round's share.
@@ -26,10 +27,12 @@ import re
 import statistics
 import tempfile
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from bench.ab_driver import alternate, describe
 from bench.bucket_costs import representative_inputs
@@ -39,11 +42,15 @@ from bench.roofline import projection_shapes
 from jserve.config.engine_args import add_engine_arguments, engine_args_from_namespace
 from jserve.engine.llm_engine import LLMEngine
 from jserve.models.config import ModelConfig
-from jserve.pallas.layer_matmul import layer_matmul, pack_layer_weight
+from jserve.pallas.layer_matmul import MatmulImpl, layer_matmul, pack_layer_weight
 
 
-def matmul_stack(config: ModelConfig, impl: str, tokens: int, seqs: int, seed: int = 0):
-    """fn(): the step's products once, jitted, on random arrays of the step's shapes."""
+def matmul_stack(
+    config: ModelConfig, impl: str, tokens: int, seqs: int, served: Any = None, seed: int = 0
+):
+    """fn(): the step's products once, jitted, on random inputs of the step's shapes and random
+    weights laid out for `impl`; with `served` (a "native" engine's LlamaModel), its own
+    weights as they are laid out, float panels or packed GGUF blocks."""
     rng = np.random.default_rng(seed)
     layers = config.num_layers
 
@@ -52,12 +59,16 @@ def matmul_stack(config: ModelConfig, impl: str, tokens: int, seqs: int, seed: i
         return pack_layer_weight(jnp.asarray(w), impl)
 
     shapes = projection_shapes(config)
-    weights = {name: weight(k, n, layers) for name, (k, n) in shapes.items()}
     inputs = {
         name: jnp.asarray(rng.standard_normal((tokens, k), np.float32))
         for name, (k, _) in shapes.items()
     }
-    head = weight(config.hidden_size, config.vocab_size, 1)
+    if served is None:
+        weights = {name: weight(k, n, layers) for name, (k, n) in shapes.items()}
+        head = weight(config.hidden_size, config.vocab_size, 1)
+    else:
+        weights = {name: getattr(served.layers, name)[...] for name in shapes}
+        head = (served.embed if config.tie_word_embeddings else served.lm_head)[...]
     rows = jnp.asarray(rng.standard_normal((seqs, config.hidden_size), np.float32))
 
     @jax.jit
@@ -76,7 +87,12 @@ def matmul_stack(config: ModelConfig, impl: str, tokens: int, seqs: int, seed: i
 
 # A profile row of each native kernel, by the kernel name that starts its FFI target (a build's
 # target adds its ISA level and key: jserve.pallas.native_build); other ops go by their names.
-TARGET_ROWS = {"jserve_packed_matmul_f32": "matmuls", "jserve_ragged_attention_f32": "attention"}
+TARGET_ROWS = {
+    "jserve_packed_matmul_f32": "matmuls",
+    "jserve_quant_matmul_f32": "matmuls",
+    "jserve_quant_columns_f32": "gathers and scatters",
+    "jserve_ragged_attention_f32": "attention",
+}
 KERNEL = re.compile(rf'custom_call_target="({"|".join(TARGET_ROWS)})')
 CONTAINERS = {"while", "conditional", "call"}  # ops whose time is their inner ops' time
 PROFILE_ROWS = ("matmuls", "attention", "gathers and scatters", "other XLA ops")
@@ -156,7 +172,11 @@ def main(argv: list[str] | None = None) -> None:
     if args.seqs not in buckets:
         raise SystemExit(f"--seqs {args.seqs} is not one of the token buckets {buckets}")
     inputs, _ = representative_inputs(engine, "decode", args.seqs, args.seqs, args.context)
-    stack = matmul_stack(engine.model_config, engine.runner.matmul_impl, args.seqs, args.seqs)
+    runner = engine.runner
+    served = None  # a native engine's stack reads its own weights (a packed GGUF's blocks too)
+    if runner.matmul_impl == MatmulImpl.NATIVE:
+        served = nnx.merge(runner.step.graphdef, runner.state)
+    stack = matmul_stack(engine.model_config, runner.matmul_impl, args.seqs, args.seqs, served)
     rounds = alternate(
         lambda: median_ms(lambda: engine.runner.run(inputs), args.calls),
         lambda: median_ms(stack, args.calls),

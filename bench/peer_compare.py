@@ -52,12 +52,19 @@ MAX_OTHER_SHARE = 0.10
 
 
 def run_driver(
-    engine: str, python: str, model: str | None, paths: list[Path], args, suffix: str = ""
+    engine: str,
+    python: str,
+    model: str | None,
+    paths: list[Path],
+    args,
+    suffix: str = "",
+    extra: tuple[str, ...] = (),
 ) -> dict:
+    """One bench.peer_driver run of `engine` under `python` (`extra`: more of its flags)."""
     out = args.out / f"peer_{engine}{suffix}.json"
     cmd = [python, "-m", "bench.peer_driver", "--engine", engine, "--out", str(out),
            "--workloads", *map(str, paths), "--max-num-seqs", str(args.max_num_seqs),
-           "--max-load", str(args.max_load)]  # fmt: skip
+           "--max-load", str(args.max_load), *extra]  # fmt: skip
     if model:
         cmd += ["--model", model]
     if args.max_num_batched_tokens:

@@ -395,3 +395,17 @@ def peer_workloads(smoke: bool, seed: int = 0) -> list[dict]:
         {"name": "shared-prefix", "requests": shared},
         {"name": "batch-1", "requests": single},
     ]
+
+
+def quant_workloads(smoke: bool, seed: int = 0) -> list[dict]:
+    """bench.quant_compare's offline workloads (in peer_workloads' form):
+    - batch-1: peer_workloads' (one 32-token prompt, 128 output tokens);
+    - 32-seqs: 32 requests of their own 32-token prompt and 128 output tokens, all at once.
+    Smoke: outputs an eighth, 4 requests."""
+    rng = np.random.default_rng(seed)
+    scale = 8 if smoke else 1
+    many = [
+        {"prompt_token_ids": _ids(rng, 32), "max_tokens": 128 // scale} for _ in range(32 // scale)
+    ]
+    [single] = [w for w in peer_workloads(smoke, seed) if w["name"] == "batch-1"]
+    return [single, {"name": "32-seqs", "requests": many}]

@@ -99,6 +99,7 @@ async def _metrics(request: web.Request) -> web.Response:
     if state.engine is not None:
         try:
             state.metrics.refresh(state.engine.stats())
+            state.metrics.model_info.labels(state.model_name, state.engine.quantization).set(1)
         except Exception:  # a dead engine still lets operators read the server-side series
             logger.exception("engine.stats() failed; serving the last snapshot")
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -113,6 +114,7 @@ async def _models(request: web.Request) -> web.Response:
         "created": state.created,
         "owned_by": "jserve",
         "max_model_len": engine.max_model_len,
+        "quantization": engine.quantization,
     }
     return json_response({"object": "list", "data": [model]})
 

@@ -44,6 +44,7 @@ class EngineClient(Protocol):
     """
 
     model_name: str
+    quantization: str  # the weights as served: "none", or "gguf:" and their block formats
     max_model_len: int
     vocab_size: int  # token ids are in [0, vocab_size)
     tokenizer: TokenizerLike

@@ -3,7 +3,8 @@
 Two sources:
 1. Engine-side numbers (running/waiting requests, KV usage, prefix cache, preemptions, token
    counters, compilations, per-iteration token counts) come from one `engine.stats()` snapshot
-   taken when /metrics is scraped; cumulative engine counters are exported as counters.
+   taken when /metrics is scraped; cumulative engine counters are exported as counters. The
+   served model's name and quantization are `jserve:model_info`'s labels.
 2. Per-request latencies and outcomes are observed by the server while it streams, from the
    engine's RequestMetrics timestamps when given (else the server's own clock). Each is also
    split by lane and tenant in `jserve:tenant_*` series (TTFT, ITL, queue time, finished
@@ -18,7 +19,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from jserve.config.scheduler import Lane
@@ -107,6 +108,11 @@ class ServerMetrics:
         self.iteration_tokens = Histogram(
             "jserve:iteration_tokens", "Tokens scheduled per engine iteration.",
             buckets=_ITERATION_TOKEN_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.model_info = Gauge(
+            "jserve:model_info", "The served model and its weights as served (always 1): "
+            'quantization "none" or "gguf:" and its packed block formats.',
+            ["model_name", "quantization"], registry=reg,
         )  # fmt: skip
 
     def _declare_tenant_series(self, reg: CollectorRegistry) -> None:

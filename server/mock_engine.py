@@ -99,8 +99,10 @@ class MockEngine:
         max_n: int = 64,
         num_kv_blocks: int = 1024,
         block_size: int = 16,
+        quantization: str = "none",
     ) -> None:
         self.model_name = model_name
+        self.quantization = quantization
         self.max_model_len = max_model_len
         self.vocab_size = 0x110000
         self.tokenizer = CharTokenizer()

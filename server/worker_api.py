@@ -125,6 +125,7 @@ def _model_fields(state: ServerState, engine: EngineClient) -> dict:
         "max_model_len": engine.max_model_len,
         "context_length": engine.max_model_len,
         "weight_version": "default",
+        "quantization": engine.quantization,
     }
 
 

@@ -38,6 +38,14 @@ class Dtype(StrEnum):
     FLOAT16 = "float16"
 
 
+class Quantization(StrEnum):
+    """How quantized weights are served: AUTO keeps a GGUF file's quantized blocks packed where
+    the native CPU kernel runs the projections, NONE dequantizes them to --dtype."""
+
+    AUTO = "auto"
+    NONE = "none"
+
+
 class AttentionImpl(StrEnum):
     """Ragged paged attention implementations (jserve.pallas.ragged_attention): AUTO picks
     one by backend and dtype."""
@@ -74,6 +82,15 @@ class EngineArgs:
         "dtype of weights and activations; auto is float32 on CPU, bfloat16 on GPU/TPU",
         vllm="--dtype",
         choices=Dtype,
+    )
+    quantization: Quantization = setting(
+        Quantization.AUTO,
+        "auto serves a GGUF's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) as they are, "
+        "dequantized inside the native CPU kernel's matmuls (CPU, float32, one device; the "
+        "tokens are those of none), and otherwise the dequantized weights; none dequantizes "
+        "every weight to --dtype at load",
+        vllm="--quantization",
+        choices=Quantization,
     )
     max_model_len: int | None = setting(
         None,

@@ -71,6 +71,7 @@ class AsyncLLMEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.model_name = engine.model_name
+        self.quantization = engine.quantization
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.tokenizer = engine.tokenizer

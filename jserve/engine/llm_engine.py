@@ -85,6 +85,7 @@ class LLMEngine:
         self.args = args
         parts = build_engine_parts(args, loaded)
         self.model_name = parts.model_name
+        self.quantization = parts.quantization
         self.tokenizer = parts.tokenizer
         self.model_config = parts.model_config
         self.vocab_size = parts.model_config.vocab_size

@@ -17,7 +17,7 @@ from typing import Any
 import jax
 
 from jserve.config.cache_dir import default_cache_dir
-from jserve.config.engine_args import EngineArgs
+from jserve.config.engine_args import EngineArgs, Quantization
 from jserve.config.scheduler import CacheConfig
 from jserve.core.buckets import engine_buckets, step_buckets
 from jserve.core.scheduler import Scheduler
@@ -26,10 +26,16 @@ from jserve.core.tenants import load_tenant_policy
 from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
+from jserve.pallas.layer_matmul import MatmulImpl
 from jserve.pallas.native_build import load as load_native_kernels
 from jserve.runtime import multihost
 from jserve.runtime.compilation import enable_persistent_cache
-from jserve.runtime.model_runner import ModelRunner, kv_block_bytes, resolve_attn_impl
+from jserve.runtime.model_runner import (
+    ModelRunner,
+    kv_block_bytes,
+    projection_impl,
+    resolve_attn_impl,
+)
 from jserve.runtime.params import check_tensor_parallel, make_mesh, place_model, resolve_dtype
 from jserve.runtime.sampler import Sampler
 from jserve.runtime.startup import StartupPhase, describe_bucket
@@ -90,9 +96,20 @@ def compilation_cache_dir(args: EngineArgs) -> str:
     return args.compilation_cache_dir or f"{args.cache_dir or default_cache_dir()}/xla"
 
 
+def packs_quantized_blocks(args: EngineArgs, platform: str) -> bool:
+    """Whether `args` serve a GGUF's quantized blocks packed on `platform`: --quantization auto
+    where the native CPU kernel runs the projections (float32, one device). Elsewhere XLA runs
+    the dequantized weights (a quantized path for TPU and GPU is later work)."""
+    if args.quantization == Quantization.NONE:
+        return False
+    dtype = resolve_dtype(args.dtype, platform)
+    return projection_impl(platform, dtype, args.tensor_parallel_size) == MatmulImpl.NATIVE
+
+
 @dataclass
 class EngineParts:
     model_name: str
+    quantization: str  # the weights as served: "none", or "gguf:" and their block formats
     tokenizer: Tokenizer
     model_config: ModelConfig
     max_model_len: int
@@ -110,9 +127,11 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
     enable_persistent_cache(compilation_cache_dir(args))
     if jax.default_backend() == "cpu":  # before the runner picks its kernels: built in cache_dir
         load_native_kernels(cache_dir)
-    loaded = loaded or load_model(args.model, cache_dir=cache_dir)
+    platform = jax.devices()[0].platform  # the mesh's devices'
+    packed = packs_quantized_blocks(args, platform)
+    loaded = loaded or load_model(args.model, cache_dir=cache_dir, packed=packed)
     cfg = loaded.config
-    shapes = step_shapes(args, cfg, jax.devices()[0].platform)  # the mesh's devices' platform
+    shapes = step_shapes(args, cfg, platform)
     if args.num_processes > 1 and args.tensor_parallel_size != jax.device_count():
         raise ValueError(
             f"a run of {args.num_processes} processes has {jax.device_count()} devices in all; "
@@ -138,14 +157,20 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
     )  # fmt: skip
     sampler = shapes.sampler(cfg.vocab_size)
     log.info(
-        "model %s: %d KV blocks of %d tokens (%.0f MiB), token buckets %s, seq buckets %s",
-        loaded.name, num_blocks, args.block_size, num_blocks * shapes.block_bytes / 2**20,
-        token_buckets, seq_buckets,
+        "model %s: weights %s (%.0f MiB), %d KV blocks of %d tokens (%.0f MiB), token buckets "
+        "%s, seq buckets %s", loaded.name, loaded.quantization, weight_bytes(runner.state) / 2**20,
+        num_blocks, args.block_size, num_blocks * shapes.block_bytes / 2**20, token_buckets,
+        seq_buckets,
     )  # fmt: skip
     return EngineParts(
-        loaded.name, loaded.tokenizer, cfg, max_model_len, scheduler, pairs, inputs_builder,
-        runner, sampler,
+        loaded.name, loaded.quantization, loaded.tokenizer, cfg, max_model_len, scheduler, pairs,
+        inputs_builder, runner, sampler,
     )  # fmt: skip
+
+
+def weight_bytes(state: Any) -> int:
+    """Bytes of a model's parameters (each array's whole size, counted once)."""
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(state))
 
 
 def measure_step_costs(

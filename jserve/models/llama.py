@@ -21,7 +21,9 @@ it):
   value, so splitting N splits the KV heads and keeps every device's query heads with theirs;
 - `w_gate_up` [L, D, F * 2]: column 2 f is gate unit f, column 2 f + 1 up unit f, so splitting N
   splits the hidden units F.
-Loaders produce the unfused HF names; `fuse_projections` converts once at load time.
+Loaders produce the unfused HF names; `fuse_projections` converts once at load time. Both orders
+are `fused_columns`', which also builds the fused projections of a GGUF file's quantized blocks
+(`pack_block_projections`), served packed by the native CPU kernel (jserve.pallas.quant_blocks).
 """
 
 from __future__ import annotations
@@ -39,7 +41,14 @@ from jserve.layers.attention import attention
 from jserve.layers.norm import rms_norm
 from jserve.layers.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from jserve.models.config import ModelConfig
-from jserve.pallas.layer_matmul import PANEL, MatmulImpl, layer_matmul, pack_layer_weight
+from jserve.pallas.layer_matmul import (
+    MatmulImpl,
+    is_packed_blocks,
+    layer_matmul,
+    pack_layer_weight,
+    packed_columns,
+)
+from jserve.pallas.quant_blocks import BlockMatrix, pack_weight, take_columns
 
 MODEL_AXIS = "model"
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layers' weights layer_matmul reads
@@ -167,10 +176,11 @@ class LlamaModel(nnx.Module):
 
     def _embedding(self, token_ids: jax.Array, matmul_impl: MatmulImpl | str) -> jax.Array:
         table = self.embed[...]
-        if matmul_impl == MatmulImpl.NATIVE and self.cfg.tie_word_embeddings:
-            # Packed as the output head's weight [1, V / 16, D, 16]: token v is column v % 16
-            # of panel v // 16.
-            return table[0, token_ids // PANEL, :, token_ids % PANEL]
+        packed = matmul_impl == MatmulImpl.NATIVE and self.cfg.tie_word_embeddings
+        if packed or is_packed_blocks(table):
+            # Packed as the output head's weight [1, D, V] (lay_out_weights, or a GGUF's
+            # blocks): token v is its column v.
+            return packed_columns(table, token_ids, self.cfg.hidden_size)
         return table[token_ids]
 
     def _logits(
@@ -196,16 +206,19 @@ def lay_out_weights(state: nnx.State, matmul_impl: MatmulImpl | str) -> nnx.Stat
     """The model's parameters laid out for `matmul_impl`, as `LlamaModel.__call__` then reads
     them: unchanged for "xla"; for "native", the projections and the output head (the
     embedding, when tied: the lookup then reads the packed table) packed by `pack_weights`.
-    Once, at load time; the other parameters are shared with `state`."""
+    Once, at load time; the other parameters are shared with `state`, and so are GGUF blocks
+    packed at load (`pack_block_projections`), which only "native" reads."""
     if matmul_impl == MatmulImpl.XLA:
         return state
     return with_packed_weights(state, pack_weights(weights_to_pack(state), matmul_impl))
 
 
 def weights_to_pack(state: nnx.State) -> dict[str, Any]:
-    """The parameters `pack_weights` lays out, by name: the projections and the output head."""
+    """The parameters `pack_weights` lays out, by name: the projections and the output head,
+    less those a GGUF's quantized blocks brought packed already."""
     head = "lm_head" if "lm_head" in state else "embed"
-    return {name: _variable(state, name).get_value() for name in (*PROJECTIONS, head)}
+    weights = {name: _variable(state, name).get_value() for name in (*PROJECTIONS, head)}
+    return {name: w for name, w in weights.items() if not is_packed_blocks(w)}
 
 
 @functools.partial(jax.jit, static_argnums=1)
@@ -215,10 +228,12 @@ def pack_weights(
     """`weights_to_pack`'s arrays packed by `pack_layer_weight`, in one executable: the one
     the engine runs at load time, which `jserve compile` compiles too (the steps take the
     shardings XLA gives its outputs)."""
-    matrices = {name: _as_layer_matrices(name, weights[name]) for name in PROJECTIONS}
+    matrices = {
+        name: _as_layer_matrices(name, w) for name, w in weights.items() if name in PROJECTIONS
+    }
     if "lm_head" in weights:  # [D, V]
         matrices["lm_head"] = weights["lm_head"][None]
-    else:  # tied: the embedding [V, D] is the head's weight transposed
+    if "embed" in weights:  # tied: the embedding [V, D] is the head's weight transposed
         matrices["embed"] = weights["embed"].T[None]
     return {name: pack_layer_weight(w, matmul_impl) for name, w in matrices.items()}
 
@@ -235,23 +250,57 @@ def _variable(state: nnx.State, name: str) -> Any:
     return state["layers"][name] if name in PROJECTIONS else state[name]
 
 
+def fused_columns(cfg: ModelConfig) -> dict[str, tuple[tuple[str, ...], np.ndarray]]:
+    """Each fused projection's loader weights and the order of its N columns, as indices into
+    those weights' output features laid end to end (see the module docstring): `wqkv` from
+    wq, wk, wv, `w_gate_up` from w_gate, w_up."""
+    Hkv, Hd, F = cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size
+    G = cfg.num_heads // Hkv
+    q = np.arange(Hkv * G * Hd).reshape(Hkv, G * Hd)
+    k = Hkv * G * Hd + np.arange(Hkv * Hd).reshape(Hkv, Hd)
+    v = k + Hkv * Hd
+    gate_up = np.stack([np.arange(F), F + np.arange(F)], axis=1)
+    return {
+        "wqkv": (("wq", "wk", "wv"), np.concatenate([q, k, v], axis=1).reshape(-1)),
+        "w_gate_up": (("w_gate", "w_up"), gate_up.reshape(-1)),
+    }
+
+
 def fuse_projections(cfg: ModelConfig, layers: dict[str, Any]) -> dict[str, Any]:
     """Loader layer weights (HF names: wq [L, D, Hq, Hd], wk, wv, w_gate [L, D, F], w_up, and
-    biases bq, bk, bv) -> this model's fused `wqkv`, `bqkv`, `w_gate_up` (see the module
-    docstring for their column order); other entries pass through. Runs on host numpy, once
-    per load."""
+    biases bq, bk, bv) -> this model's fused `wqkv`, `bqkv`, `w_gate_up` (`fused_columns`);
+    other entries pass through, so do projections a packed GGUF brings fused already
+    (`pack_block_projections`). Runs on host numpy, once per load."""
     out = {k: v for k, v in layers.items() if k not in _UNFUSED}
     L, D, Hkv, Hd = cfg.num_layers, cfg.hidden_size, cfg.num_kv_heads, cfg.head_dim
     G = cfg.num_heads // Hkv
-    q = np.asarray(layers["wq"]).reshape(L, D, Hkv, G, Hd)
-    k, v = (np.asarray(layers[n]).reshape(L, D, Hkv, 1, Hd) for n in ("wk", "wv"))
-    out["wqkv"] = np.concatenate([q, k, v], axis=3).reshape(L, D, -1)
+    columns = fused_columns(cfg)
+    for fused, (sources, order) in columns.items():
+        if sources[0] in layers:
+            laid = [np.asarray(layers[name]).reshape(L, D, -1) for name in sources]
+            out[fused] = np.concatenate(laid, axis=-1)[..., order]
     if cfg.attention_bias:
-        bq = np.asarray(layers["bq"]).reshape(L, Hkv, G, Hd)
-        bk, bv = (np.asarray(layers[n]).reshape(L, Hkv, 1, Hd) for n in ("bk", "bv"))
-        out["bqkv"] = np.concatenate([bq, bk, bv], axis=2)
-    gate_up = np.stack([np.asarray(layers["w_gate"]), np.asarray(layers["w_up"])], axis=-1)
-    out["w_gate_up"] = gate_up.reshape(L, D, -1)
+        biases = [np.asarray(layers[name]).reshape(L, -1) for name in ("bq", "bk", "bv")]
+        order = columns["wqkv"][1]
+        out["bqkv"] = np.concatenate(biases, axis=-1)[:, order].reshape(L, Hkv, G + 2, Hd)
+    return out
+
+
+def pack_block_projections(
+    cfg: ModelConfig, layers: list[dict[str, BlockMatrix]]
+) -> dict[str, np.ndarray]:
+    """The projections of a GGUF file's quantized blocks, each layer a dict of its loader
+    weights (wq, wk, wv, wo, w_gate, w_up, w_down), fused in `fused_columns`' order and packed
+    for the native CPU kernel (jserve.pallas.quant_blocks.pack_weight: one uint8 array each).
+    Raises ValueError where a panel of 16 fused columns would mix formats (e.g. gate and up
+    in different types)."""
+    columns = fused_columns(cfg)
+    out = {}
+    for fused, (sources, order) in columns.items():
+        runs = [take_columns([layer[name] for name in sources], order) for layer in layers]
+        out[fused] = pack_weight(runs)
+    out["wo"] = pack_weight([[layer["wo"]] for layer in layers])
+    out["w_down"] = pack_weight([[layer["w_down"]] for layer in layers])
     return out
 
 

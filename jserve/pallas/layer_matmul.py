@@ -1,6 +1,6 @@
 """`x @ w[layer]` for a weight stacked on a leading layer axis: the model's projections.
 
-Two layouts of the same weight (`MatmulImpl`), chosen once per model by `choose_matmul_impl`:
+Two layouts of a float weight (`MatmulImpl`), chosen once per model by `choose_matmul_impl`:
 - "xla": w is [L, K, N] and the product is XLA's dot on `w[layer]`. Under the model's
   `lax.scan` XLA first copies each layer's slice out of the stack, and its CPU dot packs its
   operand on every call, which at a few tokens per step is a second pass over the weights;
@@ -10,6 +10,11 @@ Two layouts of the same weight (`MatmulImpl`), chosen once per model by `choose_
   (`bench.kernel_timings`' matmul rows compare the two; bench/RESULTS.md has measured figures).
 Other backends and dtypes, sharded models and machines where the kernel cannot be built use
 "xla".
+
+Under "native", a weight may also be a GGUF file's quantized blocks, packed once at load time
+by jserve.pallas.quant_blocks into one uint8 array: `native/quant_matmul_cpu.cc` turns them into
+float32 in registers and gives the bits the float32 kernel gives on the dequantized weight. A
+weight's dtype says which it is (uint8: packed blocks).
 """
 
 from __future__ import annotations
@@ -22,6 +27,8 @@ import jax.numpy as jnp
 from jserve.pallas.native_build import load as load_native_kernels
 
 TARGET = "jserve_packed_matmul_f32"
+QUANT_TARGET = "jserve_quant_matmul_f32"
+COLUMNS_TARGET = "jserve_quant_columns_f32"
 PANEL = 16  # columns per packed panel (the kernel's register block width)
 
 
@@ -67,7 +74,9 @@ def layer_matmul(
     rows: jax.Array | None = None,
 ) -> jax.Array:
     """x [T, K] @ layer `layer` (an int32 scalar, traced) of w, laid out for `impl` by
-    `pack_layer_weight`: [T, N]. The "native" layout pads N, so it needs `n`, the true N.
+    `pack_layer_weight` (or, for "native", GGUF blocks packed by
+    jserve.pallas.quant_blocks.pack_weight): [T, N]. The "native" layouts pad N, so they need
+    `n`, the true N.
 
     `rows` (an int32 scalar, traced; default T) is how many leading rows of x are wanted: a
     step's real tokens, the rest being its bucket's padding. "native" computes only those and
@@ -75,25 +84,59 @@ def layer_matmul(
     `rows` either way."""
     _check_impl(impl)
     if impl == MatmulImpl.XLA:
+        if is_packed_blocks(w):
+            raise ValueError("packed GGUF blocks run on matmul impl 'native' only")
         if x.ndim != 2 or w.ndim != 3 or x.shape[1] != w.shape[1]:
             raise ValueError(
                 f"layer_matmul needs x [T, K] and w [L, K, N]; got {x.shape}, {w.shape}"
             )
         return x @ jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
+    if n is None or n < 1:
+        raise ValueError(f"matmul impl 'native' needs n, N of the weight packed as {w.shape}")
+    if is_packed_blocks(w):
+        if x.ndim != 2 or w.ndim != 1 or x.dtype != jnp.float32:
+            raise ValueError(
+                "packed GGUF blocks need x [T, K] float32 and the uint8 array "
+                f"jserve.pallas.quant_blocks.pack_weight made; got {x.shape} {x.dtype}, {w.shape}"
+            )
+        return _native_call(QUANT_TARGET, x, w, layer, n, rows)
     if x.ndim != 2 or w.ndim != 4 or w.shape[3] != PANEL or x.shape[1] != w.shape[2]:
         raise ValueError(
             "matmul impl 'native' needs x [T, K] and w packed by pack_layer_weight "
             f"[L, ceil(N / {PANEL}), K, {PANEL}]; got {x.shape}, {w.shape}"
         )
-    if n is None or not (w.shape[1] - 1) * PANEL < n <= w.shape[1] * PANEL:
+    if not (w.shape[1] - 1) * PANEL < n <= w.shape[1] * PANEL:
         raise ValueError(f"matmul impl 'native' needs n, N of the weight packed as {w.shape}")
     if x.dtype != jnp.float32 or w.dtype != jnp.float32:
         raise ValueError(f"matmul impl 'native' needs float32; got {x.dtype} and {w.dtype}")
-    kernels = load_native_kernels()  # registers the kernel's FFI target
+    return _native_call(TARGET, x, w, layer, n, rows)
+
+
+def packed_columns(w: jax.Array, ids: jax.Array, k: int) -> jax.Array:
+    """Columns `ids` [T] of layer 0 of a weight [1, K, N] laid out for "native" (float panels
+    or packed GGUF blocks): [T, K] float32. A tied embedding's lookup reads the output head's
+    packed weight so. Ids past N are clamped."""
+    if not is_packed_blocks(w):
+        return w[0, ids // PANEL, :, ids % PANEL]
+    result = jax.ShapeDtypeStruct((ids.shape[0], k), jnp.float32)
+    return jax.ffi.ffi_call(_native_kernels().target(COLUMNS_TARGET), result)(ids, w)
+
+
+def is_packed_blocks(w: jax.Array) -> bool:
+    """Whether `w` is GGUF blocks packed by jserve.pallas.quant_blocks (a uint8 array)."""
+    return w.dtype == jnp.uint8
+
+
+def _native_kernels():
+    kernels = load_native_kernels()  # registers the kernels' FFI targets
     if kernels is None:
         raise ValueError("matmul impl 'native' needs the native CPU kernels (see the log)")
+    return kernels
+
+
+def _native_call(target: str, x, w, layer, n: int, rows) -> jax.Array:
     result = jax.ShapeDtypeStruct((x.shape[0], n), x.dtype)
-    kernel = jax.ffi.ffi_call(kernels.target(TARGET), result)
+    kernel = jax.ffi.ffi_call(_native_kernels().target(target), result)
     rows = x.shape[0] if rows is None else rows
     return kernel(x, w, jnp.asarray(layer, jnp.int32), jnp.asarray(rows, jnp.int32))
 

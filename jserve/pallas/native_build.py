@@ -46,8 +46,12 @@ from jserve.pallas.native_isa import IsaLevel
 log = logging.getLogger(__name__)
 
 NATIVE_DIR = Path(__file__).with_name("native")
-SOURCES = tuple(NATIVE_DIR / name for name in ("ragged_attention_cpu.cc", "packed_matmul_cpu.cc"))
-HEADERS = (NATIVE_DIR / "parallel_units.h",)  # included by the sources; part of the build key
+SOURCES = tuple(
+    NATIVE_DIR / name
+    for name in ("ragged_attention_cpu.cc", "packed_matmul_cpu.cc", "quant_matmul_cpu.cc")
+)
+# included by the sources; part of the build key
+HEADERS = tuple(NATIVE_DIR / name for name in ("parallel_units.h", "k_order.h", "float_block.h"))
 # Every level's flags; the level adds its own (native_isa). Reassociation lets the compiler
 # vectorize dot products; no -ffast-math, whose finite-math assumption would break the -inf of
 # the online softmax's first page.
@@ -59,6 +63,8 @@ FLAGS = (
 TARGETS = {
     "jserve_ragged_attention_f32": "JserveRaggedAttentionF32",
     "jserve_packed_matmul_f32": "JservePackedMatmulF32",
+    "jserve_quant_matmul_f32": "JserveQuantMatmulF32",
+    "jserve_quant_columns_f32": "JserveQuantColumnsF32",
 }
 
 

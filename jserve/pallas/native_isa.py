@@ -5,10 +5,10 @@ A level is a fixed set of compiler flags and the CPU features its code needs (na
 runs on every CPU with the level's features, so a cache shared between machines (an NFS home, a
 baked image, a CI cache) holds one library per level and each machine loads the widest it can
 run. The sources choose their code paths from the macros the flags define (`__AVX512F__`,
-`__AVX512VL__`, `__AVX2__ && __FMA__`, else scalar); tuning stays `-mtune=generic`, never the
-build machine's.
+`__AVX512VL__`, `__AVX2__ && __FMA__` (and `__F16C__`), else scalar); tuning stays
+`-mtune=generic`, never the build machine's.
 
-On x86-64: "portable" (the x86-64 baseline: the scalar paths), "avx2" (AVX2 + FMA) and
+On x86-64: "portable" (the x86-64 baseline: the scalar paths), "avx2" (AVX2 + FMA + F16C) and
 "avx512" (AVX-512 F + VL, which the sources' AVX-512 blocks use). Elsewhere only "portable":
 the compiler's default for the architecture.
 
@@ -45,11 +45,12 @@ class IsaLevel:
 
 
 _X86_BASE = ("-march=x86-64", "-mtune=generic")
-_AVX2 = ("-mavx2", "-mfma")
-# What -mavx2 -mfma let the compiler emit: AVX2 and FMA, and what -mavx2 implies (SSE3 to
-# SSE4.2, POPCNT, XSAVE), as /proc/cpuinfo names them ("pni" is SSE3).
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+# What -mavx2 -mfma -mf16c let the compiler emit: AVX2, FMA and F16C (half-precision
+# conversions: the scales of GGUF's blocks), and what -mavx2 implies (SSE3 to SSE4.2, POPCNT,
+# XSAVE), as /proc/cpuinfo names them ("pni" is SSE3).
 _AVX2_NEEDS = frozenset(
-    {"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "xsave", "avx", "avx2", "fma"}
+    {"pni", "ssse3", "sse4_1", "sse4_2", "popcnt", "xsave", "avx", "avx2", "fma", "f16c"}
 )
 _X86_64_LEVELS = (
     IsaLevel(Isa.PORTABLE, _X86_BASE, frozenset()),

@@ -27,7 +27,7 @@ from jserve.layers.attention import HeadSharding, PagedAttentionMetadata
 from jserve.models.config import ModelConfig
 from jserve.models.llama import MODEL_AXIS, lay_out_weights
 from jserve.pallas import choose_impl, kv_cache_shape
-from jserve.pallas.layer_matmul import choose_matmul_impl
+from jserve.pallas.layer_matmul import MatmulImpl, choose_matmul_impl
 from jserve.runtime.huge_pages import advise_huge_pages
 from jserve.runtime.startup import StartupPhase, describe_bucket
 from jserve.runtime.step_inputs import StepInputs
@@ -39,6 +39,12 @@ def mesh_platform(mesh: jax.sharding.Mesh) -> str:
     """The platform a mesh's devices are ("cpu", "gpu", "tpu"): what its steps compile for,
     which may not be this process's default backend (jserve.aot compiles for absent chips)."""
     return mesh.devices.flat[0].platform
+
+
+def projection_impl(platform: str, dtype: Any, tensor_parallel_size: int) -> MatmulImpl:
+    """How the layers' projections run (jserve.pallas.layer_matmul): the native matmul is one
+    device's kernel, so a sharded model keeps XLA's partitioned dot."""
+    return MatmulImpl.XLA if tensor_parallel_size > 1 else choose_matmul_impl(platform, dtype)
 
 
 def resolve_attn_impl(attn_impl: str, platform: str, dtype: Any) -> str:
@@ -134,9 +140,7 @@ class ModelStep:
         attn_impl: str = "auto",
     ) -> ModelStep:
         platform = mesh_platform(mesh)
-        sharded = mesh.shape[MODEL_AXIS] > 1
-        # The native matmul is one device's kernel: a sharded model keeps XLA's partitioned dot.
-        matmul_impl = "xla" if sharded else choose_matmul_impl(platform, dtype)
+        matmul_impl = projection_impl(platform, dtype, mesh.shape[MODEL_AXIS])
         impl = resolve_attn_impl(attn_impl, platform, dtype)
         return cls(cfg, graphdef, mesh, dtype, impl, matmul_impl)
 

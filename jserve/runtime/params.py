@@ -12,6 +12,7 @@ from flax import nnx
 from jserve.config.engine_args import Dtype
 from jserve.models.config import ModelConfig
 from jserve.models.llama import MODEL_AXIS, LlamaModel, fuse_projections
+from jserve.pallas.layer_matmul import is_packed_blocks
 
 DTYPES = {Dtype.FLOAT32: jnp.float32, Dtype.BFLOAT16: jnp.bfloat16, Dtype.FLOAT16: jnp.float16}
 
@@ -91,13 +92,18 @@ def place_model(
     """Split the model once: a static graph definition and its sharded parameter state.
 
     `params` is a loader's tree (unfused projections); it is fused here, once (see
-    jserve.models.llama), before anything reaches a device.
+    jserve.models.llama), before anything reaches a device. Packed GGUF blocks (uint8 arrays,
+    jserve.pallas.quant_blocks: fused already) are placed as they are, whole on each device;
+    only the native CPU kernel of an unsplit model reads them.
     """
     params = {**params, "layers": fuse_projections(cfg, params["layers"])}
     graphdef, state = abstract_model(cfg, dtype, mesh)
-    placed = jax.tree.map(
-        lambda x, a: jax.device_put(jnp.asarray(x, dtype), a.sharding), params,
-        state.to_pure_dict(),
-    )  # fmt: skip
-    state.replace_by_pure_dict(placed)
+    whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def put(x: Any, abstract: jax.ShapeDtypeStruct) -> jax.Array:
+        if is_packed_blocks(x):
+            return jax.device_put(x, whole)
+        return jax.device_put(jnp.asarray(x, dtype), abstract.sharding)
+
+    state.replace_by_pure_dict(jax.tree.map(put, params, state.to_pure_dict()))
     return graphdef, state

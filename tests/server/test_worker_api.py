@@ -62,3 +62,16 @@ async def test_worker_endpoints_need_the_api_key_and_answer_503_while_loading():
         response = await client.get("/server_info")
         assert response.status == 503
         assert (await response.json())["error"]["code"] == "starting"
+
+
+async def test_the_quantization_served_is_reported_everywhere_a_client_looks():
+    engine = MockEngine(quantization="gguf:Q4_1,Q8_0")
+    async with serve(engine, served_model_name="smol") as client:
+        [model] = (await (await client.get("/v1/models")).json())["data"]
+        info = await (await client.get("/model_info")).json()
+        server = await (await client.get("/server_info")).json()
+        metrics = await (await client.get("/metrics")).text()
+    assert model["quantization"] == info["quantization"] == server["quantization"]
+    assert model["quantization"] == "gguf:Q4_1,Q8_0"
+    labels = 'model_name="smol",quantization="gguf:Q4_1,Q8_0"'
+    assert metric(metrics, "jserve:model_info", labels) == 1

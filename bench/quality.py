@@ -1,0 +1,196 @@
+"""How close a model served quantized is to the same model unquantized: teacher-forced top-1
+agreement and perplexity on a fixed text, and greedy agreement.
+
+    python -m bench.quality                       # SmolLM2's GGUF packed vs dequantized
+    python -m bench.quality --model F.gguf        # another GGUF
+    python -m bench.quality --reference HF_DIR    # against other weights (same tokenizer)
+    python -m bench.quality --smoke               # a short text and few tokens (CI)
+
+The candidate is the GGUF as `--quantization auto` serves it (its blocks packed, on the native
+CPU kernel); the reference is `--reference` (default: the same file dequantized to float32, as
+`--quantization none` serves it), both on the native kernels. Text: bench/texts/quality.txt,
+tokenized once and cut into windows of --window tokens; each window runs as one causal
+forward pass, so every position's next-token distribution is scored: the share of positions
+whose argmax agrees, each model's perplexity of the text, the mean KL(reference || candidate)
+and the largest logit difference. Greedy: --greedy-tokens tokens after 16 tokens of the text,
+taken every half window, each model continuing its own output; how many sequences are
+identical and the mean length of the common prefix. The report goes to
+bench/results/quality.json and a markdown table (docs/quantization.md has the figures).
+
+`--int8-activations` scores the variant llama.cpp computes instead: every matmul's input row
+rounded to int8 per block of 32 (scale max|x| / 127) before the product with the same weights,
+which is what integer dot products over the blocks give up to float rounding. It is emulated
+(the rows are rounded, then the float kernel runs), to measure its agreement, not its speed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from pathlib import Path
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from bench.report_writer import RESULTS_DIR, markdown_table, write_json
+from jserve.layers.attention import DenseCausal
+from jserve.loaders.model_source import LoadedModel, load_model
+from jserve.models import llama
+from jserve.models.llama import lay_out_weights
+from jserve.pallas.layer_matmul import layer_matmul
+from jserve.runtime.params import make_mesh, place_model
+
+TEXT = Path(__file__).with_name("texts") / "quality.txt"
+GREEDY_PROMPT = 16  # tokens of the text that start a greedy continuation
+
+
+def int8_rows(x: jax.Array) -> jax.Array:
+    """x [T, K] with each block of 32 of each row rounded to int8 at scale max|x| / 127."""
+    blocks = x.reshape(x.shape[0], -1, 32)
+    scale = jnp.abs(blocks).max(-1, keepdims=True) / 127
+    rounded = jnp.round(blocks / jnp.where(scale == 0, 1, scale)) * scale
+    return rounded.reshape(x.shape)
+
+
+def int8_activations():
+    """The model's matmuls with int8-rounded input rows (while traced inside this context)."""
+    return mock.patch.object(
+        llama, "layer_matmul", lambda x, *args, **kw: layer_matmul(int8_rows(x), *args, **kw)
+    )
+
+
+def forward(loaded: LoadedModel, length: int, int8: bool = False):
+    """fn(ids [length] int32) -> logits [length, V] float32: one causal pass, every position
+    (with `int8`, int8-rounded matmul inputs)."""
+    graphdef, state = place_model(loaded.config, loaded.params, jnp.float32, make_mesh())
+    state = lay_out_weights(state, "native")
+    positions, rows = jnp.arange(length, dtype=jnp.int32), jnp.arange(length, dtype=jnp.int32)
+
+    @jax.jit
+    def run(state, ids):
+        model = nnx.merge(graphdef, state)
+        with int8_activations() if int8 else contextlib.nullcontext():
+            return model(ids, positions, None, DenseCausal(), rows, "native")[0]
+
+    return lambda ids: np.asarray(run(state, jnp.asarray(ids, jnp.int32)), np.float64)
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    shifted = logits - logits.max(-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+
+
+def teacher_forced(candidate, reference, windows: list[np.ndarray]) -> dict:
+    """Scores of every position of every window but its last (which has no next token)."""
+    agree, nll_c, nll_r, kl, gap, n = 0, 0.0, 0.0, 0.0, 0.0, 0
+    for ids in windows:
+        c, r = log_softmax(candidate(ids)[:-1]), log_softmax(reference(ids)[:-1])
+        nxt = ids[1:]
+        agree += int((c.argmax(-1) == r.argmax(-1)).sum())
+        nll_c -= c[np.arange(len(nxt)), nxt].sum()
+        nll_r -= r[np.arange(len(nxt)), nxt].sum()
+        kl += (np.exp(r) * (r - c)).sum()
+        gap = max(gap, float(np.abs(c - r).max()))
+        n += len(nxt)
+    return {
+        "positions": n,
+        "top1_agreement": agree / n,
+        "perplexity": float(np.exp(nll_c / n)),
+        "reference_perplexity": float(np.exp(nll_r / n)),
+        "mean_kl": float(kl / n),
+        "max_log_prob_difference": gap,
+    }
+
+
+def greedy(model, prompt: np.ndarray, tokens: int, length: int) -> list[int]:
+    """`tokens` greedy tokens after `prompt`, each pass over a buffer of `length` (one shape,
+    one compilation): causal attention keeps the padding past the last token out of it."""
+    buffer = np.zeros(length, np.int32)
+    buffer[: len(prompt)] = prompt
+    out = []
+    for end in range(len(prompt), len(prompt) + tokens):
+        buffer[end] = out_token = int(model(buffer)[end - 1].argmax())
+        out.append(out_token)
+    return out
+
+
+def greedy_agreement(candidate, reference, prompts: list[np.ndarray], tokens: int, length):
+    common = []
+    for prompt in prompts:
+        a, b = (greedy(m, prompt, tokens, length) for m in (candidate, reference))
+        differ = [i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y]
+        common.append(differ[0] if differ else tokens)
+    return {
+        "sequences": len(prompts),
+        "tokens_each": tokens,
+        "identical_sequences": sum(c == tokens for c in common),
+        "mean_common_prefix": float(np.mean(common)),
+    }
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2's)")
+    parser.add_argument("--reference", default=None, help="default: --model dequantized")
+    parser.add_argument("--window", type=int, default=128, help="tokens per forward pass")
+    parser.add_argument("--int8-activations", action="store_true",
+                        help="score the candidate with int8-rounded matmul inputs")  # fmt: skip
+    parser.add_argument("--greedy-tokens", type=int, default=48)
+    parser.add_argument("--smoke", action="store_true", help="one short window, 4 tokens")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="default: %(default)s")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.window, args.greedy_tokens = 64, 4
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    candidate_model = load_model(args.model, packed=True)
+    reference_model = load_model(args.reference or args.model)
+    ids = np.asarray(candidate_model.tokenizer.encode(TEXT.read_text()), np.int32)
+    windows = [ids[i : i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
+    windows = windows[:1] if args.smoke else windows
+    int8 = args.int8_activations
+
+    def models(length: int):
+        return forward(candidate_model, length, int8), forward(reference_model, length)
+
+    candidate, reference = models(args.window)
+    scores = teacher_forced(candidate, reference, windows)
+    starts = range(0, len(ids) - GREEDY_PROMPT, args.window // 2)
+    prompts = [ids[i : i + GREEDY_PROMPT] for i in starts][: 1 if args.smoke else None]
+    length = min(args.window, GREEDY_PROMPT + args.greedy_tokens)
+    if length != args.window:  # the greedy buffer is its own shape
+        candidate, reference = models(length)
+    agreement = greedy_agreement(candidate, reference, prompts, length - GREEDY_PROMPT, length)
+    report = {
+        "candidate": candidate_model.quantization + (" int8 activations" if int8 else ""),
+        "reference": args.reference or f"{reference_model.quantization} (the same file)",
+        "teacher_forced": scores,
+        "greedy": agreement,
+    }
+    header = ["candidate", "reference", "positions", "top-1 agreement", "perplexity",
+              "reference perplexity", "mean KL", "max |log p diff|", "greedy identical",
+              "mean common prefix"]  # fmt: skip
+    row = [
+        report["candidate"], report["reference"], scores["positions"],
+        f"{scores['top1_agreement']:.4f}", f"{scores['perplexity']:.3f}",
+        f"{scores['reference_perplexity']:.3f}", f"{scores['mean_kl']:.2e}",
+        f"{scores['max_log_prob_difference']:.2e}",
+        f"{agreement['identical_sequences']}/{agreement['sequences']}",
+        f"{agreement['mean_common_prefix']:.1f}/{agreement['tokens_each']}",
+    ]  # fmt: skip
+    print(markdown_table(header, [row]))
+    print(f"\nwrote {write_json(args.out / 'quality.json', report)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
