@@ -392,17 +392,30 @@ class LLMEngine:
         for request_id, state in list(self._states.items()):
             state.error = message
             outputs.append(self.abort_request(request_id, FinishReason.ERROR))
+        self._fresh_scheduler()
+        self.runner.reset_kv_cache()
+        self.num_restarts += 1
+        return [out for out in outputs if out is not None]
+
+    def reset(self) -> None:
+        """Start over as a freshly built engine would, keeping the compiled steps: a fresh
+        scheduler (empty prefix cache, zeroed counters; the same settings, tenants and learned
+        step costs). For benchmarks and tests that reuse one engine; only while idle."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("reset() while requests are unfinished; abort them first")
+        self._fresh_scheduler()
+
+    def _fresh_scheduler(self) -> None:
+        """Replace the scheduler by an empty one with the same settings; KV-event listeners
+        hear the old prefix cache's last changes, then that it is gone."""
         cache = CacheConfig(self.args.block_size, self.scheduler.block_manager.num_blocks)
         old = self.scheduler
-        if self._kv_events is not None:  # what the lost cache did, then that it is gone
+        if self._kv_events is not None:
             old_events = old.block_manager.take_kv_events()
             self._kv_events.publish([*old_events, AllBlocksCleared()])
         self.scheduler = Scheduler(old.config, cache, old.fair.policy, old.step_costs)
         if self._kv_events is not None:
             self.scheduler.block_manager.record_kv_events()
-        self.runner.reset_kv_cache()
-        self.num_restarts += 1
-        return [out for out in outputs if out is not None]
 
     def _finish_child(
         self, child_id: str, reason: FinishReason, stop: int | str | None, changed: dict
