@@ -1,4 +1,5 @@
-"""Session-wide fixtures: the default model's files and the transformers oracle, loaded once."""
+"""Session-wide fixtures: the default model's files, the transformers oracle and the engine
+every engine test shares (tests/shared_engine.py), each built once a run."""
 
 from __future__ import annotations
 
@@ -49,3 +50,31 @@ def default_placed(default_model):
     from jserve.runtime.params import make_mesh, place_model
 
     return place_model(default_model.config, default_model.params, jnp.float32, make_mesh())
+
+
+@pytest.fixture(scope="session")
+def shared_engine(default_model):
+    """The run's engine on the real model (tests/shared_engine.py's sizes); tests take it
+    through `engine`, which resets and checks it."""
+    from tests.shared_engine import assert_no_blocks_held, make_engine
+
+    engine = make_engine(default_model)
+    yield engine
+    assert_no_blocks_held(engine)
+
+
+@pytest.fixture
+def engine(shared_engine, monkeypatch):
+    """The shared engine as a fresh one (LLMEngine.reset: empty prefix cache, zeroed counters)
+    for one test, which must leave it idle and unchanged: settings restored, observers
+    removed, nothing patched (this test's monkeypatches are undone first), the KV pool live."""
+    from tests.shared_engine import EngineState, abort_all, assert_left_as_found
+
+    shared_engine.reset()
+    before = EngineState.of(shared_engine)
+    yield shared_engine
+    monkeypatch.undo()
+    try:
+        assert_left_as_found(shared_engine, before)
+    finally:  # a failed test's requests must not fail the next test too
+        abort_all(shared_engine)

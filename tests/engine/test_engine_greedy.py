@@ -12,8 +12,8 @@ import jax
 import pytest
 
 from jserve.sampling_params import SamplingParams
-from tests.engine.conftest import assert_no_blocks_held, run_to_completion
 from tests.hf_oracle import hf_greedy
+from tests.shared_engine import assert_no_blocks_held, run_to_completion
 
 NUM_TOKENS = 32
 PARAGRAPH = (
@@ -50,8 +50,7 @@ def _prompts(tokenizer) -> list[list[int]]:
     return ids
 
 
-def test_batched_greedy_matches_transformers(tight_engine, hf_default_model):
-    engine = tight_engine
+def test_batched_greedy_matches_transformers(engine, hf_default_model):
     prompts = _prompts(engine.tokenizer)
     lengths = sorted(len(p) for p in prompts)
     assert 5 <= lengths[0] <= 8 and 380 <= lengths[-1] <= 450, lengths
@@ -84,8 +83,7 @@ def _planned_sizes(engine, monkeypatch) -> list[tuple]:
     return planned
 
 
-def test_step_observers_see_every_model_step_and_sync_only_when_asked(tight_engine, monkeypatch):
-    engine = tight_engine
+def test_step_observers_see_every_model_step_and_sync_only_when_asked(engine, monkeypatch):
     syncs = []
     block_until_ready = jax.block_until_ready
     monkeypatch.setattr(jax, "block_until_ready", lambda x: syncs.append(1) or block_until_ready(x))

@@ -28,9 +28,9 @@ from hypothesis import strategies as st
 from server_harness import metric
 
 from bench.server_process import ServerProcess, jserve_command
+from tests.shared_engine import engine_flags
 
-ENGINE_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len",
-                "512", "--max-waiting-requests", "64", "--max-n", "4"]  # fmt: skip
+ENGINE_FLAGS = engine_flags(max_waiting_requests=64, max_n=4)  # the shared engine's steps
 VOCAB = 49152
 KNOWN = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 KNOWN_TEXT = " Paris.\n\nThe answer is:"  # SmolLM2-135M-Instruct, greedy, float32
@@ -115,7 +115,7 @@ def requests(draw: st.DrawFn) -> tuple[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def base_url(default_model, tmp_path_factory):  # default_model fills the conversion cache
+def base_url(shared_engine, tmp_path_factory):  # built first: it fills both caches
     log = Path(tmp_path_factory.mktemp("fuzz")) / "server.log"
     with ServerProcess(jserve_command(ENGINE_FLAGS), log) as server:
         yield server.base_url
