@@ -28,6 +28,9 @@ def hf_default_model(default_gguf):
     import torch
     import transformers
 
+    # One thread: the oracle's matrices are small, and OpenMP workers spinning on cores that
+    # JAX's threads (or other processes) also want cost many times the CPU of the work itself.
+    torch.set_num_threads(1)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
     )
