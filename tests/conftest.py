@@ -8,10 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.budgets import load_profile
+
 # Converted GGUF models are cached per test session, never in the user's cache.
 os.environ.setdefault(
     "JSERVE_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest-cache-jserve")
 )
+load_profile()  # hypothesis budgets: JSERVE_HYPOTHESIS_PROFILE=ci (default) or thorough
 
 
 @pytest.fixture(scope="session")

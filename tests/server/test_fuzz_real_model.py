@@ -9,25 +9,25 @@ lone surrogate in a prompt (a 500 inside the tokenizer once) are explicit exampl
 sent on every run. tests/server/test_fuzz_protocol.py fuzzes every field's shape, fast, on the
 mock; this test is about what reaches the real engine.
 
-Budget: JSERVE_FUZZ_EXAMPLES examples (default 200, so 400 requests: 1-2 minutes here); the
-`slow` test runs JSERVE_FUZZ_SLOW_EXAMPLES (default 2000) on demand:
-`pytest -m slow tests/server/test_fuzz_real_model.py`.
+Budget (tests/budgets.py): 100 examples (200 requests) under the default `ci` hypothesis
+profile, scaled by JSERVE_HYPOTHESIS_PROFILE; the `slow` test runs the `thorough` budget on
+demand: `pytest -m slow tests/server/test_fuzz_real_model.py`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from server_harness import metric
 
 from bench.server_process import ServerProcess, jserve_command
+from tests.budgets import THOROUGH, examples
 from tests.shared_engine import engine_flags
 
 ENGINE_FLAGS = engine_flags(max_waiting_requests=64, max_n=4)  # the shared engine's steps
@@ -154,13 +154,10 @@ def _known_text(base_url: str) -> str:
     return json.loads(body)["choices"][0]["text"]
 
 
-def _fuzz(base_url: str, max_examples: int) -> None:
+def _fuzz(base_url: str, budget: settings) -> None:
     assert _known_text(base_url) == KNOWN_TEXT
 
-    @settings(
-        max_examples=max_examples, deadline=None, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )  # fmt: skip
+    @budget
     @given(case=requests())
     @example(case=("/v1/completions", json.dumps(DEFECT_1).encode()))
     @example(case=("/v1/completions", b'{"prompt": "Hi", "temperature": 1e400}'))
@@ -184,9 +181,10 @@ def _fuzz(base_url: str, max_examples: int) -> None:
 
 
 def test_fuzzed_requests_never_hurt_the_server(base_url):
-    _fuzz(base_url, int(os.environ.get("JSERVE_FUZZ_EXAMPLES", "200")))
+    _fuzz(base_url, examples(100))
 
 
 @pytest.mark.slow
 def test_fuzzed_requests_never_hurt_the_server_long(base_url):
-    _fuzz(base_url, int(os.environ.get("JSERVE_FUZZ_SLOW_EXAMPLES", "2000")))
+    """The thorough budget: test_fuzzed_requests_never_hurt_the_server covers it by default."""
+    _fuzz(base_url, examples(200, THOROUGH))
