@@ -14,6 +14,7 @@ import dataclasses
 from typing import Any
 
 from jserve.config.engine_args import EngineArgs
+from jserve.config.scheduler import SchedulerConfig
 from jserve.engine.llm_engine import LLMEngine
 from jserve.loaders.model_source import LoadedModel
 
@@ -47,7 +48,7 @@ def run_to_completion(engine: LLMEngine, max_steps: int = 100_000) -> dict:
 
 def assert_no_blocks_held(engine: LLMEngine) -> None:
     """Every KV block is free or an evictable prefix-cache entry once nothing runs."""
-    assert not engine.has_unfinished_requests()
+    assert not engine.has_unfinished_requests(), f"unfinished requests: {sorted(engine._states)}"
     stats = engine.scheduler.stats()
     assert stats.kv_cache_usage == 0.0, stats
 
@@ -71,12 +72,13 @@ def _shadowed_methods(obj: object) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class EngineState:
-    """What a test on the shared engine must give back as it found it: its settings, its
-    observers, its parts (unpatched) and a live KV pool."""
+    """What a test on the shared engine must give back as it found it: its settings (those
+    run-time control changes, tenant weights and the decision log included), its step
+    observers, its parts unpatched and a live KV pool."""
 
     args: EngineArgs
-    scheduler_config: object
-    tenant_weights: dict
+    scheduler_config: SchedulerConfig
+    control_settings: dict
     observers: tuple
     patched: dict[str, list[str]]
     pool_deleted: bool
@@ -88,10 +90,12 @@ class EngineState:
             "sampler": engine.sampler, "inputs_builder": engine.inputs_builder,
             "structured": engine.structured,
         }  # fmt: skip
+        settings = engine.scheduler_settings()
+        settings.pop("fair_share_counters")  # what serving counts, not a setting
         return cls(
             args=engine.args,
             scheduler_config=engine.scheduler.config,
-            tenant_weights=dict(engine.scheduler.fair.policy.weights),
+            control_settings=settings,
             observers=tuple(engine._step_observers),
             patched={name: _shadowed_methods(part) for name, part in parts.items()},
             pool_deleted=any(pool.is_deleted() for pool in engine.runner.kv_cache),
