@@ -9,6 +9,8 @@ and the rest under `slow`.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -16,7 +18,13 @@ from hypothesis import strategies as st
 from jserve.pallas.native_isa import ISA_ENV
 from tests.budgets import THOROUGH, examples
 from tests.pallas.native_levels import NATIVE, runnable_levels
-from tests.pallas.ragged_cases import Geometry, assert_matches_naive, build_case
+from tests.pallas.ragged_cases import (
+    BUCKETS,
+    Geometry,
+    assert_matches_naive,
+    bucket_sizes,
+    build_case,
+)
 
 SMOLLM = Geometry()  # 9 query heads, 3 KV heads, head_dim 64, block 16, float32
 GQA1_D128_B32 = Geometry(num_q_heads=4, num_kv_heads=4, head_dim=128, block_size=32)
@@ -62,6 +70,33 @@ LONG = {
     "long_prefill_chunk_4096": ([(48, 4096), (1, 2049)], SMOLLM, {}),
     "long_gqa8_d128_4096": ([(1, 4096), (7, 4000)], GQA8_D128, {}),
 }
+
+
+def shared_buckets(table: dict) -> dict:
+    """`table` with each case's unset buckets raised to the largest that any case of the same
+    heads, dtype, layers and masking needs: one compile of an implementation then serves the
+    whole group, where build_case's defaults give every case shapes of its own. Padding stays
+    padding (rows, sequences, table columns and pool blocks nothing may read)."""
+
+    def group(name: str) -> tuple:
+        _, geometry, options = table[name]
+        return geometry, options.get("sliding_window"), options.get("soft_cap")
+
+    sizes = {
+        name: bucket_sizes(seqs, geometry, options.get("shared_blocks", 0))
+        for name, (seqs, geometry, options) in table.items()
+    }
+    largest = {
+        key: {b: max(sizes[n][b] for n in table if group(n) == key) for b in BUCKETS}
+        for key in map(group, table)
+    }
+    return {
+        name: (seqs, dataclasses.replace(geometry, **largest[group(name)]), options)
+        for name, (seqs, geometry, options) in table.items()
+    }
+
+
+NAMED, LONG = shared_buckets(NAMED), shared_buckets(LONG)
 MOSAIC_CI = ("decode_block_edges", "mixed_chunks", "window_and_cap", "bf16_mixed")
 TRITON_LONG_CI = ("long_decode_4096",)
 
