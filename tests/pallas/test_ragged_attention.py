@@ -205,21 +205,22 @@ def _hypothesis_check(impls, batch, seed):
                     assert_matches_naive(impl, case, **options)
 
 
-# Each example runs every implementation (the interpreted ones cost the most): a few dozen.
-@examples(30)
+# Each example runs every implementation, the interpreted ones costing the most: a few under
+# `ci`, where the named cases cover every geometry; the slow test runs the thorough budget.
+@examples(15)
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
 def test_hypothesis_cpu_impls(batch, seed):
     _hypothesis_check(["reference", "interpret", "xla", "native"], batch, seed)
 
 
-@examples(10)
+@examples(5)
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
 def test_hypothesis_triton(batch, seed):
     _hypothesis_check(["triton"], batch, seed)
 
 
 @pytest.mark.slow
-@examples(30, THOROUGH)
+@examples(30, THOROUGH)  # 300 examples, as before the profiles
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
 def test_hypothesis_all_cpu_impls_slow(batch, seed):
     """The thorough budget over every CPU-run implementation: test_hypothesis_cpu_impls and
