@@ -1,4 +1,5 @@
-"""Session-wide fixtures: the default model's files and the transformers oracle, loaded once."""
+"""Session-wide fixtures: the default model's files, the transformers oracle and the engine
+every engine test shares (tests/shared_engine.py), each built once a run."""
 
 from __future__ import annotations
 
@@ -10,10 +11,14 @@ import pytest
 # The suite runs on CPU: TPU and GPU code is compiled for them (jserve compile) or interpreted,
 # never run, and the dev extra's compilers (libtpu, the CUDA plugin) must not claim a device.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from tests.budgets import load_profile
+
 # Converted GGUF models are cached per test session, never in the user's cache.
 os.environ.setdefault(
     "JSERVE_CACHE_DIR", str(Path(__file__).parent.parent / ".pytest-cache-jserve")
 )
+load_profile()  # hypothesis budgets: JSERVE_HYPOTHESIS_PROFILE=ci (default) or thorough
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +35,9 @@ def hf_default_model(default_gguf):
     import torch
     import transformers
 
+    # One thread: the oracle's matrices are small, and OpenMP workers spinning on cores that
+    # JAX's threads (or other processes) also want cost many times the CPU of the work itself.
+    torch.set_num_threads(1)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
     )
@@ -52,3 +60,31 @@ def default_placed(default_model):
     from jserve.runtime.params import make_mesh, place_model
 
     return place_model(default_model.config, default_model.params, jnp.float32, make_mesh())
+
+
+@pytest.fixture(scope="session")
+def shared_engine(default_model):
+    """The run's engine on the real model (tests/shared_engine.py's sizes); tests take it
+    through `engine`, which resets and checks it."""
+    from tests.shared_engine import assert_no_blocks_held, make_engine
+
+    engine = make_engine(default_model)
+    yield engine
+    assert_no_blocks_held(engine)
+
+
+@pytest.fixture
+def engine(shared_engine, monkeypatch):
+    """The shared engine as a fresh one (LLMEngine.reset: empty prefix cache, zeroed counters)
+    for one test, which must leave it idle and unchanged: settings restored, observers
+    removed, nothing patched (this test's monkeypatches are undone first), the KV pool live."""
+    from tests.shared_engine import EngineState, abort_all, assert_left_as_found
+
+    shared_engine.reset()
+    before = EngineState.of(shared_engine)
+    yield shared_engine
+    monkeypatch.undo()
+    try:
+        assert_left_as_found(shared_engine, before)
+    finally:  # a failed test's requests must not fail the next test too
+        abort_all(shared_engine)

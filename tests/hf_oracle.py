@@ -1,5 +1,5 @@
-"""transformers as the oracle: greedy continuations computed by an implementation nobody here
-wrote."""
+"""transformers as the oracle: greedy continuations made, or checked, by an implementation
+nobody here wrote."""
 
 from __future__ import annotations
 
@@ -18,3 +18,17 @@ def hf_greedy(model, prompt_ids: list[int], num_tokens: int) -> list[int]:
             pad_token_id=0,
         )
     return out[0, len(prompt_ids) :].tolist()
+
+
+def hf_greedy_choices(model, prompt_ids: list[int], continuation: list[int]) -> list[int]:
+    """transformers' greedy (argmax) token after the prompt and after each prefix of
+    `continuation`, from one forward pass over both.
+
+    The result equals `continuation` exactly when `continuation` is transformers' greedy
+    continuation of the prompt: each token is its choice given the tokens before it, which by
+    the same argument are its choices too. One pass instead of one generate step a token.
+    """
+    ids = list(prompt_ids) + list(continuation)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0, len(prompt_ids) - 1 : len(ids) - 1]
+    return logits.argmax(-1).tolist()

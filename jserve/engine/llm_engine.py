@@ -399,12 +399,25 @@ class LLMEngine:
         for request_id, state in list(self._states.items()):
             state.error = message
             outputs.append(self.abort_request(request_id, FinishReason.ERROR))
-        if self._kv_events is not None:  # what the lost cache did, then that it is gone
-            self._kv_events.publish([*self.scheduler.take_kv_events(), AllBlocksCleared()])
-        self.scheduler = self.scheduler.fresh()
+        self._fresh_scheduler()
         self.runner.reset_kv_cache()
         self.num_restarts += 1
         return [out for out in outputs if out is not None]
+
+    def reset(self) -> None:
+        """Start over as a freshly built engine would, keeping the compiled steps: a fresh
+        scheduler (empty prefix cache, zeroed counters; the same settings, tenants and learned
+        step costs). For benchmarks and tests that reuse one engine; only while idle."""
+        if self.has_unfinished_requests():
+            raise RuntimeError("reset() while requests are unfinished; abort them first")
+        self._fresh_scheduler()
+
+    def _fresh_scheduler(self) -> None:
+        """An empty scheduler like the old one; KV-event listeners hear the old prefix cache's
+        last changes, then that it is gone."""
+        if self._kv_events is not None:
+            self._kv_events.publish([*self.scheduler.take_kv_events(), AllBlocksCleared()])
+        self.scheduler = self.scheduler.fresh()
 
     def _finish_child(
         self, child_id: str, reason: FinishReason, stop: int | str | None, changed: dict

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from jserve.core.block_manager import BlockManager
@@ -14,6 +14,7 @@ from jserve.kv_events.records import (
     KVCacheEvent,
     external_block_hash,
 )
+from tests.budgets import examples
 
 BLOCK = 4
 
@@ -79,7 +80,7 @@ def run_operations(manager: BlockManager, operations: list, check) -> None:
         check()
 
 
-@settings(max_examples=150, deadline=None)
+@examples(150)
 @given(st.lists(OPERATION, min_size=1, max_size=40), st.integers(3, 12))
 def test_events_replay_to_the_cache_contents(operations, num_blocks):
     manager = BlockManager(num_blocks=num_blocks, block_size=BLOCK, enable_prefix_caching=True)

@@ -13,7 +13,6 @@ jserve.core.fairness derives (`fair_share_gap_is_bounded`).
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -33,6 +32,7 @@ from jserve.core.stopping import StopConditions
 from jserve.core.tenants import TenantPolicy
 from jserve.errors import RequestRejected
 from jserve.outputs import FinishReason
+from tests.budgets import THOROUGH, examples
 
 from .helpers import free_block_ids
 
@@ -405,19 +405,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert scheduler.has_unfinished_requests() == bool(self.live)
 
 
-def machine_settings(max_examples: int, steps: int) -> settings:
-    return settings(
-        max_examples=max_examples,
-        stateful_step_count=steps,
-        deadline=None,
-        suppress_health_check=[HealthCheck.too_slow],
-    )
-
-
 def test_scheduler_state_machine():
-    run_state_machine_as_test(SchedulerMachine, settings=machine_settings(150, 50))
+    run_state_machine_as_test(SchedulerMachine, settings=examples(150, stateful_step_count=50))
 
 
 @pytest.mark.slow
 def test_scheduler_state_machine_long():
-    run_state_machine_as_test(SchedulerMachine, settings=machine_settings(2000, 80))
+    """The thorough budget, longer runs: test_scheduler_state_machine runs the same machine
+    by default."""
+    budget = examples(200, THOROUGH, stateful_step_count=80)
+    run_state_machine_as_test(SchedulerMachine, settings=budget)

@@ -7,7 +7,7 @@ import json
 import time
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from jserve.core.stopping import StopConditions, StopDecision, check_stop_strings
@@ -18,6 +18,7 @@ from jserve.sampling_params import (
     MAX_STOP_TOTAL_LENGTH,
     SamplingParams,
 )
+from tests.budgets import examples
 
 EOS = 2
 
@@ -138,7 +139,7 @@ def first_stop_reference(chunks: list[str], stops: list[str]) -> str:
 ALPHABET = "ab cé😀"  # few letters, so stop strings overlap and repeat; multi-byte ones too
 
 
-@settings(max_examples=400, deadline=None)
+@examples(400)  # cheap examples: four times the profile's
 @given(
     chunks=st.lists(st.text(alphabet=ALPHABET, max_size=5), max_size=10),
     stops=st.lists(st.text(alphabet=ALPHABET, min_size=1, max_size=4), max_size=4),

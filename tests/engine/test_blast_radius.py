@@ -17,24 +17,27 @@ from jserve.config.settings import InvalidSetting
 from jserve.engine.async_engine import MAX_FAILED_STEPS_IN_A_ROW, AsyncLLMEngine
 from jserve.errors import EngineDeadError, RequestRejected
 from jserve.sampling_params import SamplingParams
-from tests.engine.conftest import assert_no_blocks_held, make_engine, run_to_completion
+from tests.shared_engine import assert_no_blocks_held, make_engine, run_to_completion
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def engine(default_model):
-    return make_engine(
-        default_model, max_num_seqs=4, max_num_batched_tokens=64, max_waiting_requests=8, max_n=4
-    )
-
-
-@pytest.fixture(scope="module")
-def expected(engine) -> str:
+def expected(shared_engine) -> str:
     """PROMPT's greedy text, alone on a healthy engine."""
-    engine.add_request("expected", PROMPT, GREEDY)
-    return run_to_completion(engine)["expected"].outputs[0].text
+    shared_engine.add_request("expected", PROMPT, GREEDY)
+    return run_to_completion(shared_engine)["expected"].outputs[0].text
+
+
+@pytest.fixture
+def small_queue(engine, monkeypatch):
+    """The shared engine with a waiting queue of 8 and n at most 4, until the test ends."""
+    config = engine.scheduler.config
+    engine.scheduler.reconfigure(dataclasses.replace(config, max_waiting_requests=8))
+    monkeypatch.setattr(engine, "args", dataclasses.replace(engine.args, max_n=4))
+    yield engine
+    engine.scheduler.reconfigure(config)
 
 
 @pytest.mark.parametrize(
@@ -53,7 +56,8 @@ def test_the_offline_api_checks_ids_against_the_vocabulary(engine, prompt, param
     assert not engine.has_unfinished_requests()
 
 
-def test_n_is_capped_and_every_sample_counts_against_the_waiting_cap(engine):
+def test_n_is_capped_and_every_sample_counts_against_the_waiting_cap(small_queue):
+    engine = small_queue
     few = SamplingParams(temperature=1.0, max_tokens=2, seed=1)
     with pytest.raises(RequestRejected) as error:
         engine.add_request("greedy-n", PROMPT, SamplingParams(n=5, max_tokens=2))
@@ -134,6 +138,7 @@ def test_a_failed_device_step_restarts_the_engine(engine, expected, monkeypatch)
 
 async def _restart_scenario(engine, expected, monkeypatch) -> None:
     aengine = AsyncLLMEngine(engine)
+    restarts = engine.num_restarts
     try:
         # Fail the first step that has both requests in flight.
         _fail_device_steps(monkeypatch, engine, times=1, when=lambda: len(engine._states) == 2)
@@ -146,7 +151,7 @@ async def _restart_scenario(engine, expected, monkeypatch) -> None:
             assert [o.finish_reason for o in out.outputs] == ["error"]
             assert "injected device failure" in out.error and "engine restarted" in out.error
         assert aengine.state == "ready"
-        assert (aengine.num_restarts, engine.stats().num_restarts) == (1, 1)
+        assert (aengine.num_restarts, engine.stats().num_restarts) == (1, restarts + 1)
         after = await _collect(aengine, "c", PROMPT, GREEDY)
         assert after.outputs[0].text == expected and after.error is None
     finally:
@@ -183,7 +188,7 @@ async def _raising_commands_scenario(engine, expected, monkeypatch) -> None:
 
 
 def test_an_engine_failing_every_step_dies_and_fails_its_requests(default_model, monkeypatch):
-    engine = make_engine(default_model, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = make_engine(default_model)  # its own: it dies
     calls = _fail_device_steps(monkeypatch, engine, times=10**9)
     asyncio.run(_death_scenario(engine, calls))
 

@@ -12,26 +12,12 @@ from jserve.core.step_costs import load_bucket_report
 from jserve.errors import RequestRejected
 from jserve.runtime.compilation import forbid_compilation
 from jserve.sampling_params import SamplingParams
-from tests.engine.conftest import assert_no_blocks_held, make_engine, run_to_completion
+from tests.shared_engine import make_engine, run_to_completion
 
-ROOMY = dict(max_num_seqs=16, max_num_batched_tokens=128, num_kv_blocks=400, max_model_len=512)
 SYSTEM = (
     "You are a helpful assistant for a bakery. You answer questions about bread, cakes and "
     "opening hours politely and briefly. The bakery opens at seven and closes at six. "
 )
-
-
-@pytest.fixture(scope="module")
-def engine(default_model):
-    engine = make_engine(default_model, **ROOMY)
-    yield engine
-    assert_no_blocks_held(engine)
-
-
-@pytest.fixture(autouse=True)
-def _pool_is_free_after_each_test(engine):
-    yield
-    assert_no_blocks_held(engine)
 
 
 def _generate(engine, prompts, params, prefix="r") -> list:
@@ -49,7 +35,7 @@ def test_prefix_caching_on_and_off_give_identical_tokens(default_model, engine):
     cached += _generate(engine, prompts[1:], greedy, "on+")
     after = engine.stats()
     assert after.prefix_cache_hits > before.prefix_cache_hits  # the shared system prompt hit
-    uncached_engine = make_engine(default_model, **ROOMY, enable_prefix_caching=False)
+    uncached_engine = make_engine(default_model, enable_prefix_caching=False)
     uncached = _generate(uncached_engine, prompts, greedy, "off")
     assert uncached_engine.stats().prefix_cache_hits == 0
     assert [o.outputs[0].token_ids for o in cached] == [o.outputs[0].token_ids for o in uncached]

@@ -11,8 +11,8 @@ import pytest
 from jserve.kv_events.publisher import KVEventBatch
 from jserve.sampling_params import SamplingParams
 from tests.core.test_kv_cache_events import cache_contents
-from tests.engine.conftest import make_engine, run_to_completion
 from tests.engine.test_kv_events_wire import replay
+from tests.shared_engine import make_engine, run_to_completion
 
 
 def replayed(endpoint: str) -> tuple[dict, Counter]:
@@ -47,10 +47,12 @@ def wait_replayed(endpoint: str, expected: dict) -> Counter:
         time.sleep(0.05)
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def publishing_engine(default_model):
-    """The tight test engine (48 usable blocks of 16 tokens; its shapes, so the compilation
-    cache serves it), publishing its KV events on free ports."""
+    """An engine of the shared sizes (48 usable blocks of 16 tokens; the shared engine's
+    shapes, so the compilation cache serves it), publishing its KV events on free ports. The
+    second test needs its cache empty: the engine is fresh, or the first test's closing
+    restart cleared it."""
     engine = make_engine(
         default_model, kv_events_endpoint="tcp://127.0.0.1:*",
         kv_events_replay_endpoint="tcp://127.0.0.1:*",
@@ -78,7 +80,9 @@ def test_served_requests_publish_stores_evictions_and_a_clear_on_restart(publish
     assert wait_replayed(endpoint, {})["AllBlocksCleared"] == 1
 
 
-def test_a_prompts_blocks_are_published_before_the_step_that_computes_them(publishing_engine):
+def test_a_prompts_blocks_are_published_before_the_step_that_computes_them(
+    publishing_engine, monkeypatch
+):
     # As vLLM does, the blocks a step completes are stored when it is planned, so a KV-aware
     # router learns where a prefix lives a whole prefill step earlier.
     engine = publishing_engine
@@ -93,7 +97,7 @@ def test_a_prompts_blocks_are_published_before_the_step_that_computes_them(publi
             seen_at_first_run.append(expected)
         return run(inputs)
 
-    engine.runner.run = run_and_look
+    monkeypatch.setattr(engine.runner, "run", run_and_look)
     prompt = list(range(1000, 1100))  # 6 full blocks of 16 and 4 tokens
     engine.add_request("r", prompt, SamplingParams(temperature=0, max_tokens=2))
     run_to_completion(engine)

@@ -11,7 +11,7 @@ from jserve.engine.setup import packs_quantized_blocks, weight_bytes
 from jserve.loaders.model_source import load_model
 from jserve.pallas import native_build
 from jserve.sampling_params import SamplingParams
-from tests.engine.conftest import make_engine, run_to_completion
+from tests.shared_engine import make_engine, run_to_completion
 
 PARAGRAPH = (
     "The history of computing is a story of ideas meeting machines. Early calculators were "

@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import decoders, models
@@ -13,6 +13,7 @@ from tokenizers import decoders, models
 from jserve.loaders.detokenizer import IncrementalDetokenizer
 from jserve.loaders.gguf_tokenizer import byte_to_unicode
 from jserve.loaders.tokenizer import Tokenizer
+from tests.budgets import THOROUGH, examples
 
 REPLACEMENT = "\ufffd"
 
@@ -55,7 +56,7 @@ def check_stream(tokenizer, ids, skip_special_tokens):
     return pieces
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(150)
 @given(data=st.data(), skip_special_tokens=st.booleans())
 def test_pieces_concatenate_to_the_full_decode(data, skip_special_tokens, smollm2_tokenizer):
     ids = data.draw(token_ids(smollm2_tokenizer))
@@ -63,9 +64,10 @@ def test_pieces_concatenate_to_the_full_decode(data, skip_special_tokens, smollm
 
 
 @pytest.mark.slow
-@settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@examples(300, THOROUGH)
 @given(data=st.data(), skip_special_tokens=st.booleans())
 def test_pieces_concatenate_to_the_full_decode_long(data, skip_special_tokens, smollm2_tokenizer):
+    """The thorough budget: test_pieces_concatenate_to_the_full_decode covers it by default."""
     ids = data.draw(token_ids(smollm2_tokenizer))
     check_stream(smollm2_tokenizer, ids, skip_special_tokens)
 

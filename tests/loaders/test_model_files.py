@@ -6,7 +6,7 @@ import jax
 import numpy as np
 import pytest
 
-from jserve.loaders.checkpoint_dir import restore_params, save_checkpoint
+from jserve.loaders.checkpoint_dir import restore_params
 from jserve.loaders.gguf_file import open_gguf
 from jserve.loaders.model_source import load_model
 
@@ -17,22 +17,29 @@ def _flat(tree) -> dict[str, np.ndarray]:
     }
 
 
-def test_orbax_round_trip_is_bit_exact(default_model, tmp_path):
-    save_checkpoint(
-        tmp_path / "ckpt", default_model.config, default_model.params, default_model.tokenizer
-    )
-    restored = _flat(restore_params(tmp_path / "ckpt"))
-    original = _flat(default_model.params)
+@pytest.fixture(scope="module")
+def through_the_cache(default_gguf, tmp_path_factory):
+    """The default GGUF loaded twice through an empty cache: (the first load, which reads the
+    GGUF and converts it into the cache; the second, from the cache's checkpoint; the cache
+    directory). One conversion serves the round-trip, equality and reuse tests."""
+    cache = tmp_path_factory.mktemp("cache")
+    first = load_model(default_gguf, cache_dir=cache)
+    return first, load_model(default_gguf, cache_dir=cache), cache
+
+
+def test_orbax_round_trip_is_bit_exact(through_the_cache):
+    direct, _, cache = through_the_cache
+    (entry,) = (cache / "models").iterdir()
+    restored = _flat(restore_params(entry))
+    original = _flat(direct.params)
     assert restored.keys() == original.keys()
     for name, value in original.items():
         assert restored[name].dtype == value.dtype and np.array_equal(restored[name], value), name
 
 
-def test_gguf_and_checkpoint_give_identical_params(default_gguf, tmp_path):
+def test_gguf_and_checkpoint_give_identical_params(through_the_cache):
     """GGUF -> orbax -> load is the same model: same config, same tokenizer, bit-equal weights."""
-    direct = load_model(default_gguf, use_cache=False)
-    save_checkpoint(tmp_path / "c", direct.config, direct.params, direct.tokenizer)
-    via_ckpt = load_model(tmp_path / "c")
+    direct, via_ckpt, _ = through_the_cache
     assert via_ckpt.config == direct.config
     text = "<|im_start|>user\nHello 123 世界<|im_end|>\n"
     assert via_ckpt.tokenizer.encode(text) == direct.tokenizer.encode(text)
@@ -41,12 +48,12 @@ def test_gguf_and_checkpoint_give_identical_params(default_gguf, tmp_path):
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def test_default_model_cache_is_reused(default_model, default_gguf, tmp_path):
-    first = load_model(default_gguf, cache_dir=tmp_path)
-    entries = list((tmp_path / "models").iterdir())
+def test_default_model_cache_is_reused(through_the_cache, default_gguf):
+    first, second, cache = through_the_cache
+    assert first.source == default_gguf  # converted from the GGUF...
+    entries = list((cache / "models").iterdir())
     assert len(entries) == 1 and (entries[0] / "params").is_dir()
-    second = load_model(default_gguf, cache_dir=tmp_path)
-    assert second.source == entries[0]  # served from the cache, not the GGUF
+    assert second.source == entries[0]  # ...then served from the cache, not the GGUF
     assert first.config == second.config
 
 

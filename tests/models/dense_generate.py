@@ -21,17 +21,40 @@ PAD_MULTIPLE = 64
 
 
 @partial(jax.jit, static_argnums=0)
-def last_token_logits(
+def logits_at(
     graphdef: nnx.GraphDef,
     state: nnx.State,
     token_ids: jax.Array,  # [T] int32, padded
-    last_index: jax.Array,  # [] int32, index of the last real token
+    indices: jax.Array,  # [N] int32, positions of real tokens
 ) -> jax.Array:
-    """Logits [V] float32 of the token after position `last_index`."""
+    """Logits [N, V] float32 of the token after each position in `indices`."""
     model = nnx.merge(graphdef, state)
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-    logits, _ = model(token_ids, positions, None, DenseCausal(), last_index[None])
-    return logits[0]
+    logits, _ = model(token_ids, positions, None, DenseCausal(), indices)
+    return logits
+
+
+def padded(tokens: list[int]) -> jax.Array:
+    """`tokens` padded with zeros to a multiple of PAD_MULTIPLE."""
+    buf = np.zeros(-(-len(tokens) // PAD_MULTIPLE) * PAD_MULTIPLE, np.int32)
+    buf[: len(tokens)] = tokens
+    return jnp.asarray(buf)
+
+
+def last_token_logits(graphdef: nnx.GraphDef, state: nnx.State, tokens: list[int]) -> jax.Array:
+    """Logits [V] float32 of the token after `tokens`."""
+    return logits_at(graphdef, state, padded(tokens), jnp.array([len(tokens) - 1], jnp.int32))[0]
+
+
+def greedy_choices(
+    graphdef: nnx.GraphDef, state: nnx.State, prompt_ids: list[int], continuation: list[int]
+) -> list[int]:
+    """The model's greedy token after the prompt and after each prefix of `continuation`, from
+    one pass over both: equal to `continuation` exactly when it is the model's greedy
+    continuation (each token is the choice given the tokens before it)."""
+    tokens = list(prompt_ids) + list(continuation)
+    indices = jnp.arange(len(prompt_ids) - 1, len(tokens) - 1, dtype=jnp.int32)
+    return np.asarray(jnp.argmax(logits_at(graphdef, state, padded(tokens), indices), -1)).tolist()
 
 
 def generate_dense(
@@ -50,10 +73,7 @@ def generate_dense(
     tokens = list(prompt_ids)
     key = jax.random.key(seed)
     for _ in range(max_tokens):
-        padded_len = -(-len(tokens) // PAD_MULTIPLE) * PAD_MULTIPLE
-        buf = np.zeros(padded_len, np.int32)
-        buf[: len(tokens)] = tokens
-        logits = last_token_logits(graphdef, state, jnp.asarray(buf), jnp.int32(len(tokens) - 1))
+        logits = last_token_logits(graphdef, state, tokens)
         if temperature == 0.0:
             token = int(jnp.argmax(logits))
         else:

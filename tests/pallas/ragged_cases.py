@@ -64,6 +64,30 @@ class RaggedCase:
         )  # fmt: skip
 
 
+BUCKETS = ("num_tokens", "max_seqs", "max_blocks", "num_blocks")
+
+
+def _pages(seqs: list[tuple[int, int]], bs: int, shared_blocks: int) -> tuple[list, list, list]:
+    """Per sequence: pages needed, pages of the shared prefix, pages of its own."""
+    needed = [-(-kv // bs) for _, kv in seqs]
+    shared = [min(shared_blocks, kv // bs) for _, kv in seqs]
+    return needed, shared, [n - c for n, c in zip(needed, shared, strict=True)]
+
+
+def bucket_sizes(
+    seqs: list[tuple[int, int]], geo: Geometry = Geometry(), shared_blocks: int = 0
+) -> dict[str, int]:
+    """The geometry's buckets for these sequences: each one it leaves unset is the default."""
+    needed, shared, own = _pages(seqs, geo.block_size, shared_blocks)
+    defaults = {
+        "num_tokens": sum(q for q, _ in seqs) + 3,
+        "max_seqs": len(seqs) + 2,
+        "max_blocks": max(needed, default=0) + 1,
+        "num_blocks": 1 + max(shared, default=0) + sum(own) + 3,
+    }
+    return {name: getattr(geo, name) or default for name, default in defaults.items()}
+
+
 def build_case(
     seqs: list[tuple[int, int]], geo: Geometry = Geometry(), seed: int = 0, shared_blocks: int = 0
 ) -> RaggedCase:
@@ -74,15 +98,11 @@ def build_case(
     rng = np.random.default_rng(seed)
     dtype = np.dtype(bfloat16) if geo.dtype == "bfloat16" else np.dtype(geo.dtype)
     bs, d = geo.block_size, geo.head_dim
-    needed = [-(-kv // bs) for _, kv in seqs]
-    shared = [min(shared_blocks, kv // bs) for _, kv in seqs]
-    own = [n - c for n, c in zip(needed, shared, strict=True)]
-    num_tokens = geo.num_tokens or sum(q for q, _ in seqs) + 3
-    max_seqs = geo.max_seqs or len(seqs) + 2
-    max_blocks = geo.max_blocks or max(needed, default=0) + 1
+    needed, shared, own = _pages(seqs, bs, shared_blocks)
+    sizes = bucket_sizes(seqs, geo, shared_blocks)
+    num_tokens, max_seqs, max_blocks, num_blocks = (sizes[name] for name in BUCKETS)
     assert sum(q for q, _ in seqs) <= num_tokens and len(seqs) <= max_seqs
     assert max(needed, default=0) <= max_blocks
-    num_blocks = geo.num_blocks or 1 + max(shared, default=0) + sum(own) + 3
     assert num_blocks >= 1 + max(shared, default=0) + sum(own)
     shape = kv_cache_shape(geo.num_layers, num_blocks, bs, geo.num_kv_heads, d, impl="reference")
     k_pool = np.full(shape, np.nan, np.float32)

@@ -1,21 +1,30 @@
 """Every ragged paged attention implementation against float64 numpy attention on CPU.
 
-Named adversarial cases, then hypothesis-generated ragged batches (bigger budgets behind
-@pytest.mark.slow). The native kernel runs at every ISA level this machine can run
-(tests/pallas/native_levels.py). Kernels for GPU and TPU run in interpret mode; the TPU
-interpreter costs about a second per call, so it gets a few named cases in CI and the rest
-under `slow`.
+Named adversarial cases, then hypothesis-generated ragged batches (tests/budgets.py: the
+`thorough` budgets behind @pytest.mark.slow). The native kernel runs at every ISA level this
+machine can run (tests/pallas/native_levels.py). Kernels for GPU and TPU run in interpret
+mode; the TPU interpreter costs about a second per call, so it gets a few named cases in CI
+and the rest under `slow`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from jserve.pallas.native_isa import ISA_ENV
+from tests.budgets import THOROUGH, examples
 from tests.pallas.native_levels import NATIVE, runnable_levels
-from tests.pallas.ragged_cases import Geometry, assert_matches_naive, build_case
+from tests.pallas.ragged_cases import (
+    BUCKETS,
+    Geometry,
+    assert_matches_naive,
+    bucket_sizes,
+    build_case,
+)
 
 SMOLLM = Geometry()  # 9 query heads, 3 KV heads, head_dim 64, block 16, float32
 GQA1_D128_B32 = Geometry(num_q_heads=4, num_kv_heads=4, head_dim=128, block_size=32)
@@ -61,6 +70,33 @@ LONG = {
     "long_prefill_chunk_4096": ([(48, 4096), (1, 2049)], SMOLLM, {}),
     "long_gqa8_d128_4096": ([(1, 4096), (7, 4000)], GQA8_D128, {}),
 }
+
+
+def shared_buckets(table: dict) -> dict:
+    """`table` with each case's unset buckets raised to the largest that any case of the same
+    heads, dtype, layers and masking needs: one compile of an implementation then serves the
+    whole group, where build_case's defaults give every case shapes of its own. Padding stays
+    padding (rows, sequences, table columns and pool blocks nothing may read)."""
+
+    def group(name: str) -> tuple:
+        _, geometry, options = table[name]
+        return geometry, options.get("sliding_window"), options.get("soft_cap")
+
+    sizes = {
+        name: bucket_sizes(seqs, geometry, options.get("shared_blocks", 0))
+        for name, (seqs, geometry, options) in table.items()
+    }
+    largest = {
+        key: {b: max(sizes[n][b] for n in table if group(n) == key) for b in BUCKETS}
+        for key in map(group, table)
+    }
+    return {
+        name: (seqs, dataclasses.replace(geometry, **largest[group(name)]), options)
+        for name, (seqs, geometry, options) in table.items()
+    }
+
+
+NAMED, LONG = shared_buckets(NAMED), shared_buckets(LONG)
 MOSAIC_CI = ("decode_block_edges", "mixed_chunks", "window_and_cap", "bf16_mixed")
 TRITON_LONG_CI = ("long_decode_4096",)
 
@@ -99,6 +135,8 @@ def test_mosaic_named_case(name):
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(set(NAMED) - set(MOSAIC_CI)))
 def test_mosaic_named_case_slow(name):
+    """The TPU interpreter's other named cases: test_mosaic_named_case runs four of them, and
+    test_named_case every case on the other implementations, by default."""
     _check("mosaic", name, NAMED)
 
 
@@ -106,6 +144,9 @@ def test_mosaic_named_case_slow(name):
 @pytest.mark.parametrize("name", sorted(LONG))
 @pytest.mark.parametrize("impl", ["triton", "mosaic"])
 def test_kernel_long_context_slow(impl, name):
+    """The GPU and TPU kernels interpreted at 4096 positions: test_triton_long_context runs one
+    case of Triton's, and test_long_context every case on the CPU implementations, by
+    default."""
     _check(impl, name, LONG)
 
 
@@ -164,34 +205,33 @@ def _hypothesis_check(impls, batch, seed):
                     assert_matches_naive(impl, case, **options)
 
 
-def budget(examples: int) -> settings:
-    """Hypothesis settings: no deadline (the first call of a shape compiles), N examples."""
-    return settings(
-        max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow]
-    )
-
-
-@budget(30)
+# Each example runs every implementation, the interpreted ones costing the most: a few under
+# `ci`, where the named cases cover every geometry; the slow test runs the thorough budget.
+@examples(15)
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
 def test_hypothesis_cpu_impls(batch, seed):
     _hypothesis_check(["reference", "interpret", "xla", "native"], batch, seed)
 
 
-@budget(10)
+@examples(5)
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
 def test_hypothesis_triton(batch, seed):
     _hypothesis_check(["triton"], batch, seed)
 
 
 @pytest.mark.slow
-@budget(300)
+@examples(30, THOROUGH)  # 300 examples, as before the profiles
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
 def test_hypothesis_all_cpu_impls_slow(batch, seed):
+    """The thorough budget over every CPU-run implementation: test_hypothesis_cpu_impls and
+    test_hypothesis_triton cover them by default."""
     _hypothesis_check(["reference", "interpret", "xla", "native", "triton"], batch, seed)
 
 
 @pytest.mark.slow
-@budget(40)
+@examples(4, THOROUGH)
 @given(batch=ragged_batches(), seed=st.integers(0, 2**16))
 def test_hypothesis_mosaic_slow(batch, seed):
+    """The TPU interpreter costs about a second a call: test_mosaic_named_case runs its named
+    cases by default."""
     _hypothesis_check(["mosaic"], batch, seed)

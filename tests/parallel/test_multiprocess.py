@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.parallel.workload import ENGINE, run_workload, tiny_model
+from tests.parallel.workload import tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT = 420  # three processes compile on shared cores
@@ -87,11 +87,10 @@ def report(run) -> dict:
     return json.loads(out.split("REPORT")[1].splitlines()[0])
 
 
-def test_greedy_tokens_equal_one_process(report, tiny_dir):
-    from jserve.config.engine_args import EngineArgs
-    from jserve.engine.llm_engine import LLMEngine
-
-    one = run_workload(LLMEngine(EngineArgs(**ENGINE, model=str(tiny_dir))))
+def test_greedy_tokens_equal_one_process(report, three_devices):
+    """One device's run of the same workload on the same tiny model is the 3-device process's
+    (tests/parallel/conftest.py): its `tiny/1`."""
+    one = three_devices["tiny/1"]
     assert report["tokens"] == one["tokens"]
     assert report["preemptions"] == one["preemptions"] > 0
     assert report["prefix_cache_hits"] == one["prefix_cache_hits"] > 0
@@ -109,8 +108,10 @@ def test_process_zero_exiting_stops_the_others_cleanly(run):
         assert "process 0 stopped the run after" in out
 
 
-@pytest.mark.slow  # a second 3-process start: over a minute on two loaded cores
+@pytest.mark.slow
 def test_a_killed_process_stops_the_others_with_a_clear_error(tiny_dir):
+    """A second 3-process start, so slow. By default the run's 3-process start covers a clean
+    stop (test_process_zero_exiting_stops_the_others_cleanly); a killed follower only here."""
     procs = _start("die", tiny_dir)
     leader = procs[0]
     for line in leader.stdout:  # READY: every process has built its engine and follows
@@ -132,8 +133,11 @@ def test_a_killed_process_stops_the_others_with_a_clear_error(tiny_dir):
     assert "process 1 stops after 0 steps: a broadcast to the run's 3 processes failed" in out1
 
 
-@pytest.mark.slow  # three `jserve serve` processes: over a minute on two loaded cores
+@pytest.mark.slow
 def test_jserve_serve_over_three_processes_answers_and_drains_on_sigterm(tiny_dir):
+    """Three `jserve serve` processes, so slow. By default the 3-process engine's serving
+    path is covered by test_greedy_tokens_equal_one_process, and `jserve serve`'s drain on
+    SIGTERM by tests/server/test_real_model_server.py; the two together only here."""
     import urllib.request
 
     from jserve.config.engine_args import EngineArgs

@@ -27,10 +27,8 @@ from jserve.runtime.sampler import (
 )
 from jserve.runtime.sampling_tensors import SamplingRow, SamplingTensorBuilder, seeded_uniforms
 from jserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from tests.runtime.conftest import BUCKETS, MAX_MODEL_LEN, V  # the shared sampler's sizes
 
-V = 10_000  # > 64 * TOP_CANDIDATES, so the blocked candidate search runs; not a multiple of 64
-BUCKETS = (4, 8, 16)
-MAX_MODEL_LEN = 64
 EOS = 2
 
 
@@ -38,13 +36,6 @@ def filter_logits(logits: jax.Array, t) -> jax.Array:
     """Temperature-scaled logits, -inf outside the min-p / top-k / top-p set, [S, V]: the
     [S, V] form of the sampler's `kept_set`, which sampling never forms."""
     return kept_set(logits, t).scaled(logits)
-
-
-@pytest.fixture(scope="module")
-def sampler() -> Sampler:
-    sampler = Sampler(V, BUCKETS, MAX_MODEL_LEN)
-    sampler.precompile()
-    return sampler
 
 
 def distinct_logits(rng: np.random.Generator, rows: int, scale: float = 2.0) -> np.ndarray:

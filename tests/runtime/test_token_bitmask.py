@@ -10,19 +10,10 @@ import numpy as np
 import pytest
 
 from jserve.runtime.compilation import forbid_compilation
-from jserve.runtime.sampler import Sampler, apply_token_bitmask
+from jserve.runtime.sampler import apply_token_bitmask
 from jserve.runtime.sampling_tensors import SamplingRow, bitmask_width
 from jserve.sampling_params import SamplingParams
-
-V = 1000  # not a multiple of 32: the last word is partly past the vocabulary
-BUCKETS = (4, 8)
-
-
-@pytest.fixture(scope="module")
-def sampler() -> Sampler:
-    sampler = Sampler(V, BUCKETS, 64)
-    sampler.precompile()
-    return sampler
+from tests.runtime.conftest import V  # the shared sampler's vocabulary
 
 
 def random_bitmask(rng: np.random.Generator, rows: int, density: float) -> np.ndarray:

@@ -8,18 +8,17 @@ the body's bytes are written by hand. Each answer must be a 2xx with a well-form
 (strict JSON, or an SSE stream without error events) or a 4xx with an OpenAI error body whose
 message is at most 512 characters; afterwards a greedy request gives the same text as before
 and nothing is left running. Fast (the mock answers in milliseconds): it runs in the normal
-suite with JSERVE_PROTOCOL_FUZZ_EXAMPLES examples (default 100).
+suite at the hypothesis profile's budget (tests/budgets.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import os
 
 import msgspec.inspect as mi
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 from server_harness import parse_sse, serve
 
@@ -189,11 +188,6 @@ def test_fuzzed_bodies_never_get_a_5xx_and_the_server_still_serves(mock_server):
     before = loop.run_until_complete(_probe(client))
     assert before == PROBE["prompt"][:8]
 
-    @settings(
-        max_examples=int(os.environ.get("JSERVE_PROTOCOL_FUZZ_EXAMPLES", "100")),
-        deadline=None, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )  # fmt: skip
     @given(case=requests())
     def one_request(case: tuple[str, bytes]) -> None:
         loop.run_until_complete(asyncio.wait_for(_check_answer(client, *case), 30))

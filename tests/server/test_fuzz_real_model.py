@@ -9,28 +9,28 @@ lone surrogate in a prompt (a 500 inside the tokenizer once) are explicit exampl
 sent on every run. tests/server/test_fuzz_protocol.py fuzzes every field's shape, fast, on the
 mock; this test is about what reaches the real engine.
 
-Budget: JSERVE_FUZZ_EXAMPLES examples (default 200, so 400 requests: 1-2 minutes here); the
-`slow` test runs JSERVE_FUZZ_SLOW_EXAMPLES (default 2000) on demand:
-`pytest -m slow tests/server/test_fuzz_real_model.py`.
+Budget (tests/budgets.py): 50 examples (100 requests, besides the explicit ones) under the
+default `ci` hypothesis profile, scaled by JSERVE_HYPOTHESIS_PROFILE; the `slow` test runs
+the `thorough` budget (2000) on demand: `pytest -m slow tests/server/test_fuzz_real_model.py`.
 """
 
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from server_harness import metric
 
 from bench.server_process import ServerProcess, jserve_command
+from tests.budgets import THOROUGH, examples
+from tests.shared_engine import engine_flags
 
-ENGINE_FLAGS = ["--max-num-seqs", "8", "--max-num-batched-tokens", "128", "--max-model-len",
-                "512", "--max-waiting-requests", "64", "--max-n", "4"]  # fmt: skip
+ENGINE_FLAGS = engine_flags(max_waiting_requests=64, max_n=4)  # the shared engine's steps
 VOCAB = 49152
 KNOWN = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
 KNOWN_TEXT = " Paris.\n\nThe answer is:"  # SmolLM2-135M-Instruct, greedy, float32
@@ -115,7 +115,7 @@ def requests(draw: st.DrawFn) -> tuple[str, bytes]:
 
 
 @pytest.fixture(scope="module")
-def base_url(default_model, tmp_path_factory):  # default_model fills the conversion cache
+def base_url(shared_engine, tmp_path_factory):  # built first: it fills both caches
     log = Path(tmp_path_factory.mktemp("fuzz")) / "server.log"
     with ServerProcess(jserve_command(ENGINE_FLAGS), log) as server:
         yield server.base_url
@@ -154,13 +154,10 @@ def _known_text(base_url: str) -> str:
     return json.loads(body)["choices"][0]["text"]
 
 
-def _fuzz(base_url: str, max_examples: int) -> None:
+def _fuzz(base_url: str, budget: settings) -> None:
     assert _known_text(base_url) == KNOWN_TEXT
 
-    @settings(
-        max_examples=max_examples, deadline=None, database=None,
-        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-    )  # fmt: skip
+    @budget
     @given(case=requests())
     @example(case=("/v1/completions", json.dumps(DEFECT_1).encode()))
     @example(case=("/v1/completions", b'{"prompt": "Hi", "temperature": 1e400}'))
@@ -184,9 +181,10 @@ def _fuzz(base_url: str, max_examples: int) -> None:
 
 
 def test_fuzzed_requests_never_hurt_the_server(base_url):
-    _fuzz(base_url, int(os.environ.get("JSERVE_FUZZ_EXAMPLES", "200")))
+    _fuzz(base_url, examples(50))
 
 
 @pytest.mark.slow
 def test_fuzzed_requests_never_hurt_the_server_long(base_url):
-    _fuzz(base_url, int(os.environ.get("JSERVE_FUZZ_SLOW_EXAMPLES", "2000")))
+    """The thorough budget: test_fuzzed_requests_never_hurt_the_server covers it by default."""
+    _fuzz(base_url, examples(200, THOROUGH))

@@ -1,7 +1,8 @@
 """A real `jserve serve` process on the default model, driven as users drive it.
 
-One server for the module (start-up precompiles every bucket; the XLA cache makes it seconds
-after the first run). The last test stops it with SIGTERM mid-stream.
+One server for the module, of the shared engine's sizes: its start-up loads the steps the
+shared engine compiled from the persistent compilation cache, and its greedy text must be the
+shared engine's. The last test stops it with SIGTERM mid-stream.
 """
 
 from __future__ import annotations
@@ -21,17 +22,17 @@ import pytest
 from server_harness import metric, metric_sum
 
 from jserve.sampling_params import SamplingParams
+from tests.shared_engine import SHARED, engine_flags
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-ENGINE_FLAGS = {"max_num_seqs": 32, "max_num_batched_tokens": 256, "max_model_len": 1024}
+MAX_MODEL_LEN = SHARED["max_model_len"]
 
 
 @pytest.fixture(scope="module")
-def server(default_model):  # default_model fills the conversion cache first
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in ENGINE_FLAGS.items()]
+def server(shared_engine):  # built first: it fills the conversion and compilation caches
     proc = subprocess.Popen(
         [sys.executable, "-m", "jserve.server.cli", "serve", "--port", "0",
-         "--shutdown-timeout", "30", *flags],
+         "--shutdown-timeout", "30", *engine_flags()],
         cwd=REPO_ROOT, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
     )  # fmt: skip
     url = None
@@ -57,15 +58,6 @@ def client(server):
     return openai.OpenAI(base_url=f"{server[1]}/v1", api_key="unused")
 
 
-@pytest.fixture(scope="module")
-def offline(default_model):
-    """The same engine settings in-process: the server must give LLM.generate's greedy text."""
-    from jserve.config.engine_args import EngineArgs
-    from jserve.engine.llm_engine import LLMEngine
-
-    return LLMEngine(EngineArgs(**ENGINE_FLAGS), loaded=default_model)
-
-
 def _offline_text(engine, prompt, params: SamplingParams) -> list[str]:
     engine.add_request("x", prompt, params)
     while engine.has_unfinished_requests():
@@ -82,28 +74,28 @@ def _metrics(url: str) -> str:
         return response.read().decode()
 
 
-def test_completions_greedy_match_offline_api(client, offline):
+def test_completions_greedy_match_offline_api(client, engine):
     model = client.models.list().data[0].id
     prompt = "The capital of France is"
     params = dict(max_tokens=16, temperature=0.0)
     full = client.completions.create(model=model, prompt=prompt, **params)
-    expected = _offline_text(offline, prompt, SamplingParams(**params))[0]
+    expected = _offline_text(engine, prompt, SamplingParams(**params))[0]
     assert full.choices[0].text == expected
     assert full.usage.completion_tokens == 16 or full.choices[0].finish_reason == "stop"
     chunks = client.completions.create(model=model, prompt=prompt, stream=True, **params)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
 
 
-def test_chat_greedy_match_offline_api(client, offline):
+def test_chat_greedy_match_offline_api(client, engine):
     model = client.models.list().data[0].id
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     reply = client.chat.completions.create(
         model=model, messages=messages, max_tokens=24, temperature=0
     )
-    tok = offline.tokenizer
+    tok = engine.tokenizer
     ids = tok.encode(tok.apply_chat_template(messages), add_special_tokens=False)
     expected = _offline_text(
-        offline, {"prompt_token_ids": ids}, SamplingParams(max_tokens=24, temperature=0)
+        engine, {"prompt_token_ids": ids}, SamplingParams(max_tokens=24, temperature=0)
     )[0]
     assert reply.choices[0].message.content == expected
     assert "Paris" in expected
@@ -152,7 +144,7 @@ async def _stream(session, url, prompt, max_tokens, read_events=None) -> tuple[s
     return text, usage
 
 
-def test_32_concurrent_streams_and_metrics_add_up(server, offline):
+def test_32_concurrent_streams_and_metrics_add_up(server, engine):
     url = server[1]
     prompts = [f"Item {i}: the best thing about number {i} is" for i in range(32)]
     before = _metrics(url)
@@ -165,10 +157,10 @@ def test_32_concurrent_streams_and_metrics_add_up(server, offline):
     after = _metrics(url)
     greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     for i, prompt in enumerate(prompts):
-        offline.add_request(f"c{i}", prompt, greedy)
+        engine.add_request(f"c{i}", prompt, greedy)
     expected = {}
-    while offline.has_unfinished_requests():
-        expected |= {o.request_id: o.outputs[0].text for o in offline.step() if o.finished}
+    while engine.has_unfinished_requests():
+        expected |= {o.request_id: o.outputs[0].text for o in engine.step() if o.finished}
     for i, (text, usage) in enumerate(results):
         assert usage["completion_tokens"] == 12
         assert text == expected[f"c{i}"]
@@ -212,7 +204,7 @@ def test_disconnected_clients_free_kv_within_a_second(server):
 BAD_INPUTS = [
     ("malformed JSON", b"{not json", 400, "invalid_request_error"),
     ("temperature out of range", {"prompt": "hi", "temperature": -1}, 400, None),
-    ("prompt too long", {"prompt": [7] * 1020, "max_tokens": 100}, 400, None),
+    ("prompt too long", {"prompt": [7] * (MAX_MODEL_LEN - 4), "max_tokens": 100}, 400, None),
     ("unknown model", {"prompt": "hi", "model": "gpt-unknown"}, 404, None),
     ("wrong type", {"prompt": "hi", "max_tokens": "ten"}, 400, None),
 ]
@@ -237,7 +229,9 @@ def test_bad_inputs_get_openai_errors_and_the_server_stays_healthy(server):
             assert error["message"], name
             assert error_type is None or error["type"] == error_type, (name, error)
             if name == "prompt too long":
-                assert "1020" in error["message"] and "1024" in error["message"], error
+                message = error["message"]
+                assert f"{MAX_MODEL_LEN - 4} tokens" in message, error
+                assert f"max_model_len={MAX_MODEL_LEN}" in message, error
     with urllib.request.urlopen(f"{url}/health") as response:
         assert response.status == 200
 

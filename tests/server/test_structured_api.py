@@ -18,7 +18,6 @@ from jserve.engine.async_engine import AsyncLLMEngine
 from jserve.server.protocol import chat_messages, render_chat
 from jserve.server.protocol_types import Message
 from jserve.server.tools import ToolRequest
-from tests.engine.conftest import make_engine
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 PERSON = {
@@ -47,11 +46,6 @@ WEATHER = {
     },
 }
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def engine(default_model):
-    return make_engine(default_model)
 
 
 @contextlib.asynccontextmanager
