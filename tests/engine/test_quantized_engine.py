@@ -41,12 +41,12 @@ def _greedy(engine, prompts: list[list[int]]) -> list[list[int]]:
     return [final[f"q{i}"].outputs[0].token_ids for i in range(len(prompts))]
 
 
-def test_packed_blocks_give_the_float32_greedy_tokens(packed_engine, tight_engine):
+def test_packed_blocks_give_the_float32_greedy_tokens(packed_engine, engine):
     assert packed_engine.quantization == "gguf:Q4_1,Q8_0"
-    assert tight_engine.quantization == "none"
-    prompts = [tight_engine.tokenizer.encode(p) for p in PROMPTS]
-    assert _greedy(packed_engine, prompts) == _greedy(tight_engine, prompts)
-    packed, floats = (weight_bytes(e.runner.state) for e in (packed_engine, tight_engine))
+    assert engine.quantization == "none"
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    assert _greedy(packed_engine, prompts) == _greedy(engine, prompts)
+    packed, floats = (weight_bytes(e.runner.state) for e in (packed_engine, engine))
     assert packed <= 0.2 * floats, (packed, floats)
 
 

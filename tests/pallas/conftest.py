@@ -11,12 +11,6 @@ from jserve.pallas.native_build import NativeKernels, NativeKernelsUnavailable
 from tests.pallas.native_levels import use_native_level
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "native_isa(level): run the native kernels at this ISA level (native_isa)"
-    )
-
-
 @pytest.fixture(autouse=True)
 def _native_isa(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     if mark := request.node.get_closest_marker("native_isa"):
