@@ -154,16 +154,28 @@ def _schema(i: int) -> dict:
 
 
 async def schema_storm(client: Client, tally: Tally, opts: argparse.Namespace) -> list[str]:
-    def body(i: int) -> dict:
-        fmt = {"type": "json_schema", "json_schema": {"name": f"s{i}", "schema": _schema(i)}}
+    opts.storm_seed += 32  # a second run against the same server compiles anew too
+    return await _storm(client, tally, [_schema(opts.storm_seed + i) for i in range(32)])
+
+
+async def plain_storm(client: Client, tally: Tally, opts: argparse.Namespace) -> list[str]:
+    """Case 6's twin: the same 32 one-token requests without their schemas. Its probe ratio is
+    what serving them costs the probe; case 6's ratio over it, what their grammars cost."""
+    return await _storm(client, tally, [None] * 32)
+
+
+async def _storm(client: Client, tally: Tally, schemas: list[dict | None]) -> list[str]:
+    def body(schema: dict | None) -> dict:
         # One token each: the phase measures what compiling costs the others, not 32 more
         # sequences decoding beside the probe.
-        return {"prompt": "A record as JSON:", "max_tokens": 1, "response_format": fmt}
+        plain = {"prompt": "A record as JSON:", "max_tokens": 1}
+        if schema is None:
+            return plain
+        name = next(iter(schema["properties"]))
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
+        return {**plain, "response_format": fmt}
 
-    storm = [
-        _checked(client, tally, "/v1/completions", body(opts.storm_seed + i)) for i in range(32)
-    ]
-    opts.storm_seed += 32  # a second run against the same server compiles anew too
+    storm = [_checked(client, tally, "/v1/completions", body(schema)) for schema in schemas]
     return list(await asyncio.gather(*storm))
 
 
@@ -230,6 +242,7 @@ PHASES = [
     ("grammar bombs (case 4)", grammar_bombs),
     ("stop flood, n=16 (case 5)", stop_flood),
     ("32 large schemas (case 6)", schema_storm),
+    ("32 plain, case 6's twin", plain_storm),
     ("echoed inputs (case 7)", echo_bound),
     ("tool calls (case 8)", tool_calls),
 ]

@@ -32,7 +32,9 @@ import os
 import platform
 import shutil
 import subprocess
+import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -44,6 +46,8 @@ from jserve.pallas import native_isa
 from jserve.pallas.native_isa import IsaLevel
 
 log = logging.getLogger(__name__)
+
+HEARTBEAT_S = 5.0  # seconds between progress lines while the compiler runs
 
 NATIVE_DIR = Path(__file__).with_name("native")
 SOURCES = tuple(
@@ -153,15 +157,37 @@ def _usable(build: Build, library: Path) -> bool:
 def _compile(build: Build, library: Path) -> None:
     tmp = library.with_name(f"{library.name}.tmp{os.getpid()}")
     cmd = [build.compiler, *build.flags, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES)]
-    done = subprocess.run([*cmd, "-o", str(tmp)], capture_output=True, text=True)
-    if done.returncode:
+    started = time.perf_counter()
+    log.info(
+        "building native CPU kernels (%s) with %s: once per CPU level, compiler and source",
+        build.level.isa, build.compiler,
+    )  # fmt: skip
+    returncode, errors = _run_with_heartbeat([*cmd, "-o", str(tmp)], build.level.isa, started)
+    if returncode:
         tmp.unlink(missing_ok=True)
-        raise NativeKernelsUnavailable(f"{' '.join(cmd)} failed:\n{done.stderr[-2000:]}")
+        raise NativeKernelsUnavailable(f"{' '.join(cmd)} failed:\n{errors[-2000:]}")
     tmp.replace(library)
     record = sidecar(library).with_name(f"{sidecar(library).name}.tmp{os.getpid()}")
     record.write_text(json.dumps(build.record(), indent=1))
     record.replace(sidecar(library))  # last: a library counts as built once its sidecar is there
-    log.info("built native CPU kernels (%s) into %s", build.level.isa, library)
+    seconds = time.perf_counter() - started
+    log.info("built native CPU kernels (%s) in %.1f s into %s", build.level.isa, seconds, library)
+
+
+def _run_with_heartbeat(cmd: list[str], isa: str, started: float) -> tuple[int, str]:
+    """Run the compiler, logging a line every HEARTBEAT_S while it runs (a start-up is never
+    silent for long); its exit code and standard error."""
+    with tempfile.TemporaryFile("w+") as errors:
+        compiler = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=errors, text=True)
+        while True:
+            try:
+                compiler.wait(timeout=HEARTBEAT_S)
+                break
+            except subprocess.TimeoutExpired:
+                so_far = time.perf_counter() - started
+                log.info("building native CPU kernels (%s): %.0f s so far", isa, so_far)
+        errors.seek(0)
+        return compiler.returncode, errors.read()
 
 
 def built_library(build: Build, directory: Path) -> Path:

@@ -270,3 +270,19 @@ def test_the_engine_builds_its_kernels_under_its_cache_dir(
     assert len(fake_cxx.compiled()) == 1
     key = native_build.load().key
     assert not list((default_cache_dir() / "native").glob(f"*{key}*"))
+
+
+def test_a_long_build_says_it_is_still_going(tmp_path, portable_library, monkeypatch, caplog):
+    """A start-up is never silent for long: a line when the build starts, one every
+    HEARTBEAT_S while the compiler runs, and one when it is done."""
+    fake_cxx = FakeCompiler(tmp_path, portable_library, delay=0.35)
+    monkeypatch.setenv("CXX", str(fake_cxx.path))
+    monkeypatch.delenv(ISA_ENV, raising=False)
+    monkeypatch.setattr(native_build, "HEARTBEAT_S", 0.1)
+    build = Build.plan(str(fake_cxx.path), native_isa.choose_level())
+    with caplog.at_level("INFO", logger=native_build.__name__):
+        native_build.built_library(build, tmp_path / "cache")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[0].startswith("building native CPU kernels")
+    assert sum("so far" in line for line in lines) >= 2, lines
+    assert lines[-1].startswith("built native CPU kernels") and len(fake_cxx.compiled()) == 1
