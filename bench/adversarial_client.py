@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import re
 import time
 from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
 
 import aiohttp
 
@@ -80,15 +82,6 @@ class Client:
                 return classify(response.status), response.status, _json_or_none(raw)
         except (TimeoutError, aiohttp.ClientError):
             return "lost", 0, None
-
-    async def probe(self, body: dict, stop: asyncio.Event) -> float:
-        """Send `body` again and again until `stop` is set; the slowest answer's seconds."""
-        worst = 0.0
-        while not stop.is_set():
-            start = time.monotonic()
-            await self.greedy_text(body)
-            worst = max(worst, time.monotonic() - start)
-        return worst
 
     async def stream_then_leave(self, body: dict, events: int) -> str:
         """Read `events` SSE events (0: none), then drop the connection."""
@@ -192,3 +185,44 @@ def _stream_outcome(raw: bytes) -> str:
 def _metric(text: str, name: str) -> float:
     found = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.MULTILINE)
     return float(found.group(1)) if found else 0.0
+
+
+class ProbeProcess:
+    """The greedy probe, sent again and again from a process of its own until the block ends;
+    `latencies` then holds each answer's seconds. In its own process, the phase's senders
+    (encoding megabytes of JSON, opening hundreds of sockets) cannot hold the probe's event
+    loop or the GIL: only the server's answer times it."""
+
+    def __init__(self, base_url: str, api_key: str | None, body: dict):
+        context = multiprocessing.get_context("spawn")
+        self._conn, child = context.Pipe()
+        self._process = context.Process(
+            target=_probe_loop, args=(base_url, api_key, body, child), daemon=True
+        )
+        self.latencies: list[float] = []
+
+    async def __aenter__(self) -> ProbeProcess:
+        self._process.start()
+        await asyncio.to_thread(self._conn.recv)  # connected, and its first answer came
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._conn.send("stop")
+        self.latencies = await asyncio.to_thread(self._conn.recv)
+        await asyncio.to_thread(self._process.join, 30)
+
+
+def _probe_loop(base_url: str, api_key: str | None, body: dict, conn: Connection) -> None:
+    async def loop() -> None:
+        async with aiohttp.ClientSession() as session:
+            client = Client(base_url, api_key, session)
+            await client.greedy_text(body)
+            conn.send("ready")
+            latencies = []
+            while not conn.poll():
+                start = time.monotonic()
+                await client.greedy_text(body)
+                latencies.append(time.monotonic() - start)
+            conn.send(latencies)
+
+    asyncio.run(loop())

@@ -7,8 +7,8 @@ Per phase: requests sent, served (2xx), 4xx, 5xx, closed (as the phase intends: 
 left, or the server cut a slow client), lost or hung; whether KV usage and running/waiting
 requests went back to 0 afterwards (read from /metrics); whether a fixed greedy request
 still gives the text it gave before the first phase; the worst latency of that request, sent
-again and again while the phase runs, over its idle latency ("probe x idle": a phase that
-stalls other tenants shows here); and findings beyond status codes (bench.adversarial_inputs:
+again and again from a process of its own while the phase runs, over its idle latency
+("probe x idle": a phase that stalls other tenants shows here); and findings beyond status codes (bench.adversarial_inputs:
 unbounded error bodies, non-JSON admin answers, tool-call markup in content). Every phase is
 bounded in count and time. The first phases are the first adversarial round's (bad inputs,
 bursts, disconnects, slow clients, framing); bench.adversarial_inputs holds the second's.
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import statistics
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable
@@ -27,7 +28,7 @@ from pathlib import Path
 import aiohttp
 
 from bench import adversarial_inputs
-from bench.adversarial_client import Client, Tally
+from bench.adversarial_client import Client, ProbeProcess, Tally
 from bench.report_writer import text_table
 
 GREEDY = {"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}
@@ -177,7 +178,7 @@ async def run(opts: argparse.Namespace) -> list[Tally]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
         client = Client(opts.url, opts.api_key, session)
         known = await client.greedy_text(GREEDY)
-        idle = await _idle_latency(client)
+        idle = await _idle_latency(opts)
         print(f"greedy reference: {known!r}, idle {idle:.3f} s", file=sys.stderr)
         for name, phase in phases:
             print(f"phase: {name}", file=sys.stderr)
@@ -190,29 +191,21 @@ async def run(opts: argparse.Namespace) -> list[Tally]:
     return tallies
 
 
-async def _idle_latency(client: Client) -> float:
+async def _idle_latency(opts: argparse.Namespace) -> float:
     """The greedy probe's median latency with nothing else running."""
-    loop = asyncio.get_running_loop()
-    times = []
-    for _ in range(5):
-        start = loop.time()
-        await client.greedy_text(GREEDY)
-        times.append(loop.time() - start)
-    return sorted(times)[len(times) // 2]
+    async with ProbeProcess(opts.url, opts.api_key, GREEDY) as probe:
+        await asyncio.sleep(1.0)
+    return statistics.median(probe.latencies)
 
 
 async def _run_phase(
     client: Client, tally: Tally, phase: Callable, opts: argparse.Namespace, idle: float
 ) -> Tally:
-    """Run one phase with the greedy probe beside it."""
-    stop = asyncio.Event()
-    probe = asyncio.create_task(client.probe(GREEDY, stop))
-    try:
+    """Run one phase with the greedy probe beside it; its slowest answer over `idle`."""
+    async with ProbeProcess(opts.url, opts.api_key, GREEDY) as probe:
         tally.add(await asyncio.wait_for(phase(client, tally, opts), opts.phase_timeout))
-    finally:
-        stop.set()
-        worst = await probe
-    tally.probe_ratio = worst / idle if idle > 0 else None
+    if probe.latencies and idle > 0:
+        tally.probe_ratio = max(probe.latencies) / idle
     return tally
 
 
