@@ -44,9 +44,9 @@ class _Driver:
     """Drives a scheduler as the engine does, synchronously or with one plan in flight;
     records each request's output and finish reason, and what async order exercised."""
 
-    def __init__(self, scheduler: Scheduler, stop_after: int | None, abort_id: str | None):
+    def __init__(self, scheduler: Scheduler, stop_id: str | None, abort_id: str | None):
         self.scheduler = scheduler
-        self.stop_after = stop_after  # an "engine" stop (a stop string) at this output length
+        self.stop_id = stop_id  # the engine stops it (a stop string) at its third token
         self.abort_id = abort_id  # aborted once its first output token is known
         self.results: dict[str, tuple[list[int], FinishReason]] = {}
         self.live: dict[str, Request] = {}
@@ -67,11 +67,19 @@ class _Driver:
         while self.scheduler.has_unfinished_requests() or in_flight is not None:
             plan = self.scheduler.schedule(0.0)
             self._check_placeholders(plan, in_flight)
-            self.pending_victims += sum(
-                self.live[rid].num_pending for rid in plan.preempted_ids
-            )  # fmt: skip
+            victims = {  # preempted while the step in flight samples their token
+                rid: len(self.live[rid].output_token_ids)
+                for rid in plan.preempted_ids
+                if self.live[rid].num_pending
+            }
+            self.pending_victims += len(victims)
             if in_flight is not None:
                 self._update(in_flight)
+            for rid, num_output in victims.items():  # each kept its token
+                request = self.live.get(rid)
+                output = self.results[rid][0] if request is None else request.output_token_ids
+                assert len(output) == num_output + 1, rid
+                assert request is None or request.num_pending == 0
             in_flight = None if plan.is_empty else plan
 
     def _check_placeholders(self, plan: StepPlan, in_flight: StepPlan | None) -> None:
@@ -81,7 +89,7 @@ class _Driver:
             request = self.live[seq.request_id]
             placeholder = list(seq.token_ids) == [PLACEHOLDER_TOKEN]
             assert placeholder == (seq.request_id in sampling), seq
-            assert placeholder == (request.num_pending == 1)
+            assert request.num_pending == (2 if placeholder else 1)  # this plan's own too
             assert seq.start_pos == len(request.all_token_ids) - (0 if placeholder else 1)
         for seq in plan.seqs[plan.num_decodes :]:
             assert PLACEHOLDER_TOKEN not in seq.token_ids
@@ -101,7 +109,7 @@ class _Driver:
             if rid == self.abort_id:
                 assert self.scheduler.abort(rid)
                 self._record(rid, FinishReason.ABORT)
-            elif self.stop_after is not None and len(request.output_token_ids) == self.stop_after:
+            elif rid == self.stop_id and len(request.output_token_ids) == 3:
                 assert self.scheduler.finish_request(rid, FinishReason.STOP)
                 self._record(rid, FinishReason.STOP)
 
@@ -112,13 +120,19 @@ class _Driver:
 
 
 CASES = {
-    # name: (scheduler settings, requests, samples each, engine stop, abort)
+    # name: (scheduler settings, requests, samples each, engine-stopped id, aborted id)
     "roomy": (dict(num_blocks=64), 6, 1, None, None),
-    "tight pool: preemption": (dict(num_blocks=14, max_num_batched_tokens=16), 8, 1, None, None),
-    "chunked prefill, stops, abort": (dict(max_num_batched_tokens=8), 7, 1, 3, "r2#0"),
+    "tight pool: preemption": (
+        dict(num_blocks=14, max_model_len=52, max_num_batched_tokens=16),
+        8,
+        1,
+        None,
+        None,
+    ),
+    "chunked prefill, stops, abort": (dict(max_num_batched_tokens=8), 7, 1, "r4#0", "r2#0"),
     "n > 1 groups, prefix caching": (dict(num_blocks=40), 3, 3, None, "r1#1"),
     "no chunked prefill": (
-        dict(enable_chunked_prefill=False, max_num_batched_tokens=48),
+        dict(enable_chunked_prefill=False, max_num_batched_tokens=64, max_model_len=64),
         5,
         1,
         None,
@@ -129,11 +143,11 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_one_plan_in_flight_serves_exactly_what_lock_step_serves(name):
-    settings, num, n, stop_after, abort_id = CASES[name]
+    settings, num, n, stop_id, abort_id = CASES[name]
     results = {}
     for mode in ("sync", "async"):
         scheduler = make_scheduler(**settings)
-        driver = _Driver(scheduler, stop_after, abort_id)
+        driver = _Driver(scheduler, stop_id, abort_id)
         driver.add(_requests(num, long_every=3, n=n))
         getattr(driver, f"run_{mode}")()
         assert not driver.live and not scheduler.has_unfinished_requests()
