@@ -23,7 +23,8 @@ PARAGRAPH = (
 def _workload() -> list[tuple[str, str, SamplingParams]]:
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     return [
-        *[(f"long{i}", PARAGRAPH * 14 + f"Point {i}:", greedy) for i in range(3)],
+        # Distinct from their first token (no shared prefix): 3 x ~25 blocks of 48.
+        *[(f"long{i}", f"Essay {i}. " + PARAGRAPH * 14 + "Point:", greedy) for i in range(3)],
         ("stop", "Count: 1, 2, 3,", SamplingParams(temperature=0, max_tokens=40, stop=[" 5,"])),
         ("eos", "Q: What is 2 + 2?\nA:", SamplingParams(temperature=0, max_tokens=24)),
         ("n2", "Say something.", SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=8)),
@@ -79,9 +80,9 @@ def test_async_scheduling_gives_the_synchronous_engines_outputs(engine, monkeypa
     monkeypatch.setattr(engine.scheduler, "schedule", recording_schedule)
     monkeypatch.setattr(engine.runner, "run", recording_run)
     got = _serve(engine)
+    assert got == sync
     assert engine.scheduler.stats().num_preemptions > 0  # the pool was tight
     assert_no_blocks_held(engine)
-    assert got == sync
     reasons = {sample[2] for samples in sync.values() for sample in samples}
     assert reasons == {"length", "stop", "abort"}, reasons
     assert sync["stop"][0][3] == " 5," and sync["abort"][0][0]
