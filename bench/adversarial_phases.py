@@ -7,9 +7,10 @@ Per phase: requests sent, served (2xx), 4xx, 5xx, closed (as the phase intends: 
 left, or the server cut a slow client), lost or hung; whether KV usage and running/waiting
 requests went back to 0 afterwards (read from /metrics); whether a fixed greedy request
 still gives the text it gave before the first phase; the worst latency of that request, sent
-again and again from a process of its own while the phase runs, over its idle latency
-("probe x idle": a phase that stalls other tenants shows here); and findings beyond status codes (bench.adversarial_inputs:
-unbounded error bodies, non-JSON admin answers, tool-call markup in content). Every phase is
+again and again from a process of its own while the phase runs, over its idle latency ("probe
+x idle": a phase that stalls other tenants shows here); and findings beyond status codes
+(bench.adversarial_inputs: unbounded error bodies, non-JSON admin answers, tool-call markup in
+content). Every phase is
 bounded in count and time. The first phases are the first adversarial round's (bad inputs,
 bursts, disconnects, slow clients, framing); bench.adversarial_inputs holds the second's.
 SIGTERM is not a phase (it ends the server): tests/server/test_shutdown.py covers it.

@@ -152,6 +152,13 @@ class EngineArgs:
         "measured under the real load, for the next start or for capacity simulation",
         default_text="not written",
     )
+    async_scheduling: bool = setting(
+        False,
+        "plan each step and build its inputs while the previous step runs on the device (its "
+        "sampled tokens reach the plan one step late; tokens are the same as without); a "
+        "request that finishes costs one wasted row of the step after",
+        vllm="--async-scheduling",
+    )
     attention_impl: AttentionImpl = setting(
         AttentionImpl.AUTO,
         "attention implementation: auto picks by backend and dtype (native for float32 on CPU, "

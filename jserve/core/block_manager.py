@@ -147,8 +147,9 @@ class BlockManager:
 
         The scheduler calls this when it plans the step that computes those tokens, as vLLM
         commits blocks when it allocates them: the cache (and its KV events, which routers
-        read) then knows the blocks one step earlier. No lookup can read them before that
-        step ran, because the next lookup happens when the next step is planned.
+        read) then knows the blocks one step earlier. No step can read them before that step
+        ran: the next lookup plans a later step (with async scheduling, while that step runs;
+        steps run in order).
         """
         cache = self.prefix_cache
         num_full = num_tokens // self.block_size

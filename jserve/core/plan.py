@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 
 from jserve.outputs import FinishReason
 
+# The input id of a decode whose token the step before it samples (async scheduling): the
+# engine writes the real id over it once that step's tokens reach the host, before dispatch.
+PLACEHOLDER_TOKEN = -1
+
 
 @dataclass(slots=True)
 class ScheduledSeq:
@@ -20,7 +24,8 @@ class ScheduledSeq:
     table is replaced rather than cleared, so the entries this step needs never change - but
     read it before the next `schedule()`, after which it may hold more entries. When `sample`
     is True the chunk ends at the last known token, so its last position's logits produce the
-    next token.
+    next token. A decode planned before its input token is known (async scheduling: the step in
+    flight samples it) holds PLACEHOLDER_TOKEN.
 
     `prompt_token_ids` and `output_token_ids` are what the engine needs to sample without
     asking the scheduler (penalties, the seed's step): `output_token_ids` is the request's own

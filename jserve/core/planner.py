@@ -19,6 +19,12 @@ goes back to the front of its lane with every token kept, to recompute them (che
 prefix caching). The step's token budget is `budget` (the scheduler's adaptive choice, or
 max_num_batched_tokens).
 
+With async scheduling a step is planned while the previous one runs: a request that step
+samples has a pending token (`Request.num_pending`) and decodes it with a placeholder id. A
+victim with a pending token keeps it (the scheduler appends it when it arrives), and cannot be
+admitted again before that: a step that preempts admits no one, and the next plan comes after
+the previous step's update.
+
 `plan_step` reads the scheduler's running list and waiting queues and returns what it decided
 (`PlanOutcome`): the plan, the new running list, and which requests it admitted and preempted.
 It never changes the scheduler's containers; the scheduler applies the outcome, so the
@@ -29,6 +35,7 @@ allocation takes, so they are freed as the pass goes).
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_left, insort
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,11 +45,14 @@ from operator import attrgetter
 from jserve.config.scheduler import FairnessPolicy, Lane, SchedulerConfig, SchedulingPolicy
 from jserve.core.block_manager import BlockManager
 from jserve.core.fairness import FairShare, service_of
-from jserve.core.plan import ScheduledSeq, StepPlan
+from jserve.core.plan import PLACEHOLDER_TOKEN, ScheduledSeq, StepPlan
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
 
 _rank = attrgetter("rank")
+# The input of every decode whose token is pending; shared and never written (the engine
+# writes the real id into the step's input buffer).
+_PLACEHOLDER = array("q", (PLACEHOLDER_TOKEN,))
 
 
 class _Verdict(StrEnum):
@@ -180,7 +190,8 @@ class _Planner:
             if preempted and request.request_id in preempted:
                 continue  # a victim of an earlier request of this pass
             start = request.num_computed_tokens
-            if len(request.all_token_ids) - start != 1:
+            pending = request.num_pending
+            if len(request.all_token_ids) + pending - start != 1:
                 unfinished_prefills.append(request)
                 continue
             if start >= len(request.block_ids) * block_size and not self._grow_or_preempt(
@@ -192,7 +203,7 @@ class _Planner:
                 ScheduledSeq(
                     request.request_id,
                     start,
-                    request.all_token_ids[start:],
+                    _PLACEHOLDER if pending else request.all_token_ids[start:],
                     request.block_ids,
                     True,
                     request.prompt_token_ids,
@@ -526,7 +537,7 @@ class _Planner:
         """Take the victim out of running and of this step's plan, and free its blocks now
         (the allocation that needs them follows)."""
         del self.running[bisect_left(self.running, victim.rank, key=_rank)]
-        decoding = len(victim.all_token_ids) - victim.num_computed_tokens == 1
+        decoding = len(victim.all_token_ids) + victim.num_pending - victim.num_computed_tokens == 1
         seqs = self.decodes if decoding else self.prefills
         # fcfs: the victim ranks last, so if it was scheduled its seq is the last one of its
         # kind (both passes append in rank order); vtc victims may sit anywhere.

@@ -26,11 +26,13 @@ class Request:
     """One sequence the scheduler drives.
 
     `all_token_ids` is prompt + output; tokens before `num_computed_tokens` have their KV in
-    `block_ids`. Token storage is `array("q")` (int64), not lists: arrays hold no object
-    references, so the garbage collector never walks them (lists of tokens made each full
-    collection's cost grow with every live request's length; `python -m bench.scheduler_cost`
-    shows the p99 it costs). The last known token is computed in
-    the step that samples the next one, so a decoding request has exactly one uncomputed token.
+    `block_ids` once the steps planned so far ran (the scheduler counts a step's tokens as
+    computed when it plans it). Token storage is `array("q")` (int64), not lists: arrays hold
+    no object references, so the garbage collector never walks them (lists of tokens made each
+    full collection's cost grow with every live request's length; `python -m
+    bench.scheduler_cost` shows the p99 it costs). The last known token is computed in the step
+    that samples the next one, so a decoding request has exactly one uncomputed token:
+    its last known one, or its pending one (`num_pending`) while the step sampling it runs.
 
     `stop` holds its stop rules (`max_tokens` among them; see jserve.core.stopping). A request the
     scheduler rejected is FINISHED with no finish reason. `deadline` is absolute, on the
@@ -56,6 +58,7 @@ class Request:
         "num_cached_tokens",
         "num_computed_tokens",
         "num_hashed_blocks",
+        "num_pending",
         "num_preemptions",
         "num_prompt_served",
         "num_prompt_tokens",
@@ -95,6 +98,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_computed_tokens = 0
+        # Tokens a planned step samples that are not known yet (0 or 1): with async
+        # scheduling the next step is planned before they arrive (jserve.core.scheduler).
+        self.num_pending = 0
         self.num_cached_tokens = 0  # prefix-cache (or fork) hit at first admission
         self.num_preemptions = 0
         # Prompt positions already charged to the tenant's fair-share counter: recomputing

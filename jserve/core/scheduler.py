@@ -6,14 +6,21 @@ One iteration, as the engine drives it:
    then admissions, preempting by recompute when blocks run out: the passes are described
    there), and applies what the planner decided to the running list and waiting queues. This
    class is the only one that changes them, so it alone keeps running sorted by rank.
-2. The runtime computes the plan. Meanwhile only `add_request`, `abort` and `finish_request`
-   may be called; the next `update_from_output` skips requests they ended. Requests ended by
-   a caller are not reported back to it; `StepPlan.finished` lists only those the scheduler
-   ended by itself.
-3. `update_from_output()` advances progress, appends sampled tokens, caches newly filled blocks
-   and finishes requests on a stop token or max_tokens (the rules: jserve.core.stopping), returning
-   those it finished.
-`schedule()` and `update_from_output()` strictly alternate. Nothing here is thread-safe: call
+   Planning counts the plan's chunks as computed and the tokens it samples as pending
+   (`Request.num_pending`), and indexes the full blocks of known tokens it computes.
+2. The runtime computes the plan. Meanwhile `add_request`, `abort` and `finish_request` may be
+   called; the next `update_from_output` skips requests they ended. Requests ended by a caller
+   are not reported back to it; `StepPlan.finished` lists only those the scheduler ended by
+   itself.
+3. `update_from_output()` appends the sampled tokens (no longer pending) and finishes requests
+   on a stop token or max_tokens (the rules: jserve.core.stopping), returning those it
+   finished.
+Synchronously, `schedule()` and `update_from_output()` alternate. With async scheduling the
+engine plans step N+1 while step N runs, before N's tokens are known: one plan may be in flight
+(scheduled, not yet updated) when `schedule()` is called, never two. Step N+1 then decodes each
+pending token with a placeholder id (the engine writes the real one in before dispatch), a
+request N finishes wastes its row of N+1, and a request that N+1's plan preempts still gets its
+token of N. Plans are updated in the order they were made. Nothing here is thread-safe: call
 every method from the thread that drives the steps (e.g. the engine's event loop).
 """
 
@@ -92,6 +99,7 @@ class Scheduler:
         self.group_leaders: dict[str, Request] = {}  # group_id -> the member that prefills
         self._num_added = 0
         self.num_steps = 0  # schedule() calls so far; waiting ages are counted in steps
+        self._plans_in_flight = 0  # non-empty plans not yet updated: 0 or 1 between calls
 
     def reconfigure(self, config: SchedulerConfig) -> None:
         """Adopt `config` (at start-up, or between steps from the admin endpoint); a
@@ -224,7 +232,13 @@ class Scheduler:
     # ---- one iteration ---------------------------------------------------------------------
 
     def schedule(self, now: float | None = None) -> StepPlan:
-        """Plan the next step (`now` on the time.monotonic() clock, for deadlines)."""
+        """Plan the next step (`now` on the time.monotonic() clock, for deadlines); at most
+        one earlier plan may still wait for its `update_from_output`."""
+        if self._plans_in_flight > 1:
+            raise RuntimeError(
+                "schedule() with two plans not yet updated: call update_from_output() for the "
+                "older one first (one step may be in flight while the next is planned, not two)"
+            )
         self.num_steps += 1
         finished = {}
         for request in self._deadlines.pop_expired(time.monotonic() if now is None else now):
@@ -236,21 +250,30 @@ class Scheduler:
         )  # fmt: skip
         self._apply(outcome)
         plan = outcome.plan
-        if self.block_manager.prefix_cache is not None:
-            self._cache_planned_blocks(plan)
+        self._commit(plan)
         if DECISIONS.isEnabledFor(logging.DEBUG):
             self._log_decisions(outcome, finished)
         plan.finished = finished
         return plan
 
-    def _cache_planned_blocks(self, plan: StepPlan) -> None:
-        """Index the full blocks the planned step computes (see BlockManager.cache_full_blocks)."""
+    def _commit(self, plan: StepPlan) -> None:
+        """Count the planned chunks as computed and their sampled tokens as pending (the next
+        plan builds on this step, which runs first), and index the full blocks of known tokens
+        it computes (see BlockManager.cache_full_blocks): a block ending in a pending token is
+        indexed by a later plan, once the token is known."""
+        if plan.seqs:
+            self._plans_in_flight += 1
         requests, block_manager, block_size = self._requests, self.block_manager, self.block_size
+        caching = block_manager.prefix_cache is not None
         for seq in plan.seqs:
-            end = seq.start_pos + len(seq.token_ids)
             request = requests[seq.request_id]
-            if end // block_size > request.num_hashed_blocks:
-                block_manager.cache_full_blocks(request, end)
+            end = request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
+            if seq.sample:
+                request.num_pending += 1
+            if caching:
+                known = min(end, len(request.all_token_ids))
+                if known // block_size > request.num_hashed_blocks:
+                    block_manager.cache_full_blocks(request, known)
 
     def _log_decisions(self, outcome: PlanOutcome, finished: Mapping[str, FinishReason]) -> None:
         level = self.fair.level
@@ -302,7 +325,10 @@ class Scheduler:
     def update_from_output(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
         """Record that `plan` ran; `sampled` maps request id -> new token for seqs with
         `sample`. Returns the requests this finished (a stop token or max_tokens, decided by
-        jserve.core.stopping; the caller applies the stop-string rule and calls finish_request)."""
+        jserve.core.stopping; the caller applies the stop-string rule and calls finish_request).
+        A request the next plan preempted (async scheduling) keeps its token, to recompute."""
+        if plan.seqs:
+            self._plans_in_flight -= 1
         requests = self._requests
         running = RequestStatus.RUNNING
         charge = self.fair.charge
@@ -311,17 +337,17 @@ class Scheduler:
         # The hot loop of every step: attribute access and calls are kept to a minimum.
         for seq in plan.seqs:
             request = requests.get(seq.request_id)
-            if request is None or request.status is not running:
+            if request is None:
                 continue  # aborted or finished by the engine while the step ran
             start = seq.start_pos
-            num_computed = request.num_computed_tokens = start + len(seq.token_ids)
             if start < request.num_prompt_tokens or not seq.sample:
-                charge(request, start, num_computed, seq.sample)
+                charge(request, start, start + len(seq.token_ids), seq.sample)
             else:  # a decode (or a recompute of outputs): one output token served
                 key = (request.lane, request.tenant)
                 decodes[key] = decodes.get(key, 0) + 1
             if not seq.sample:
                 continue
+            request.num_pending -= 1
             try:
                 token_id = sampled[seq.request_id]
             except KeyError:
@@ -334,7 +360,10 @@ class Scheduler:
             request.all_token_ids.append(token_id)
             reason = request.stop.after_token(token_id, len(output))
             if reason is not None:
-                self._finish(request, reason)
+                if request.status is running:
+                    self._finish(request, reason)  # taken out of running below, all at once
+                else:  # preempted by the plan made while this step ran
+                    self._remove_and_finish(request, reason)
                 finished.append(request)
         self.fair.charge_decodes(decodes)
         if finished:

@@ -11,7 +11,9 @@ How a request flows (two threads, two kinds of queue):
    their deadline: jserve.core.deadlines), and hands each RequestOutput to its request's
    asyncio.Queue with `loop.call_soon_threadsafe`.
    JAX releases the GIL while a step computes, so the event loop stays responsive. With no
-   work it sleeps on a condition variable until the next command.
+   work it sleeps on a condition variable until the next command. With async scheduling one
+   step stays in flight between loop turns (LLMEngine._step_async): commands are applied
+   while it runs, and the loop keeps stepping until it has been sampled.
 3. `generate()` awaits its queue and yields outputs. Outputs are cumulative, so when several
    are queued it skips to the newest one: a slow reader never falls behind the engine.
 4. A rejected add (RequestRejected) or a dead engine (EngineDeadError) arrives in the queue as

@@ -10,6 +10,11 @@ requests (user request -> `n` scheduler requests, seeds, output states).
 - postprocess: appends tokens (through the scheduler), finishes requests (the rules:
   jserve.core.stopping), and updates the per-request output states, which are the only thing
   returned.
+
+With async scheduling (`EngineArgs.async_scheduling`) one step is in flight between calls, and
+a call reads: schedule N+1 -> build its inputs (both while N runs on the device) -> sample N ->
+write N's tokens into N+1's inputs -> run N+1 -> postprocess N (while N+1 runs). See
+`_step_async` and docs/scheduling.md.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from jserve.config.engine_args import EngineArgs
 from jserve.config.scheduler import Lane
 from jserve.config.validation import check_int, check_token_ids
 from jserve.core.control import apply_changes, current_settings
-from jserve.core.plan import StepPlan
+from jserve.core.plan import PLACEHOLDER_TOKEN, StepPlan
 from jserve.core.request import Request
 from jserve.core.step_costs import learned_report
 from jserve.core.stopping import StopConditions
@@ -50,8 +55,9 @@ from jserve.runtime.compilation import (
     mark_serving,
     serving_compilation_count,
 )
+from jserve.runtime.sampler import NEUTRAL_ROW
 from jserve.runtime.sampling_tensors import SamplingRow
-from jserve.runtime.step_inputs import StepInputs
+from jserve.runtime.step_inputs import StepInputBuilder, StepInputs
 from jserve.sampling_params import SamplingParams
 from jserve.structured.decoding import SequenceMatcher, StructuredDecoding
 from jserve.structured.grammar import GrammarError
@@ -77,6 +83,16 @@ class _Child:
     matcher: SequenceMatcher | None = None  # its grammar state, if the request is constrained
 
 
+@dataclass
+class _InFlight:
+    """A dispatched step whose tokens have not reached the host yet (async scheduling)."""
+
+    plan: StepPlan
+    logits: jax.Array
+    started: float  # time.perf_counter() at its dispatch
+    builder: StepInputBuilder  # whose buffers its inputs are views of
+
+
 class LLMEngine:
     @expect_compilation()  # building an engine compiles; serving with it must not
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
@@ -92,6 +108,11 @@ class LLMEngine:
         self.max_model_len = parts.max_model_len
         self.scheduler = parts.scheduler
         self.inputs_builder = parts.inputs_builder
+        self.async_scheduling = args.async_scheduling
+        # Async scheduling: the step dispatched by the last call, not yet sampled, and the
+        # second builder the next step's inputs go to while that one's are read.
+        self._in_flight: _InFlight | None = None
+        self._spare_builder = self.inputs_builder.twin()
         self.runner = parts.runner
         self.sampler = parts.sampler
         self._bucket_pairs = parts.bucket_pairs
@@ -251,34 +272,25 @@ class LLMEngine:
         return state.to_output()
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._states)
+        """Whether `step()` has work: requests, or a step in flight (async scheduling) whose
+        rows all belong to requests that ended while it ran."""
+        return bool(self._states) or self._in_flight is not None
 
     # ---- one iteration -------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one iteration; returns outputs of the requests that changed."""
-        plan = self.scheduler.schedule()
-        if self._kv_events is not None:  # planning stored and evicted blocks; nothing else does
-            self._kv_events.publish(self.scheduler.take_kv_events())
         changed: dict[str, RequestState] = {}
-        for child_id, reason in plan.finished.items():
-            self._finish_child(child_id, reason, None, changed)
-        if not plan.is_empty:
-            self._iteration_tokens.append(plan.num_batched_tokens)
-            costs = self.scheduler.step_costs
-            started = time.perf_counter()
-            if self._last_step_end is not None:
-                costs.observe_between_steps(started - self._last_step_end)
-            inputs = self.inputs_builder.build(plan)
-            if self._step_observers:
-                logits = self._run_observed(plan, inputs)
-            else:
-                logits = self.runner.run(inputs)
-            sampled = self._sample(plan, logits, changed)
-            # The sampler brought the tokens to the host: the step's device work is done.
-            self._last_step_end = time.perf_counter()
-            costs.observe(plan.num_batched_tokens, len(plan.seqs), self._last_step_end - started)
-            self._postprocess(plan, sampled, changed)
+        if self.async_scheduling or self._in_flight is not None:
+            self._step_async(changed)
+        else:
+            plan = self._schedule(changed)
+            if not plan.is_empty:
+                started = self._dispatching()
+                logits = self._run(plan, self.inputs_builder.build(plan))
+                sampled = self._sample(plan, logits, changed)
+                self._sampled(plan, started)
+                self._postprocess(plan, sampled, changed)
         outputs = [state.to_output() for state in changed.values()]
         for state in changed.values():
             if state.finished:
@@ -286,6 +298,69 @@ class LLMEngine:
         if not self._states:
             self._last_step_end = None
         return outputs
+
+    def _step_async(self, changed: dict) -> None:
+        """One call with async scheduling: plan and build step N+1 while step N, dispatched by
+        the previous call, runs; wait for N's tokens; write them over N+1's placeholder inputs
+        and dispatch N+1; then postprocess N (detokenize, stops, outputs) while N+1 runs, and
+        the next call fills N+1's grammar masks while it still does.
+
+        The inputs are staged on the host rather than gathered on the device from N's sampled
+        array: the host needs N's tokens before N+1's sampling anyway (stops, grammar masks,
+        the seeds' step), the patch is one write per decode, and the compiled steps keep their
+        inputs. A request N finished wastes its row of N+1 (its logits are not sampled); its
+        blocks may be handed out by the plan of N+2 at once, since steps run in order on the
+        device, each taking the KV pool the one before returned.
+        """
+        # Switched off with a step in flight: finish that one, dispatch nothing.
+        plan = self._schedule(changed) if self.async_scheduling else StepPlan()
+        previous, self._in_flight = self._in_flight, None
+        inputs = builder = None
+        if not plan.is_empty:
+            busy = previous.builder if previous is not None else None
+            builder = self._spare_builder if busy is self.inputs_builder else self.inputs_builder
+            inputs = builder.build(plan)
+        sampled: dict[str, tuple[int, list | None]] = {}
+        if previous is not None:
+            sampled = self._sample(previous.plan, previous.logits, changed)
+            self._sampled(previous.plan, previous.started)
+        if inputs is not None and builder is not None:
+            _write_pending_tokens(plan, inputs, sampled)
+            started = self._dispatching()
+            self._in_flight = _InFlight(plan, self._run(plan, inputs), started, builder)
+        if previous is not None:
+            self._postprocess(previous.plan, sampled, changed)
+
+    def _schedule(self, changed: dict) -> StepPlan:
+        """The scheduler's next plan; ends the requests it ended (deadline expiry)."""
+        plan = self.scheduler.schedule()
+        if self._kv_events is not None:  # planning stored and evicted blocks; nothing else does
+            self._kv_events.publish(self.scheduler.take_kv_events())
+        for child_id, reason in plan.finished.items():
+            self._finish_child(child_id, reason, None, changed)
+        if not plan.is_empty:
+            self._iteration_tokens.append(plan.num_batched_tokens)
+        return plan
+
+    def _dispatching(self) -> float:
+        """The time a step is dispatched; the host's time since the last step's tokens
+        arrived is part of every running decode's inter-token latency."""
+        started = time.perf_counter()
+        if self._last_step_end is not None:
+            self.scheduler.step_costs.observe_between_steps(started - self._last_step_end)
+        return started
+
+    def _sampled(self, plan: StepPlan, started: float) -> None:
+        """The sampler brought `plan`'s tokens to the host: its device work is done."""
+        self._last_step_end = time.perf_counter()
+        self.scheduler.step_costs.observe(
+            plan.num_batched_tokens, len(plan.seqs), self._last_step_end - started
+        )
+
+    def _run(self, plan: StepPlan, inputs: StepInputs) -> jax.Array:
+        if self._step_observers:
+            return self._run_observed(plan, inputs)
+        return self.runner.run(inputs)
 
     def add_step_observer(self, observer: StepObserver, *, runner_time: bool = False) -> None:
         """Call `observer` with a ModelStep once per model step (after the model ran, before
@@ -315,17 +390,21 @@ class LLMEngine:
     def _sample(
         self, plan: StepPlan, logits: jax.Array, changed: dict
     ) -> dict[str, tuple[int, list | None]]:
-        children = [self._children[seq.request_id] for seq in plan.seqs]
+        # None: the request ended while its step ran (async scheduling); its row is not wanted.
+        children = [self._children.get(seq.request_id) for seq in plan.seqs]
         # Computed while the model step dispatched above runs (see jserve.structured.decoding).
         masks, mask_failed = self.structured.fill_masks(
             [
                 (i, child.matcher, seq.output_token_ids)
                 for i, (seq, child) in enumerate(zip(plan.seqs, children, strict=True))
-                if child.matcher is not None and seq.sample
+                if child is not None and child.matcher is not None and seq.sample
             ]
         )
         rows = []
         for i, (seq, child) in enumerate(zip(plan.seqs, children, strict=True)):
+            if child is None:
+                rows.append(NEUTRAL_ROW)
+                continue
             output = seq.output_token_ids
             rows.append(
                 SamplingRow(
@@ -339,7 +418,10 @@ class LLMEngine:
         return {
             seq.request_id: result.row(i)
             for i, seq in enumerate(plan.seqs)
-            if seq.sample and i not in result.failed and i not in mask_failed
+            if seq.sample
+            and children[i] is not None
+            and i not in result.failed
+            and i not in mask_failed
         }
 
     def _postprocess(self, plan: StepPlan, sampled: dict, changed: dict) -> None:
@@ -399,6 +481,7 @@ class LLMEngine:
         for request_id, state in list(self._states.items()):
             state.error = message
             outputs.append(self.abort_request(request_id, FinishReason.ERROR))
+        self._in_flight = None  # its rows' requests failed above; its pool is re-made
         self._fresh_scheduler()
         self.runner.reset_kv_cache()
         self.num_restarts += 1
@@ -471,3 +554,17 @@ class LLMEngine:
             num_restarts=self.num_restarts,
             iteration_tokens=iteration_tokens,
         )
+
+
+def _write_pending_tokens(
+    plan: StepPlan, inputs: StepInputs, sampled: dict[str, tuple[int, list | None]]
+) -> None:
+    """Write the tokens the previous step sampled over `plan`'s placeholder inputs (decodes
+    come first, one token each). A row whose token did not come (its request failed or ended)
+    gets 0: its request is gone, and its row is never sampled."""
+    token_ids, seqs = inputs.token_ids, plan.seqs
+    for i in range(plan.num_decodes):
+        seq = seqs[i]
+        if seq.token_ids[0] == PLACEHOLDER_TOKEN:
+            got = sampled.get(seq.request_id)
+            token_ids[i] = 0 if got is None else got[0]

@@ -373,7 +373,8 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     return _logprobs(logits, tokens, t)
 
 
-_NEUTRAL_ROW = SamplingRow(SamplingParams(temperature=0.0), 0, (), ())
+# Sampled for a row whose own one cannot be built or is not wanted: a greedy row, no history.
+NEUTRAL_ROW = SamplingRow(SamplingParams(temperature=0.0), 0, (), ())
 
 
 class SampledTokens(NamedTuple):
@@ -472,5 +473,5 @@ class Sampler:
                     failed[i] = f"{type(e).__name__}: {e}"
             if not failed:
                 raise  # a batch-wide failure: not one request's fault
-            rows = [_NEUTRAL_ROW if i in failed else row for i, row in enumerate(rows)]
+            rows = [NEUTRAL_ROW if i in failed else row for i, row in enumerate(rows)]
             return self.builder.build(rows, seq_bucket), failed

@@ -59,6 +59,14 @@ class StepInputBuilder:
         self._logits_idx = np.zeros(s, np.int32)
         self._prev_seqs = s  # rows of _tables that may hold stale entries
 
+    def twin(self) -> StepInputBuilder:
+        """A builder of the same shapes with buffers of its own. A step's inputs are views of
+        its builder's buffers (the device may read them in place while the step runs), so the
+        step planned while it runs (async scheduling) is built in the other of two."""
+        return StepInputBuilder(
+            self.token_buckets, self.seq_buckets, self.block_size, self._tables.shape[1]
+        )
+
     def example(self, num_tokens: int, max_seqs: int) -> StepInputs:
         """An all-padding StepInputs of one bucket, for precompiling it."""
         return StepInputs(

@@ -275,7 +275,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 seq.num_tokens <= max(1, self.config.long_prefill_token_threshold)
             )
             end = seq.start_pos + seq.num_tokens
-            assert seq.start_pos == request.num_computed_tokens
+            assert end == request.num_computed_tokens  # planned counts as computed
             assert list(seq.token_ids) == list(request.all_token_ids[seq.start_pos : end])
             assert seq.sample == (end == request.num_tokens)
             assert seq.block_ids is request.block_ids
