@@ -7,10 +7,11 @@ interactive streaming (bench/RESULTS.md has the step times measured, with the CP
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 
 from jserve.config.settings import Bounds, InvalidSetting, check_settings, documented, setting
+from jserve.config.speculative import SpeculativeConfig, parse_speculative_config
 from jserve.config.validation import INT32_MAX
 
 
@@ -159,9 +160,23 @@ class SchedulerConfig:
         "reuse the KV blocks of identical prompt prefixes (chained full-block hashes)",
         vllm="--enable-prefix-caching",
     )
+    speculative_config: str | None = setting(
+        None,
+        'speculative decoding as a JSON object, e.g. {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}: drafts '
+        "of greedy, unconstrained sequences verified in the step that computes them "
+        "(docs/speculative.md)",
+        vllm="--speculative-config",
+        default_text="off",
+    )
+    # `speculative_config` parsed (None: off), by __post_init__.
+    speculative: SpeculativeConfig | None = field(
+        init=False, default=None, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)  # each field's type and range
+        object.__setattr__(self, "speculative", parse_speculative_config(self.speculative_config))
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
             "max_num_batched_tokens",

@@ -1,0 +1,46 @@
+"""Verifying draft tokens, and the counts operators read (vLLM's spec_decode metrics).
+
+A decode with drafts d_1..d_k is computed as k+1 query tokens, and the sampler picks the
+target's token t_0..t_k at each of its k+1 rows, each row with the drafts before it in its
+history (penalties, min_tokens). With greedy rows t_j is what decoding one token at a time
+would produce after d_1..d_j, so while t_{j-1} == d_j the drafts are exactly the tokens the
+target would have produced: the sequence keeps d_1..d_m (m accepted) and t_m, the target's own
+next token. Speculation is only enabled for greedy, unconstrained sequences (the engine's
+`can_speculate`), so outputs are token for token those without it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+def greedy_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
+    """How many leading drafts equal the target's tokens (`targets` has one more row)."""
+    accepted = 0
+    for draft, target in zip(drafts, targets, strict=False):
+        if draft != target:
+            break
+        accepted += 1
+    return accepted
+
+
+@dataclass
+class SpecDecodeCounters:
+    """Cumulative counts since start (vLLM's names): verify steps of a sequence (drafts),
+    draft tokens proposed, accepted, and accepted at each draft position."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        if len(per_pos) < num_draft_tokens:
+            per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
