@@ -7,7 +7,8 @@ interactive streaming (bench/RESULTS.md has the step times measured, with the CP
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
 from enum import StrEnum
 
 from jserve.config.settings import Bounds, InvalidSetting, check_settings, documented, setting
@@ -169,14 +170,10 @@ class SchedulerConfig:
         vllm="--speculative-config",
         default_text="off",
     )
-    # `speculative_config` parsed (None: off), by __post_init__.
-    speculative: SpeculativeConfig | None = field(
-        init=False, default=None, repr=False, compare=False
-    )
 
     def __post_init__(self) -> None:
         check_settings(self)  # each field's type and range
-        object.__setattr__(self, "speculative", parse_speculative_config(self.speculative_config))
+        parse_speculative_config(self.speculative_config)  # a bad one is refused here
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
             "max_num_batched_tokens",
@@ -191,6 +188,11 @@ class SchedulerConfig:
         )
         if not self.enable_chunked_prefill:
             self._check_whole_prefill()
+
+    @functools.cached_property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (None: speculation off)."""
+        return parse_speculative_config(self.speculative_config)
 
     def _check_whole_prefill(self) -> None:
         _require(
