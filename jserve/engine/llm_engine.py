@@ -39,7 +39,7 @@ from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine.output_processor import RequestState
 from jserve.engine.setup import build_engine_parts, measure_step_costs
-from jserve.engine.spec_decode import SpecDecodeCounters, greedy_accepted
+from jserve.engine.spec_decode import SpecDecodeCounters, greedy_accepted, may_speculate
 from jserve.engine.step_observer import ModelStep, StepObserver
 from jserve.errors import RejectReason, RequestRejected
 from jserve.kv_events.publisher import ZmqEventPublisher
@@ -53,7 +53,7 @@ from jserve.runtime.compilation import (
     mark_serving,
     serving_compilation_count,
 )
-from jserve.runtime.sampling_tensors import GREEDY_TEMPERATURE, SamplingRow
+from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.runtime.step_inputs import StepInputs
 from jserve.sampling_params import SamplingParams
 from jserve.structured.decoding import SequenceMatcher, StructuredDecoding
@@ -192,37 +192,31 @@ class LLMEngine:
         without it a constrained request's grammar is compiled here, through the same cache.
         """
         params = params or SamplingParams()
-        try:
-            check_int("n", params.n, 1, self.args.max_n)  # --max-n
-            check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
-        except ValueError as e:
-            raise RequestRejected(RejectReason.INVALID, str(e)) from None
         if request_id in self._states:
             raise RequestRejected(
                 RejectReason.INVALID,
                 f"request id {request_id!r} is already in use; use a unique id",
             )
         text, ids = self._prompt_ids(prompt)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
-        stop = StopConditions.from_params(params, self.tokenizer.stop_token_ids, max_tokens)
         try:
+            check_int("n", params.n, 1, self.args.max_n)  # --max-n
+            check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+            stop = StopConditions.from_params(params, self.tokenizer.stop_token_ids, max_tokens)
             self.sampler.check_banned_ids(stop.banned_ids(0))
         except ValueError as e:
             raise RequestRejected(RejectReason.INVALID, str(e)) from None
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         matchers = self._matchers(params, grammar)
         state = RequestState.create(request_id, text, ids, params, stop, self.tokenizer, arrival)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        # Drafts are verified exactly for greedy, unconstrained rows (jserve.engine.spec_decode).
-        can_speculate = (
-            params.temperature < GREEDY_TEMPERATURE and params.structured_outputs is None
-        )
+        speculate = may_speculate(params)
         children = []
         for i, child_id in enumerate(child_ids(request_id, params.n)):
             req = Request(
                 child_id, ids, stop=stop, arrival_time=arrival, lane=lane, deadline=deadline,
                 group_id=request_id if params.n > 1 else None, tenant=tenant,
-                can_speculate=can_speculate,
+                can_speculate=speculate,
             )  # fmt: skip
             try:
                 self.scheduler.add_request(req, now=arrival)

@@ -14,6 +14,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from jserve.runtime.sampling_tensors import GREEDY_TEMPERATURE
+from jserve.sampling_params import SamplingParams
+
+
+def may_speculate(params: SamplingParams) -> bool:
+    """Whether a request's drafts can be verified exactly here: greedy and unconstrained."""
+    return params.temperature < GREEDY_TEMPERATURE and params.structured_outputs is None
+
 
 def greedy_accepted(drafts: Sequence[int], targets: Sequence[int]) -> int:
     """How many leading drafts equal the target's tokens (`targets` has one more row)."""
