@@ -165,7 +165,7 @@ class SchedulerConfig:
         None,
         'speculative decoding as a JSON object, e.g. {"method": "ngram", '
         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}: drafts '
-        "of greedy, unconstrained sequences verified in the step that computes them "
+        "of unconstrained sequences verified in the step that computes them "
         "(docs/speculative.md)",
         vllm="--speculative-config",
         default_text="off",

@@ -84,7 +84,7 @@ class Request:
         can_speculate: bool = False,
     ) -> None:
         self.request_id = request_id
-        # Whether drafts may be verified for it (the engine's call: greedy and unconstrained).
+        # Whether drafts may be verified for it (the engine's call: unconstrained).
         self.can_speculate = can_speculate
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.all_token_ids = array("q", self.prompt_token_ids)

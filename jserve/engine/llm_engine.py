@@ -39,7 +39,7 @@ from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine.output_processor import RequestState
 from jserve.engine.setup import build_engine_parts, measure_step_costs
-from jserve.engine.spec_decode import SpecDecodeCounters, greedy_accepted, may_speculate
+from jserve.engine.spec_decode import SpecDecodeCounters, may_speculate, num_accepted
 from jserve.engine.step_observer import ModelStep, StepObserver
 from jserve.errors import RejectReason, RequestRejected
 from jserve.kv_events.publisher import ZmqEventPublisher
@@ -370,7 +370,7 @@ class LLMEngine:
             targets = [result.row(firsts[i] + j) for j in range(1 + seq.num_drafts)]
             if seq.num_drafts:
                 drafts = seq.token_ids[1:]
-                accepted = greedy_accepted(drafts, [token for token, _ in targets])
+                accepted = num_accepted(drafts, [token for token, _ in targets])
                 self.spec_decode.record(seq.num_drafts, accepted)
                 del targets[accepted + 1 :]
             sampled[seq.request_id] = targets

@@ -1,7 +1,7 @@
-"""Speculative decoding on the real model: greedy outputs token for token those of the same
-engine without it (stops, max_tokens cut inside an accepted run, n > 1, logprobs, a sampled
-and a constrained request beside, preemption), in fewer steps, with no compilation, with the
-acceptance counted.
+"""Speculative decoding on the real model: greedy and seeded sampled outputs token for token
+those of the same engine without it (stops, max_tokens cut inside an accepted run, n > 1,
+logprobs, penalties, min_tokens, top-k/top-p, a constrained request beside, preemption), in
+fewer steps, with no compilation, with the acceptance counted.
 
 Speculation is switched on the shared engine by its scheduler's config (the step shapes are
 the same with and without it) and switched back off before the test ends.
@@ -74,8 +74,22 @@ def _requests(tokenizer) -> list[tuple]:
         ("short", CODE, SamplingParams(temperature=0.0, max_tokens=7)),
         ("stop", COPY, SamplingParams(**greedy, stop=["item 3"])),
         ("two", CODE, SamplingParams(**greedy, n=2, logprobs=2)),
-        # Not speculated, but in the same batches: a sampled and a constrained request.
-        ("sampled", COPY, SamplingParams(temperature=0.8, seed=7, max_tokens=16)),
+        # Seeded sampling: each row's draw is the one decoding one token at a time makes.
+        ("sampled", COPY, SamplingParams(temperature=0.8, seed=7, max_tokens=32)),
+        ("top", CODE, SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=3, max_tokens=32)),
+        (
+            "penalized",
+            COPY,
+            SamplingParams(
+                temperature=0.5,
+                seed=11,
+                max_tokens=32,
+                repetition_penalty=1.1,
+                presence_penalty=0.2,
+                min_tokens=20,
+            ),
+        ),
+        # Not speculated, but in the same batches: a constrained request.
         (
             "choice",
             "Is the sky blue? Answer:",
@@ -86,7 +100,7 @@ def _requests(tokenizer) -> list[tuple]:
     ]
 
 
-def test_greedy_speculation_gives_the_same_tokens_in_fewer_steps(engine):
+def test_speculation_gives_the_same_tokens_in_fewer_steps(engine):
     requests = _requests(engine.tokenizer)
     plain, plain_steps = _run(engine, requests)
     before = engine.stats()
