@@ -62,7 +62,9 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2, help="A/B pairs per prompt")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
-    engine = LLMEngine(EngineArgs(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=1024))
+    # The test suite's sizes (tests/shared_engine.py): its compiled steps are reused.
+    sizes = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=49, max_model_len=512)
+    engine = LLMEngine(EngineArgs(**sizes))
     plain = engine.scheduler.config
     spec = dataclasses.replace(plain, speculative_config=args.speculative_config)
 
