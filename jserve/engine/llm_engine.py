@@ -301,7 +301,9 @@ class LLMEngine:
             sampled = self._sample(plan, logits, changed)
             # The sampler brought the tokens to the host: the step's device work is done.
             self._last_step_end = time.perf_counter()
-            costs.observe(plan.num_batched_tokens, len(plan.seqs), self._last_step_end - started)
+            # A draft's row of logits counts as a sequence: the step ran in that bucket.
+            num_rows = len(plan.seqs) + plan.num_drafts
+            costs.observe(plan.num_batched_tokens, num_rows, self._last_step_end - started)
             self._postprocess(plan, sampled, changed)
         outputs = [state.to_output() for state in changed.values()]
         for state in changed.values():
