@@ -72,7 +72,7 @@ def _requests(tokenizer) -> list[tuple]:
         ("list", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", SamplingParams(**greedy)),
         # max_tokens ends it inside a run of accepted drafts; a stop string after the fact.
         ("short", CODE, SamplingParams(temperature=0.0, max_tokens=7)),
-        ("stop", COPY, SamplingParams(**greedy, stop=["item 3"])),
+        ("stop", COPY, SamplingParams(**greedy, stop=["item 10"])),
         ("two", CODE, SamplingParams(**greedy, n=2, logprobs=2)),
         # Seeded sampling: each row's draw is the one decoding one token at a time makes.
         ("sampled", COPY, SamplingParams(temperature=0.8, seed=7, max_tokens=32)),
@@ -109,7 +109,7 @@ def test_speculation_gives_the_same_tokens_in_fewer_steps(engine):
     after = engine.stats()
     assert spec == plain
     assert plain["short"][0][2] == "length" and len(plain["short"][0][0]) == 7
-    assert plain["stop"][0][3] == "item 3"
+    assert plain["stop"][0][3] == "item 10"
     assert plain["two"][0] == plain["two"][1] and plain["two"][0][4] is not None
     drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
     drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
@@ -130,7 +130,9 @@ def test_preempted_speculating_requests_recompute_the_same_tokens(engine):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     requests = [(f"p{i}", prompt, params) for i, prompt in enumerate(prompts)]
     plain, _ = _run(engine, requests)
+    accepted = engine.spec_decode.num_accepted_tokens
     with speculating(engine):
         spec, _ = _run(engine, requests)
         assert engine.scheduler.stats().num_preemptions > 0
+    assert engine.spec_decode.num_accepted_tokens > accepted
     assert spec == plain
