@@ -5,6 +5,9 @@ The longest n in [min_n, max_n] whose n-gram occurs earlier wins; among its occu
 latest one (vLLM's proposer makes the same choice). The search runs in C: the int64 tokens as
 bytes, searched backwards with `bytes.rfind` for the n-gram's bytes, keeping only hits on a
 token boundary, so a proposal over thousands of tokens costs microseconds of host time.
+
+Drafts cost a verify step's extra tokens whether accepted or not, so a sequence whose drafts
+keep being rejected pauses drafting (`drafts_pay`) and tries again after a while.
 """
 
 from __future__ import annotations
@@ -12,6 +15,25 @@ from __future__ import annotations
 from array import array
 
 _ITEM = array("q").itemsize
+
+# Per sequence, drafts pay only while enough of them are accepted: a verify step computes and
+# pads more tokens than a plain decode. A sequence's acceptance (accepted / drafted per verify
+# step) is averaged with weight ACCEPTANCE_WEIGHT; below ACCEPTANCE_FLOOR it gets no drafts,
+# and each decode without them raises the average by RETRY_STEP, so it tries again after a
+# while (the text it copies may come back).
+ACCEPTANCE_WEIGHT = 0.3
+ACCEPTANCE_FLOOR = 0.3
+RETRY_STEP = 0.02
+
+
+def note_acceptance(acceptance: float, num_drafts: int, num_accepted: int) -> float:
+    """A sequence's average acceptance after a verify step of `num_drafts` drafts."""
+    return acceptance + ACCEPTANCE_WEIGHT * (num_accepted / num_drafts - acceptance)
+
+
+def drafts_pay(acceptance: float) -> bool:
+    """Whether a sequence of this average acceptance gets drafts this step."""
+    return acceptance >= ACCEPTANCE_FLOOR
 
 
 def propose_ngram(tokens: array, k: int, min_n: int, max_n: int) -> array:

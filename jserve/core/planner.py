@@ -16,7 +16,8 @@ c. unless (a) or (b) preempted, waiting requests: one from each lane that aging 
 d. with speculative decoding, draft tokens (jserve.core.ngram) after the decodes of requests
    that may speculate, in rank order, from what (a)-(c) left: token budget, logit rows (one
    per draft, within the largest sequence bucket, max_num_seqs) and free blocks above the
-   watermark. Drafts never preempt, defer or displace other work.
+   watermark, for sequences whose drafts have been paying (jserve.core.ngram's acceptance
+   floor). Drafts never preempt, defer or displace other work.
 When a running request cannot get a block, a request of the lowest running lane is preempted:
 the most-served tenant's latest one (fcfs: the latest arrival). Its blocks are freed and it
 goes back to the front of its lane with every token kept, to recompute them (cheaply, with
@@ -28,7 +29,8 @@ max_num_batched_tokens).
 It never changes the scheduler's containers; the scheduler applies the outcome, so the
 invariants of running and waiting are kept in one place. What it does change, and why it must:
 block tables through the block manager (a preempted request's blocks are what the next
-allocation takes, so they are freed as the pass goes).
+allocation takes, so they are freed as the pass goes), and the draft acceptance average of a
+sequence pass (d) pauses, which each paused step raises (jserve.core.ngram).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from jserve.config.scheduler import FairnessPolicy, Lane, SchedulerConfig, Sched
 from jserve.config.speculative import SpeculativeConfig
 from jserve.core.block_manager import BlockManager
 from jserve.core.fairness import FairShare, service_of
-from jserve.core.ngram import propose_ngram
+from jserve.core.ngram import RETRY_STEP, drafts_pay, propose_ngram
 from jserve.core.plan import ScheduledSeq, StepPlan
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
@@ -239,6 +241,9 @@ class _Planner:
             if self.budget <= 0 or rows_left <= 0:
                 break
             if request.request_id in self.preempted:
+                continue
+            if not drafts_pay(request.draft_acceptance):
+                request.draft_acceptance += RETRY_STEP  # it tries again after a while
                 continue
             k = min(
                 spec.num_speculative_tokens, self.budget, rows_left,

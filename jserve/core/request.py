@@ -51,6 +51,7 @@ class Request:
         "block_ids",
         "can_speculate",
         "deadline",
+        "draft_acceptance",
         "enqueued_step",
         "finish_reason",
         "group_id",
@@ -86,6 +87,8 @@ class Request:
         self.request_id = request_id
         # Whether drafts may be verified for it (the engine's call: unconstrained).
         self.can_speculate = can_speculate
+        # Its drafts' recent acceptance (jserve.core.ngram.DraftThrottle): drafts stop while low.
+        self.draft_acceptance = 1.0
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.all_token_ids = array("q", self.prompt_token_ids)
         self.output_token_ids = array("q")

@@ -37,6 +37,7 @@ from jserve.core.admission import (
 from jserve.core.block_manager import BlockManager
 from jserve.core.deadlines import DeadlineHeap
 from jserve.core.fairness import FairShare
+from jserve.core.ngram import note_acceptance
 from jserve.core.plan import ScheduledSeq, StepPlan
 from jserve.core.planner import PlanOutcome, plan_step
 from jserve.core.queues import WaitingQueues
@@ -368,6 +369,9 @@ class Scheduler:
         tokens = [*seq.token_ids[1 : 1 + accepted], _sampled_token(sampled, seq.request_id)]
         # The decode token and the accepted drafts were computed after the right tokens.
         request.num_computed_tokens = seq.start_pos + 1 + accepted
+        request.draft_acceptance = note_acceptance(
+            request.draft_acceptance, seq.num_drafts, accepted
+        )
         output = request.output_token_ids
         key = (request.lane, request.tenant)
         decodes[key] = decodes.get(key, 0) + len(tokens)

@@ -5,6 +5,7 @@ rejected, hashed only once accepted, stopped at the right token."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 from array import array
 
@@ -220,3 +221,27 @@ def test_drafts_never_take_blocks_under_the_watermark():
     assert [(s.request_id, s.num_drafts) for s in plan.seqs] == [("r", 3), ("b", 0)]
     assert len(tracked(scheduler, "r").block_ids) == 4
     assert scheduler.block_manager.num_free_blocks == 3
+
+
+@pytest.mark.parametrize("accept_all", [True, False])
+def test_drafts_stop_while_rejected_and_are_tried_again(accept_all):
+    """All drafts rejected: a sequence's acceptance average falls below the floor after a few
+    verify steps, and it decodes without drafts until the retry steps lift it back."""
+    scheduler = make_scheduler(speculative_config=SPEC)
+    scheduler.add_request(_repetitive_request(max_tokens=100))
+    drafted = []
+    for _ in range(15 if accept_all else 60):  # at most 5 and 1 tokens a step: within 100
+        plan = scheduler.schedule(0.0)
+        (seq,) = plan.seqs
+        drafted.append(seq.num_drafts)
+        accepted = {"r": seq.num_drafts if accept_all else 0}
+        scheduler.update_from_output(plan, {"r": 6}, accepted if seq.num_drafts else None)
+    request = tracked(scheduler, "r")
+    if accept_all:
+        assert request.draft_acceptance == 1.0
+        assert all(drafted[2:])  # from the first repeated token on, every decode drafts
+        return
+    verify_steps = [i for i, k in enumerate(drafted) if k]
+    gaps = [b - a for a, b in itertools.pairwise(verify_steps)]
+    assert len(verify_steps) < 20 and max(gaps) > 1  # paused...
+    assert verify_steps[-1] > 40  # ...and tried again
