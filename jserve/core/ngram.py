@@ -23,7 +23,7 @@ _ITEM = array("q").itemsize
 # while (the text it copies may come back).
 ACCEPTANCE_WEIGHT = 0.3
 ACCEPTANCE_FLOOR = 0.3
-RETRY_STEP = 0.02
+RETRY_STEP = 0.005
 
 
 def note_acceptance(acceptance: float, num_drafts: int, num_accepted: int) -> float:
