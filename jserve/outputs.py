@@ -203,5 +203,23 @@ class EngineStats:
     compilations: int = 0
     serving_compilations: int = 0  # after warm-up: should stay 0
     num_restarts: int = 0  # in-process engine restarts after a failed device step
+    # Speculative decoding (vLLM's spec_decode_* counters; jserve.engine.spec_decode).
+    spec_decode_num_drafts: int = 0  # verify steps of one sequence
+    spec_decode_num_draft_tokens: int = 0
+    spec_decode_num_accepted_tokens: int = 0
+    spec_decode_num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
     # Scheduled tokens of each iteration since the previous snapshot (drained by the reader).
     iteration_tokens: list[int] = field(default_factory=list)
+
+    @property
+    def spec_decode_acceptance_rate(self) -> float:
+        """Accepted draft tokens per draft token (0 before any)."""
+        drafted = self.spec_decode_num_draft_tokens
+        return self.spec_decode_num_accepted_tokens / drafted if drafted else 0.0
+
+    @property
+    def spec_decode_mean_acceptance_length(self) -> float:
+        """Tokens a verify step produces on average: its accepted drafts plus the target's
+        own token (vLLM's mean acceptance length; 0 before any)."""
+        drafts = self.spec_decode_num_drafts
+        return 1.0 + self.spec_decode_num_accepted_tokens / drafts if drafts else 0.0

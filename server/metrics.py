@@ -2,7 +2,8 @@
 
 Two sources:
 1. Engine-side numbers (running/waiting requests, KV usage, prefix cache, preemptions, token
-   counters, compilations, per-iteration token counts) come from one `engine.stats()` snapshot
+   counters, compilations, per-iteration token counts, speculative decoding's drafts and
+   acceptance, per draft position too) come from one `engine.stats()` snapshot
    taken when /metrics is scraped; cumulative engine counters are exported as counters. The
    served model's name and quantization are `jserve:model_info`'s labels.
 2. Per-request latencies and outcomes are observed by the server while it streams, from the
@@ -51,6 +52,25 @@ _ENGINE_COUNTERS = {
         "XLA compilations after warm-up: each is a shape outside the precompiled buckets.",
     ),
     "num_restarts": ("engine_restarts", "In-process engine restarts after a failed step."),
+    "spec_decode_num_drafts": (
+        "spec_decode_num_drafts",
+        "Speculative verify steps of one sequence (drafts proposed).",
+    ),
+    "spec_decode_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed."),
+    "spec_decode_num_accepted_tokens": (
+        "spec_decode_num_accepted_tokens",
+        "Draft tokens accepted (equal to the target's).",
+    ),
+}
+_SPEC_DECODE_GAUGES = {
+    "spec_decode_acceptance_rate": (
+        "spec_decode_acceptance_rate",
+        "Accepted draft tokens per draft token since start.",
+    ),
+    "spec_decode_mean_acceptance_length": (
+        "spec_decode_mean_acceptance_length",
+        "Tokens per speculative verify step since start: accepted drafts plus the target's.",
+    ),
 }
 
 
@@ -65,6 +85,16 @@ class _EngineSnapshotCollector:
             yield GaugeMetricFamily(f"jserve:{name}", doc, value=getattr(self.snapshot, attr))
         for attr, (name, doc) in _ENGINE_COUNTERS.items():
             yield CounterMetricFamily(f"jserve:{name}", doc, value=getattr(self.snapshot, attr))
+        for attr, (name, doc) in _SPEC_DECODE_GAUGES.items():
+            yield GaugeMetricFamily(f"jserve:{name}", doc, value=getattr(self.snapshot, attr))
+        per_pos = CounterMetricFamily(
+            "jserve:spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each draft position (0 = the first draft).",
+            labels=["position"],
+        )
+        for position, count in enumerate(self.snapshot.spec_decode_num_accepted_tokens_per_pos):
+            per_pos.add_metric([str(position)], count)
+        yield per_pos
 
 
 _BY_TENANT = ["lane", "tenant"]

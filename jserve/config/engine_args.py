@@ -24,6 +24,7 @@ from jserve.config.settings import (
     from_namespace,
     setting,
 )
+from jserve.config.speculative import parse_speculative_config
 from jserve.config.validation import INT32_MAX
 
 _SCHEDULER_FIELDS = {f.name: f for f in dataclasses.fields(SchedulerConfig)}
@@ -132,6 +133,7 @@ class EngineArgs:
     fairness: FairnessPolicy = _scheduler_setting("fairness")
     deadline_admission: bool = _scheduler_setting("deadline_admission")
     target_itl_ms: float = _scheduler_setting("target_itl_ms")
+    speculative_config: str | None = _scheduler_setting("speculative_config")
     tenants_file: str | None = setting(
         None,
         'JSON file of tenant weights and caps: {"tenants": {NAME: {"weight": W, '
@@ -222,6 +224,12 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         check_settings(self)  # each field's type, choices and range
+        parse_speculative_config(self.speculative_config)  # refused here, not at start-up
+        if self.async_scheduling and self.speculative_config:
+            raise ValueError(
+                "async_scheduling plans a step before the last one's drafts are verified, so "
+                "it cannot run with speculative_config yet; set one of them"
+            )
         if self.kv_events_replay_endpoint and not self.kv_events_endpoint:
             raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint; set both")
         if self.kv_events_endpoint and not self.enable_prefix_caching:

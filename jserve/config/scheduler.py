@@ -7,10 +7,12 @@ interactive streaming (bench/RESULTS.md has the step times measured, with the CP
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
 
 from jserve.config.settings import Bounds, InvalidSetting, check_settings, documented, setting
+from jserve.config.speculative import SpeculativeConfig, parse_speculative_config
 from jserve.config.validation import INT32_MAX
 
 
@@ -159,9 +161,19 @@ class SchedulerConfig:
         "reuse the KV blocks of identical prompt prefixes (chained full-block hashes)",
         vllm="--enable-prefix-caching",
     )
+    speculative_config: str | None = setting(
+        None,
+        'speculative decoding as a JSON object, e.g. {"method": "ngram", '
+        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1}: drafts '
+        "of unconstrained sequences verified in the step that computes them "
+        "(docs/speculative.md)",
+        vllm="--speculative-config",
+        default_text="off",
+    )
 
     def __post_init__(self) -> None:
         check_settings(self)  # each field's type and range
+        parse_speculative_config(self.speculative_config)  # a bad one is refused here
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
             "max_num_batched_tokens",
@@ -176,6 +188,11 @@ class SchedulerConfig:
         )
         if not self.enable_chunked_prefill:
             self._check_whole_prefill()
+
+    @functools.cached_property
+    def speculative(self) -> SpeculativeConfig | None:
+        """`speculative_config` parsed (None: speculation off)."""
+        return parse_speculative_config(self.speculative_config)
 
     def _check_whole_prefill(self) -> None:
         _require(

@@ -125,6 +125,18 @@ class BlockManager:
         request.block_ids = []
         request.num_hashed_blocks = 0
 
+    def truncate(self, request: Request, num_blocks: int) -> None:
+        """Drop `request`'s blocks past its first `num_blocks` (rejected drafts' slots): they
+        hold no known token, so none of them is in the prefix cache."""
+        if len(request.block_ids) <= num_blocks:
+            return
+        for block_id in request.block_ids[num_blocks:]:
+            self.ref_counts[block_id] -= 1
+            if self.ref_counts[block_id] == 0:
+                self._free.append(block_id)
+        # A new list, not del: a StepPlan handed out earlier keeps its view of the table.
+        request.block_ids = request.block_ids[:num_blocks]
+
     def record_kv_events(self) -> None:
         """From now on, log every change of the prefix cache (see jserve.kv_events.records)."""
         if self.prefix_cache is not None and self._kv_events is None:

@@ -27,6 +27,11 @@ class ScheduledSeq:
     next token. A decode planned before its input token is known (async scheduling: the step in
     flight samples it) holds PLACEHOLDER_TOKEN.
 
+    A decode may carry `num_drafts` draft tokens after its last known token (speculative
+    decoding): `token_ids` ends with them, the step computes logits at its last
+    `num_drafts + 1` positions, and `Scheduler.update_from_output` keeps the drafts the
+    engine accepted. Drafts are never among the request's tokens until accepted.
+
     `prompt_token_ids` and `output_token_ids` are what the engine needs to sample without
     asking the scheduler (penalties, the seed's step): `output_token_ids` is the request's own
     array, so read it before `update_from_output` appends this step's token.
@@ -39,6 +44,7 @@ class ScheduledSeq:
     sample: bool
     prompt_token_ids: tuple[int, ...]
     output_token_ids: array
+    num_drafts: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -49,7 +55,8 @@ class ScheduledSeq:
 class StepPlan:
     """Everything one iteration computes, plus what changed since the previous plan.
 
-    `seqs` holds the `num_decodes` one-token decodes first, then prefill chunks.
+    `seqs` holds the `num_decodes` decodes first (one token each, plus any drafts), then
+    prefill chunks. `num_drafts` counts the drafts of all its decodes.
     `preempted_ids` lost their KV this step and wait to recompute (their tokens are kept).
     `finished` lists requests the scheduler ended by itself before planning (deadline expiry)
     with the reason; those the sampled tokens end come from `Scheduler.update_from_output`,
@@ -59,6 +66,7 @@ class StepPlan:
     seqs: list[ScheduledSeq] = field(default_factory=list)
     num_decodes: int = 0
     num_batched_tokens: int = 0
+    num_drafts: int = 0
     preempted_ids: list[str] = field(default_factory=list)
     finished: dict[str, FinishReason] = field(default_factory=dict)
 

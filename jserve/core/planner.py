@@ -12,7 +12,12 @@ c. unless (a) or (b) preempted, waiting requests: one from each lane that aging 
    then by fair share between tenants (the least-served backlogged tenant's oldest request:
    jserve.core.fairness) or, with fairness="fcfs", FIFO. Tenants at their `max_running` cap
    wait. With scheduling="static", (c) is replaced by admitting a whole batch only when
-   nothing runs.
+   nothing runs;
+d. with speculative decoding, draft tokens (jserve.core.ngram) after the decodes of requests
+   that may speculate, in rank order, from what (a)-(c) left: token budget, logit rows (one
+   per draft, within the largest sequence bucket, max_num_seqs) and free blocks above the
+   watermark, for sequences whose drafts have been paying (jserve.core.ngram's acceptance
+   floor). Drafts never preempt, defer or displace other work.
 When a running request cannot get a block, a request of the lowest running lane is preempted:
 the most-served tenant's latest one (fcfs: the latest arrival). Its blocks are freed and it
 goes back to the front of its lane with every token kept, to recompute them (cheaply, with
@@ -30,7 +35,8 @@ the previous step's update.
 It never changes the scheduler's containers; the scheduler applies the outcome, so the
 invariants of running and waiting are kept in one place. What it does change, and why it must:
 block tables through the block manager (a preempted request's blocks are what the next
-allocation takes, so they are freed as the pass goes).
+allocation takes, so they are freed as the pass goes), and the draft acceptance average of a
+sequence pass (d) pauses, which each paused step raises (jserve.core.ngram).
 """
 
 from __future__ import annotations
@@ -43,8 +49,10 @@ from enum import StrEnum
 from operator import attrgetter
 
 from jserve.config.scheduler import FairnessPolicy, Lane, SchedulerConfig, SchedulingPolicy
+from jserve.config.speculative import SpeculativeConfig
 from jserve.core.block_manager import BlockManager
 from jserve.core.fairness import FairShare, service_of
+from jserve.core.ngram import RETRY_STEP, drafts_pay, propose_ngram
 from jserve.core.plan import PLACEHOLDER_TOKEN, ScheduledSeq, StepPlan
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
@@ -148,6 +156,8 @@ class _Planner:
         self.decodes: list[ScheduledSeq] = []
         self.prefills: list[ScheduledSeq] = []
         self.unfinished_prefills: list[Request] = []  # running, short of their known tokens
+        # Decodes that may take drafts in pass (d), with their seqs, in rank order.
+        self.draftable: list[tuple[Request, ScheduledSeq]] = []
         self.preempted: set[str] = set()
         # (lane, tenant) -> counter units this step has scheduled so far, so admissions and
         # victims see them; built on first use (most steps admit no one and preempt no one).
@@ -171,6 +181,8 @@ class _Planner:
         elif self.preempted and len(self.waiting):
             self.outcome.deferred = Deferral.PREEMPTING
         plan = self.outcome.plan
+        if self.draftable and self.config.speculative is not None:
+            plan.num_drafts = self.add_drafts(self.config.speculative)
         plan.seqs = self.decodes + self.prefills
         plan.num_decodes = len(self.decodes)
         plan.num_batched_tokens = self.step_budget - self.budget
@@ -199,17 +211,18 @@ class _Planner:
             ):
                 continue  # `request` itself was the victim
             self.budget -= 1
-            decodes.append(
-                ScheduledSeq(
-                    request.request_id,
-                    start,
-                    _PLACEHOLDER if pending else request.all_token_ids[start:],
-                    request.block_ids,
-                    True,
-                    request.prompt_token_ids,
-                    request.output_token_ids,
-                )
+            seq = ScheduledSeq(
+                request.request_id,
+                start,
+                _PLACEHOLDER if pending else request.all_token_ids[start:],
+                request.block_ids,
+                True,
+                request.prompt_token_ids,
+                request.output_token_ids,
             )
+            decodes.append(seq)
+            if request.can_speculate and not pending:
+                self.draftable.append((request, seq))
 
     def schedule_running_prefills(self) -> None:
         """(b) The next chunk of every running request still short of its known tokens, in
@@ -230,6 +243,50 @@ class _Planner:
                     num_new = fits
             if num_new and self._grow_or_preempt(request, num_new):
                 self._add_chunk(request, num_new)
+
+    def add_drafts(self, spec: SpeculativeConfig) -> int:
+        """(d) Drafts for the decodes that may take them; returns how many were added."""
+        rows_left = self.config.max_num_seqs - len(self.decodes) - len(self.prefills)
+        added = 0
+        for request, seq in self.draftable:
+            if self.budget <= 0 or rows_left <= 0:
+                break
+            if request.request_id in self.preempted:
+                continue
+            if not drafts_pay(request.draft_acceptance):
+                request.draft_acceptance += RETRY_STEP  # it tries again after a while
+                continue
+            k = min(
+                spec.num_speculative_tokens, self.budget, rows_left,
+                request.stop.max_tokens - request.num_output_tokens - 1,  # the last is sampled
+                self.config.max_model_len - request.num_tokens,
+            )  # fmt: skip
+            if k <= 0:
+                continue
+            drafts = propose_ngram(
+                request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
+            )
+            k = self._draft_room(request, len(drafts))
+            if k == 0:
+                continue
+            seq.token_ids = seq.token_ids + drafts[:k]
+            seq.num_drafts = k
+            self.budget -= k
+            rows_left -= k
+            added += k
+        return added
+
+    def _draft_room(self, request: Request, num_drafts: int) -> int:
+        """How many of `num_drafts` drafts after `request`'s one decode token get KV slots:
+        those its blocks hold, then blocks taken while the free ones stay above the watermark."""
+        block_size = self.block_size
+        held = len(request.block_ids) * block_size - request.num_computed_tokens - 1
+        if num_drafts <= held:
+            return num_drafts
+        spare = self.block_manager.num_free_blocks - self.watermark_blocks
+        num_drafts = min(num_drafts, held + max(0, spare) * block_size)
+        self.block_manager.allocate(request, 1 + num_drafts)
+        return num_drafts
 
     def admit_waiting(self) -> None:
         """(c) Waiting requests while room is left: one from each starved lane (aging), then

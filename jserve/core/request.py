@@ -39,8 +39,9 @@ class Request:
     `time.monotonic()` clock (what it means: `jserve.core.deadlines`). `lane` may be given by
     name; the scheduler makes it a `Lane` when it queues the request, or refuses an unknown
     one. `tenant` names who
-    it is served for (fair share and caps: `jserve.core.fairness`). Siblings of an `n > 1`
-    request share a `group_id` and the same prompt. Request ids must be unique among
+    it is served for (fair share and caps: `jserve.core.fairness`). With `can_speculate` (and
+    speculation configured) its decodes carry draft tokens (jserve.core.planner). Siblings
+    of an `n > 1` request share a `group_id` and the same prompt. Request ids must be unique among
     unfinished requests: the engine checks that once, for its users' ids, and derives these
     ids from them (jserve.engine.llm_engine.child_ids).
     """
@@ -50,7 +51,9 @@ class Request:
         "arrival_time",
         "block_hashes",
         "block_ids",
+        "can_speculate",
         "deadline",
+        "draft_acceptance",
         "enqueued_step",
         "finish_reason",
         "group_id",
@@ -82,8 +85,13 @@ class Request:
         deadline: float | None = None,
         group_id: str | None = None,
         tenant: str = DEFAULT_TENANT,
+        can_speculate: bool = False,
     ) -> None:
         self.request_id = request_id
+        # Whether drafts may be verified for it (the engine's call: unconstrained).
+        self.can_speculate = can_speculate
+        # Its drafts' recent acceptance (jserve.core.ngram.DraftThrottle): drafts stop while low.
+        self.draft_acceptance = 1.0
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.all_token_ids = array("q", self.prompt_token_ids)
         self.output_token_ids = array("q")

@@ -44,7 +44,8 @@ from jserve.core.admission import (
 from jserve.core.block_manager import BlockManager
 from jserve.core.deadlines import DeadlineHeap
 from jserve.core.fairness import FairShare
-from jserve.core.plan import StepPlan
+from jserve.core.ngram import note_acceptance
+from jserve.core.plan import ScheduledSeq, StepPlan
 from jserve.core.planner import PlanOutcome, plan_step
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
@@ -270,7 +271,7 @@ class Scheduler:
             end = request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             if seq.sample:
                 request.num_pending += 1
-            if caching:
+            if caching:  # drafts are not known tokens: only accepted ones are ever hashed
                 known = min(end, len(request.all_token_ids))
                 if known // block_size > request.num_hashed_blocks:
                     block_manager.cache_full_blocks(request, known)
@@ -322,11 +323,20 @@ class Scheduler:
         self.num_preemptions += len(outcome.preempted)
         self.running = outcome.running
 
-    def update_from_output(self, plan: StepPlan, sampled: Mapping[str, int]) -> list[Request]:
+    def update_from_output(
+        self,
+        plan: StepPlan,
+        sampled: Mapping[str, int],
+        num_accepted: Mapping[str, int] | None = None,
+    ) -> list[Request]:
         """Record that `plan` ran; `sampled` maps request id -> new token for seqs with
         `sample`. Returns the requests this finished (a stop token or max_tokens, decided by
         jserve.core.stopping; the caller applies the stop-string rule and calls finish_request).
-        A request the next plan preempted (async scheduling) keeps its token, to recompute."""
+        A request the next plan preempted (async scheduling) keeps its token, to recompute.
+
+        A seq with drafts keeps the first `num_accepted[request id]` of them (0 if absent),
+        then the sampled token, each checked by the stop rules in turn; the rest are rolled
+        back (their KV slots are free to overwrite, blocks past the tokens are freed)."""
         if plan.seqs:
             self._plans_in_flight -= 1
         requests = self._requests
@@ -340,6 +350,11 @@ class Scheduler:
             if request is None:
                 continue  # aborted or finished by the engine while the step ran
             start = seq.start_pos
+            if seq.num_drafts:  # never with async scheduling (EngineArgs refuses both)
+                request.num_pending -= 1
+                if self._accept_drafts(request, seq, sampled, num_accepted or {}, decodes):
+                    finished.append(request)
+                continue
             if start < request.num_prompt_tokens or not seq.sample:
                 charge(request, start, start + len(seq.token_ids), seq.sample)
             else:  # a decode (or a recompute of outputs): one output token served
@@ -348,14 +363,8 @@ class Scheduler:
             if not seq.sample:
                 continue
             request.num_pending -= 1
-            try:
-                token_id = sampled[seq.request_id]
-            except KeyError:
-                raise ValueError(
-                    f"no sampled token for request {seq.request_id!r}, whose chunk had "
-                    f"sample=True; pass one token for every such seq of the plan"
-                ) from None
             output = request.output_token_ids
+            token_id = _sampled_token(sampled, seq.request_id)
             output.append(token_id)
             request.all_token_ids.append(token_id)
             reason = request.stop.after_token(token_id, len(output))
@@ -369,6 +378,41 @@ class Scheduler:
         if finished:
             self.running = [r for r in self.running if r.status is running]
         return finished
+
+    def _accept_drafts(
+        self,
+        request: Request,
+        seq: ScheduledSeq,
+        sampled: Mapping[str, int],
+        num_accepted: Mapping[str, int],
+        decodes: dict[tuple[str, str], int],
+    ) -> bool:
+        """Keep a decode's accepted drafts and its sampled token (stopping at the first
+        token the stop rules end it on), roll the rest back; True if it finished."""
+        accepted = num_accepted.get(seq.request_id, 0)
+        if not 0 <= accepted <= seq.num_drafts:
+            raise ValueError(
+                f"{accepted} drafts accepted for request {seq.request_id!r}, which had "
+                f"{seq.num_drafts}"
+            )
+        tokens = [*seq.token_ids[1 : 1 + accepted], _sampled_token(sampled, seq.request_id)]
+        # The decode token and the accepted drafts were computed after the right tokens.
+        request.num_computed_tokens = seq.start_pos + 1 + accepted
+        request.draft_acceptance = note_acceptance(
+            request.draft_acceptance, seq.num_drafts, accepted
+        )
+        output = request.output_token_ids
+        key = (request.lane, request.tenant)
+        decodes[key] = decodes.get(key, 0) + len(tokens)
+        for token_id in tokens:
+            output.append(token_id)
+            request.all_token_ids.append(token_id)
+            reason = request.stop.after_token(token_id, len(output))
+            if reason is not None:
+                self._finish(request, reason)
+                return True
+        self.block_manager.truncate(request, -(-request.num_tokens // self.block_size))
+        return False
 
     # ---- removal -----------------------------------------------------------------------
 
@@ -389,3 +433,13 @@ class Scheduler:
         del self._requests[request.request_id]
         if request.group_id is not None and self.group_leaders.get(request.group_id) is request:
             del self.group_leaders[request.group_id]
+
+
+def _sampled_token(sampled: Mapping[str, int], request_id: str) -> int:
+    try:
+        return sampled[request_id]
+    except KeyError:
+        raise ValueError(
+            f"no sampled token for request {request_id!r}, whose chunk had sample=True; pass "
+            f"one token for every such seq of the plan"
+        ) from None

@@ -8,6 +8,7 @@ print(outs[0].outputs[0].text)
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -30,6 +31,8 @@ class LLM:
                 f"unknown engine argument(s) {sorted(unknown)}; "
                 f"known: {sorted(EngineArgs.field_names())}"
             )
+        if isinstance(engine_args.get("speculative_config"), dict):  # vLLM's spelling here
+            engine_args["speculative_config"] = json.dumps(engine_args["speculative_config"])
         self.engine = LLMEngine(EngineArgs(model=model, **engine_args))
         self._counter = 0
 

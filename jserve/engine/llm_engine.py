@@ -25,23 +25,26 @@ import json
 import logging
 import random
 import time
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 
 import jax
 import llguidance
+import numpy as np
 
 from jserve.config.engine_args import EngineArgs
 from jserve.config.scheduler import Lane
 from jserve.config.validation import check_int, check_token_ids
 from jserve.core.control import apply_changes, current_settings
-from jserve.core.plan import PLACEHOLDER_TOKEN, StepPlan
+from jserve.core.plan import PLACEHOLDER_TOKEN, ScheduledSeq, StepPlan
 from jserve.core.request import Request
 from jserve.core.step_costs import learned_report
 from jserve.core.stopping import StopConditions
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine.output_processor import RequestState
 from jserve.engine.setup import build_engine_parts, measure_step_costs
+from jserve.engine.spec_decode import SpecDecodeCounters, may_speculate, num_accepted
 from jserve.engine.step_observer import ModelStep, StepObserver
 from jserve.errors import RejectReason, RequestRejected
 from jserve.kv_events.publisher import ZmqEventPublisher
@@ -93,6 +96,27 @@ class _InFlight:
     builder: StepInputBuilder  # whose buffers its inputs are views of
 
 
+def _sampling_rows(
+    seq: ScheduledSeq, child: _Child, allowed_tokens: np.ndarray | None
+) -> list[SamplingRow]:
+    """The sampler's rows of one seq: one, or for a decode with drafts one per draft plus
+    one, each with the drafts before it in its output (penalties, min_tokens see them)."""
+    params, stop, prompt = child.state.params, child.state.stop, seq.prompt_token_ids
+    output = seq.output_token_ids
+    if not seq.num_drafts:
+        return [
+            SamplingRow(
+                params, child.seed, prompt, output, stop.banned_ids(len(output)), allowed_tokens
+            )
+        ]
+    drafts = seq.token_ids[1:]
+    histories = [output, *(output + drafts[:j] for j in range(1, seq.num_drafts + 1))]
+    return [
+        SamplingRow(params, child.seed, prompt, history, stop.banned_ids(len(history)))
+        for history in histories
+    ]
+
+
 class LLMEngine:
     @expect_compilation()  # building an engine compiles; serving with it must not
     def __init__(self, args: EngineArgs, loaded: LoadedModel | None = None) -> None:
@@ -127,6 +151,7 @@ class LLMEngine:
         self._num_prompt_tokens = 0
         self._num_generation_tokens = 0
         self.num_restarts = 0  # in-process restarts after a failed step (LLMEngine.recover)
+        self.spec_decode = SpecDecodeCounters()
         # When the last model step's tokens reached the host, while requests keep running
         # (None when the engine may go idle): the time to the next step is part of every
         # running decode's inter-token latency, which target_itl_ms prices.
@@ -188,32 +213,31 @@ class LLMEngine:
         without it a constrained request's grammar is compiled here, through the same cache.
         """
         params = params or SamplingParams()
-        try:
-            check_int("n", params.n, 1, self.args.max_n)  # --max-n
-            check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
-        except ValueError as e:
-            raise RequestRejected(RejectReason.INVALID, str(e)) from None
         if request_id in self._states:
             raise RequestRejected(
                 RejectReason.INVALID,
                 f"request id {request_id!r} is already in use; use a unique id",
             )
         text, ids = self._prompt_ids(prompt)
-        arrival = time.monotonic() if arrival_time is None else arrival_time
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
-        stop = StopConditions.from_params(params, self.tokenizer.stop_token_ids, max_tokens)
         try:
+            check_int("n", params.n, 1, self.args.max_n)  # --max-n
+            check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+            stop = StopConditions.from_params(params, self.tokenizer.stop_token_ids, max_tokens)
             self.sampler.check_banned_ids(stop.banned_ids(0))
         except ValueError as e:
             raise RequestRejected(RejectReason.INVALID, str(e)) from None
+        arrival = time.monotonic() if arrival_time is None else arrival_time
         matchers = self._matchers(params, grammar)
         state = RequestState.create(request_id, text, ids, params, stop, self.tokenizer, arrival)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
+        speculate = may_speculate(params)
         children = []
         for i, child_id in enumerate(child_ids(request_id, params.n)):
             req = Request(
                 child_id, ids, stop=stop, arrival_time=arrival, lane=lane, deadline=deadline,
                 group_id=request_id if params.n > 1 else None, tenant=tenant,
+                can_speculate=speculate,
             )  # fmt: skip
             try:
                 self.scheduler.add_request(req, now=arrival)
@@ -320,7 +344,7 @@ class LLMEngine:
             busy = previous.builder if previous is not None else None
             builder = self._spare_builder if busy is self.inputs_builder else self.inputs_builder
             inputs = builder.build(plan)
-        sampled: dict[str, tuple[int, list | None]] = {}
+        sampled: dict[str, list[tuple[int, list | None]]] = {}
         if previous is not None:
             sampled = self._sample(previous.plan, previous.logits, changed)
             self._sampled(previous.plan, previous.started)
@@ -353,8 +377,10 @@ class LLMEngine:
     def _sampled(self, plan: StepPlan, started: float) -> None:
         """The sampler brought `plan`'s tokens to the host: its device work is done."""
         self._last_step_end = time.perf_counter()
+        # A draft's row of logits counts as a sequence: the step ran in that bucket.
+        num_rows = len(plan.seqs) + plan.num_drafts
         self.scheduler.step_costs.observe(
-            plan.num_batched_tokens, len(plan.seqs), self._last_step_end - started
+            plan.num_batched_tokens, num_rows, self._last_step_end - started
         )
 
     def _run(self, plan: StepPlan, inputs: StepInputs) -> jax.Array:
@@ -389,13 +415,20 @@ class LLMEngine:
 
     def _sample(
         self, plan: StepPlan, logits: jax.Array, changed: dict
-    ) -> dict[str, tuple[int, list | None]]:
-        # None: the request ended while its step ran (async scheduling); its row is not wanted.
+    ) -> dict[str, list[tuple[int, list | None]]]:
+        """Each sampled seq's new tokens with their logprobs: one, or for a decode with
+        drafts its accepted drafts and the target's next token."""
+        # None: the request ended while its step ran (async scheduling); its rows are not wanted.
         children = [self._children.get(seq.request_id) for seq in plan.seqs]
+        firsts = []  # each seq's first row of logits (a decode with drafts has several)
+        num_rows = 0
+        for seq in plan.seqs:
+            firsts.append(num_rows)
+            num_rows += 1 + seq.num_drafts
         # Computed while the model step dispatched above runs (see jserve.structured.decoding).
         masks, mask_failed = self.structured.fill_masks(
             [
-                (i, child.matcher, seq.output_token_ids)
+                (firsts[i], child.matcher, seq.output_token_ids)
                 for i, (seq, child) in enumerate(zip(plan.seqs, children, strict=True))
                 if child is not None and child.matcher is not None and seq.sample
             ]
@@ -403,26 +436,26 @@ class LLMEngine:
         rows = []
         for i, (seq, child) in enumerate(zip(plan.seqs, children, strict=True)):
             if child is None:
-                rows.append(NEUTRAL_ROW)
+                rows.extend([NEUTRAL_ROW] * (1 + seq.num_drafts))
                 continue
-            output = seq.output_token_ids
-            rows.append(
-                SamplingRow(
-                    child.state.params, child.seed, seq.prompt_token_ids, output,
-                    child.state.stop.banned_ids(len(output)), masks.get(i),
-                )
-            )  # fmt: skip
+            rows.extend(_sampling_rows(seq, child, masks.get(firsts[i])))
         result = self.sampler.sample(logits, rows)
-        for i, error in {**mask_failed, **result.failed}.items():
+        row_failed = {**mask_failed, **result.failed}
+        failed = {bisect_right(firsts, r) - 1: e for r, e in row_failed.items()}
+        for i, error in failed.items():
             self._fail(plan.seqs[i].request_id, error, changed)
-        return {
-            seq.request_id: result.row(i)
-            for i, seq in enumerate(plan.seqs)
-            if seq.sample
-            and children[i] is not None
-            and i not in result.failed
-            and i not in mask_failed
-        }
+        sampled = {}
+        for i, seq in enumerate(plan.seqs):
+            if not seq.sample or children[i] is None or i in failed:
+                continue
+            targets = [result.row(firsts[i] + j) for j in range(1 + seq.num_drafts)]
+            if seq.num_drafts:
+                drafts = seq.token_ids[1:]
+                accepted = num_accepted(drafts, [token for token, _ in targets])
+                self.spec_decode.record(seq.num_drafts, accepted)
+                del targets[accepted + 1 :]
+            sampled[seq.request_id] = targets
+        return sampled
 
     def _postprocess(self, plan: StepPlan, sampled: dict, changed: dict) -> None:
         now = time.monotonic()
@@ -435,14 +468,36 @@ class LLMEngine:
                 state.metrics.first_scheduled_time = now
                 # Its first chunk starts after the tokens its admission found cached.
                 state.num_cached_tokens = seq.start_pos
-        tokens = {rid: tok for rid, (tok, _) in sampled.items()}
-        finished = {r.request_id: r for r in self.scheduler.update_from_output(plan, tokens)}
-        self._num_generation_tokens += len(tokens)
-        for rid, (token, top) in sampled.items():
+        before = {seq.request_id: len(seq.output_token_ids) for seq in plan.seqs if seq.num_drafts}
+        tokens = {rid: toks[-1][0] for rid, toks in sampled.items()}
+        accepted = {rid: len(toks) - 1 for rid, toks in sampled.items() if len(toks) > 1}
+        finished = {
+            r.request_id: r for r in self.scheduler.update_from_output(plan, tokens, accepted)
+        }
+        for rid, toks in sampled.items():
             child = self._children.get(rid)
             if child is None:
                 continue
             changed[child.state.request_id] = child.state
+            request = finished.get(rid)
+            if request is not None and rid in before:  # the stop rules may end it early
+                del toks[request.num_output_tokens - before[rid] :]
+            by_token = request.finish_reason if request is not None else None
+            self._add_tokens(rid, child, toks, by_token, changed)
+
+    def _add_tokens(
+        self,
+        rid: str,
+        child: _Child,
+        tokens: list[tuple[int, list | None]],
+        by_token: FinishReason | None,
+        changed: dict,
+    ) -> None:
+        """Feed a sequence's new tokens (all kept by the scheduler, which ended it on the
+        last with `by_token`, if given) to its output state and grammar, in order, finishing
+        it on the first that a stop rule ends it on."""
+        for j, (token, top) in enumerate(tokens):
+            self._num_generation_tokens += 1
             try:
                 stop_string = child.state.add_token(child.index, token, top)
                 complete = child.matcher is not None and self.structured.advance(
@@ -450,14 +505,15 @@ class LLMEngine:
                 )
             except Exception as e:  # detokenizing, a stop check or the grammar of it failed
                 self._fail(rid, f"{type(e).__name__}: {e}", changed)
-                continue
-            by_token = finished[rid].finish_reason if rid in finished else None
-            decision = child.state.stop.decide(token, by_token, stop_string, complete)
+                return
+            last = by_token if j == len(tokens) - 1 else None
+            decision = child.state.stop.decide(token, last, stop_string, complete)
             if decision is None:
                 continue
-            if by_token is None:  # the scheduler ended it already otherwise
+            if last is None:  # the scheduler ended it already otherwise
                 self.scheduler.finish_request(rid, decision.reason)
             self._finish_child(rid, decision.reason, decision.stop_reason, changed)
+            return
 
     def _fail(self, child_id: str, error: str, changed: dict) -> None:
         """End the request owning `child_id` with finish reason "error": a host-side part of
@@ -553,11 +609,17 @@ class LLMEngine:
             serving_compilations=serving_compilation_count(),
             num_restarts=self.num_restarts,
             iteration_tokens=iteration_tokens,
+            spec_decode_num_drafts=self.spec_decode.num_drafts,
+            spec_decode_num_draft_tokens=self.spec_decode.num_draft_tokens,
+            spec_decode_num_accepted_tokens=self.spec_decode.num_accepted_tokens,
+            spec_decode_num_accepted_tokens_per_pos=list(
+                self.spec_decode.num_accepted_tokens_per_pos
+            ),
         )
 
 
 def _write_pending_tokens(
-    plan: StepPlan, inputs: StepInputs, sampled: dict[str, tuple[int, list | None]]
+    plan: StepPlan, inputs: StepInputs, sampled: dict[str, list[tuple[int, list | None]]]
 ) -> None:
     """Write the tokens the previous step sampled over `plan`'s placeholder inputs (decodes
     come first, one token each). A row whose token did not come (its request failed or ended)
@@ -567,4 +629,4 @@ def _write_pending_tokens(
         seq = seqs[i]
         if seq.token_ids[0] == PLACEHOLDER_TOKEN:
             got = sampled.get(seq.request_id)
-            token_ids[i] = 0 if got is None else got[0]
+            token_ids[i] = 0 if got is None else got[-1][0]

@@ -93,18 +93,18 @@ class LlamaModel(nnx.Module):
         attn_meta: Any,  # attention metadata; its type selects the implementation
         logits_indices: jax.Array,  # [S] int32, rows of T whose next-token logits are wanted
         matmul_impl: MatmulImpl | str = MatmulImpl.XLA,  # how the projections run
-        real_rows: tuple[jax.Array, jax.Array] | None = None,  # (tokens, sequences) not padding
+        real_rows: tuple[jax.Array, jax.Array] | None = None,  # (tokens, logit rows) not padding
     ) -> tuple[jax.Array, Any]:
         """Returns (logits [S, V] float32, updated kv_cache).
 
-        With `real_rows`, the first `tokens` rows of T and `sequences` rows of S are the step's
+        With `real_rows`, the first `tokens` rows of T and `logit rows` rows of S are the step's
         real ones and the rest its bucket's padding, which the projections may skip: a padding
         row's hidden state and logits are then 0 (jserve.pallas.layer_matmul's `rows`)."""
         cfg = self.cfg
         x = self._embedding(token_ids, matmul_impl)  # [T, D]
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         rope = rope_cos_sin(positions, jnp.asarray(inv_freq))  # (cos, sin), [T, Hd] each
-        real_tokens, real_seqs = (None, None) if real_rows is None else real_rows
+        real_tokens, real_logits = (None, None) if real_rows is None else real_rows
         weights, matmul = self._layer_weights(matmul_impl, real_tokens)
 
         def layer_step(carry, xs):
@@ -114,7 +114,7 @@ class LlamaModel(nnx.Module):
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (weights, layer_ids))
         h = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps)  # [S, D]
-        return self._logits(h, matmul_impl, real_seqs).astype(jnp.float32), kv_cache
+        return self._logits(h, matmul_impl, real_logits).astype(jnp.float32), kv_cache
 
     def _layer_weights(
         self, matmul_impl: MatmulImpl | str, real_tokens: jax.Array | None

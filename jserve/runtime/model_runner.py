@@ -72,7 +72,8 @@ def _model_step(
     matmul_impl: str,  # static: how the layers' projections run (jserve.pallas.layer_matmul)
     platform: str,  # static: the platform compiled for (kernels run natively there)
 ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Returns (logits [S, V] float32 of each sequence's last token, the new kv_cache)."""
+    """Returns (logits [S, V] float32 of the rows `inputs.logits_indices` names: each
+    sequence's last token, and a decode's drafts; the new kv_cache)."""
     model = nnx.merge(graphdef, state)
     meta = PagedAttentionMetadata(
         slot_mapping=inputs.slot_mapping,
@@ -85,7 +86,7 @@ def _model_step(
         platform=platform,
     )
     # Padding follows the real rows on both axes (cu_q_lens's pads hold the real token count).
-    real_rows = (inputs.cu_q_lens[-1], inputs.num_seqs[0])
+    real_rows = (inputs.cu_q_lens[-1], inputs.num_logits[0])
     logits, kv_cache = model(
         inputs.token_ids,
         inputs.positions,

@@ -31,7 +31,10 @@ class StepInputs:
     cu_q_lens: np.ndarray  # [S + 1] int32 start of each sequence's tokens (pads: T_real)
     kv_lens: np.ndarray  # [S] int32 context after this step (pads: 0)
     num_seqs: np.ndarray  # [1] int32 real sequences
-    logits_indices: np.ndarray  # [S] int32 last token row of each sequence (pads: 0)
+    # [S] int32 token rows whose next-token logits are wanted: each sequence's last, or a
+    # decode with drafts its last num_drafts + 1 (pads: 0)
+    logits_indices: np.ndarray
+    num_logits: np.ndarray  # [1] int32 real rows of logits_indices (the sequences + drafts)
     num_tokens: int = dataclasses.field(metadata={"static": True})  # T
     max_seqs: int = dataclasses.field(metadata={"static": True})  # S
 
@@ -78,6 +81,7 @@ class StepInputBuilder:
             kv_lens=np.zeros(max_seqs, np.int32),
             num_seqs=np.zeros(1, np.int32),
             logits_indices=np.zeros(max_seqs, np.int32),
+            num_logits=np.zeros(1, np.int32),
             num_tokens=num_tokens,
             max_seqs=max_seqs,
         )
@@ -85,14 +89,15 @@ class StepInputBuilder:
     def build(self, plan: StepPlan) -> StepInputs:
         n_seqs = len(plan.seqs)
         n_tokens = plan.num_batched_tokens
-        t, s = pick_step_bucket(self.token_buckets, self.seq_buckets, n_tokens, n_seqs)
+        n_logits = n_seqs + plan.num_drafts  # a draft's row of logits verifies it
+        t, s = pick_step_bucket(self.token_buckets, self.seq_buckets, n_tokens, n_logits)
         bs = self.block_size
         tok, pos, slots = self._token_ids, self._positions, self._slots
         tables, cu, kv_lens, logits_idx = self._tables, self._cu, self._kv_lens, self._logits_idx
         tables[: self._prev_seqs] = SINK_BLOCK_ID
         self._prev_seqs = n_seqs
 
-        offset = 0
+        offset = row = 0
         for i, seq in enumerate(plan.seqs):
             n = len(seq.token_ids)
             end = offset + n
@@ -105,7 +110,13 @@ class StepInputBuilder:
             tables[i, : len(blocks)] = blocks
             cu[i] = offset
             kv_lens[i] = start + n
-            logits_idx[i] = end - 1
+            if seq.num_drafts:
+                rows = seq.num_drafts + 1
+                logits_idx[row : row + rows] = np.arange(end - rows, end, dtype=np.int32)
+                row += rows
+            else:
+                logits_idx[row] = end - 1
+                row += 1
             offset = end
         # Padding: tokens point at the sink block, sequences are empty.
         tok[offset:t] = 0
@@ -113,7 +124,7 @@ class StepInputBuilder:
         slots[offset:t] = SINK_BLOCK_ID * bs
         cu[n_seqs : s + 1] = offset
         kv_lens[n_seqs:s] = 0
-        logits_idx[n_seqs:s] = 0
+        logits_idx[row:s] = 0
         return StepInputs(
             token_ids=tok[:t],
             positions=pos[:t],
@@ -123,6 +134,7 @@ class StepInputBuilder:
             kv_lens=kv_lens[:s],
             num_seqs=np.array([n_seqs], np.int32),
             logits_indices=logits_idx[:s],
+            num_logits=np.array([row], np.int32),
             num_tokens=t,
             max_seqs=s,
         )

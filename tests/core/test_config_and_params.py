@@ -250,6 +250,7 @@ def test_scheduler_config_takes_every_shared_setting_from_engine_args_by_name():
         "enable_chunked_prefill": False, "enable_prefix_caching": False,
         "long_lane_max_share": 0.25, "free_block_watermark": 0.1, "aging_iterations": 3,
         "kv_reject_watermark": 0.9, "fairness": "fcfs", "deadline_admission": False,
+        "speculative_config": '{"method": "ngram"}',
     }  # fmt: skip
     changed = {name: value for name, value in changed.items() if name in engine_fields}
     changed["long_prefill_token_threshold"] = 0  # chunked prefill is off

@@ -8,9 +8,16 @@ or a block reused while referenced all show up as a mismatch.
 Requests come from three tenants of different weights; with fairness="vtc" the service gap
 between two tenants continuously backlogged in a lane must stay within the bound
 jserve.core.fairness derives (`fair_share_gap_is_bounded`).
+
+With speculative decoding, decodes of requests that may speculate carry n-gram drafts, of
+which the step accepts a random number: a draft's slot records the prefix with the drafts
+before it, so a rejected draft's KV read later, or hashed into the prefix cache, shows up as
+a mismatch too.
 """
 
 from __future__ import annotations
+
+import json
 
 import pytest
 from hypothesis import strategies as st
@@ -72,6 +79,16 @@ def configs(draw) -> tuple[SchedulerConfig, CacheConfig]:
         fairness=draw(st.sampled_from(["vtc", "vtc", "fcfs"])),
         enable_chunked_prefill=chunked,
         enable_prefix_caching=draw(st.booleans()),
+        speculative_config=draw(
+            st.none()
+            | st.builds(
+                lambda k, n: json.dumps(
+                    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n}
+                ),
+                st.integers(1, 4),
+                st.integers(1, 3),
+            )
+        ),
     )
     blocks_per_seq = -(-max_model_len // block_size)
     # From "one request fills the pool" (preemption every few steps) to plenty.
@@ -143,6 +160,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 deadline=None if deadline is None else self.now + deadline,
                 group_id=group_id,
                 tenant=tenant,
+                can_speculate=data.draw(st.booleans()),
             )
             too_long = prompt_len + max_tokens > self.config.max_model_len
             queue_full = len(self.scheduler.waiting) >= self.config.max_waiting_requests
@@ -205,7 +223,10 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule(eos_probability=st.sampled_from([0.0, 0.1, 0.5]), data=st.data())
     def step(self, eos_probability, data):
-        self._step(lambda: EOS if data.draw(st.floats(0, 1)) < eos_probability else 7)
+        self._step(
+            lambda: EOS if data.draw(st.floats(0, 1)) < eos_probability else 7,
+            lambda num_drafts: data.draw(st.integers(0, num_drafts)),
+        )
 
     @rule()
     def drain(self):
@@ -215,7 +236,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         for _ in range(bound):
             if not self.live:
                 break
-            self._step(lambda: 7)
+            self._step(lambda: 7, lambda num_drafts: num_drafts)
         assert not self.live, f"{len(self.live)} requests left after {bound} steps"
         assert not self.scheduler.has_unfinished_requests()
         assert free_block_ids(self.manager) == set(range(1, self.manager.num_blocks))
@@ -227,7 +248,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     # ---- one step, checked -----------------------------------------------------------------
 
-    def _step(self, next_token):
+    def _step(self, next_token, accept):
         now = self.now
         plan = self.scheduler.schedule(now)
         self._note_outstanding()  # before the step's service is charged
@@ -241,7 +262,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert request.deadline is None or request.deadline > now
         self._check_plan(plan)
         sampled = {seq.request_id: next_token() for seq in plan.seqs if seq.sample}
-        for request in self.scheduler.update_from_output(plan, sampled):
+        accepted = {seq.request_id: accept(seq.num_drafts) for seq in plan.seqs if seq.num_drafts}
+        for request in self.scheduler.update_from_output(plan, sampled, accepted):
             assert request.finish_reason in ("stop", "length")
             if request.finish_reason == "stop":
                 assert request.output_token_ids[-1] == EOS
@@ -260,9 +282,11 @@ class SchedulerMachine(RuleBasedStateMachine):
         seqs = plan.seqs
         assert plan.num_batched_tokens == sum(s.num_tokens for s in seqs)
         assert plan.num_batched_tokens <= self.config.max_num_batched_tokens
-        assert len(seqs) <= self.config.max_num_seqs
+        assert len(seqs) + plan.num_drafts <= self.config.max_num_seqs  # rows of logits
+        assert plan.num_drafts == sum(s.num_drafts for s in seqs)
         assert len({s.request_id for s in seqs}) == len(seqs)
-        assert all(s.num_tokens == 1 and s.sample for s in seqs[: plan.num_decodes])
+        assert all(s.num_tokens == 1 + s.num_drafts and s.sample for s in seqs[: plan.num_decodes])
+        assert not any(s.num_drafts for s in seqs[plan.num_decodes :])
         for request_id in plan.preempted_ids:
             request = self.live[request_id]
             assert request.status is RequestStatus.PREEMPTED and not request.block_ids
@@ -275,13 +299,19 @@ class SchedulerMachine(RuleBasedStateMachine):
                 seq.num_tokens <= max(1, self.config.long_prefill_token_threshold)
             )
             end = seq.start_pos + seq.num_tokens
+            known = end - seq.num_drafts  # drafts are not among the request's tokens
+            assert not seq.num_drafts or request.can_speculate
             assert end == request.num_computed_tokens  # planned counts as computed
-            assert list(seq.token_ids) == list(request.all_token_ids[seq.start_pos : end])
-            assert seq.sample == (end == request.num_tokens)
+            assert end <= self.config.max_model_len
+            assert known + seq.num_drafts <= request.num_prompt_tokens + request.stop.max_tokens
+            assert list(seq.token_ids[: seq.num_tokens - seq.num_drafts]) == list(
+                request.all_token_ids[seq.start_pos : known]
+            )
+            assert seq.sample == (known == request.num_tokens)
             assert seq.block_ids is request.block_ids
             assert len(seq.block_ids) == -(-end // self.block_size)
             assert SINK_BLOCK_ID not in seq.block_ids
-            keys = self._prefix_keys(request, end)
+            keys = self._prefix_keys([*request.all_token_ids[: seq.start_pos], *seq.token_ids])
             for position in range(end):
                 block = seq.block_ids[position // self.block_size]
                 slot = position % self.block_size
@@ -300,10 +330,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.shadow.setdefault(block, [None] * self.block_size)[slot] = key
 
     @staticmethod
-    def _prefix_keys(request, end):
+    def _prefix_keys(tokens):
         keys = []
         key = hash("root")
-        for token in request.all_token_ids[:end]:
+        for token in tokens:
             key = hash((key, token))
             keys.append(key)
         return keys

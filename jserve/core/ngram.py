@@ -1,0 +1,59 @@
+"""Prompt-lookup drafts (vLLM's "ngram" method): find the sequence's last n tokens earlier in
+its own prompt and output, and propose what followed them there.
+
+The longest n in [min_n, max_n] whose n-gram occurs earlier wins; among its occurrences the
+latest one (vLLM's proposer makes the same choice). The search runs in C: the int64 tokens as
+bytes, searched backwards with `bytes.rfind` for the n-gram's bytes, keeping only hits on a
+token boundary, so a proposal over thousands of tokens costs microseconds of host time.
+
+Drafts cost a verify step's extra tokens whether accepted or not, so a sequence whose drafts
+keep being rejected pauses drafting (`drafts_pay`) and tries again after a while.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+_ITEM = array("q").itemsize
+
+# Per sequence, drafts pay only while enough of them are accepted: a verify step computes and
+# pads more tokens than a plain decode. A sequence's acceptance (accepted / drafted per verify
+# step) is averaged with weight ACCEPTANCE_WEIGHT; below ACCEPTANCE_FLOOR it gets no drafts,
+# and each decode without them raises the average by RETRY_STEP, so it tries again after a
+# while (the text it copies may come back).
+ACCEPTANCE_WEIGHT = 0.3
+ACCEPTANCE_FLOOR = 0.3
+RETRY_STEP = 0.005
+
+
+def note_acceptance(acceptance: float, num_drafts: int, num_accepted: int) -> float:
+    """A sequence's average acceptance after a verify step of `num_drafts` drafts."""
+    return acceptance + ACCEPTANCE_WEIGHT * (num_accepted / num_drafts - acceptance)
+
+
+def drafts_pay(acceptance: float) -> bool:
+    """Whether a sequence of this average acceptance gets drafts this step."""
+    return acceptance >= ACCEPTANCE_FLOOR
+
+
+def propose_ngram(tokens: array, k: int, min_n: int, max_n: int) -> array:
+    """Up to `k` draft tokens continuing `tokens` (an int64 array: prompt then output), or an
+    empty array when no n-gram of `min_n..max_n` of its end occurs earlier."""
+    num_tokens = len(tokens)
+    if k <= 0 or num_tokens < 2:
+        return array("q")
+    data = tokens.tobytes()
+    # An occurrence must end before the last token, so at least one token follows it.
+    search_end = (num_tokens - 1) * _ITEM
+    for n in range(min(max_n, num_tokens - 1), min_n - 1, -1):
+        pattern = data[(num_tokens - n) * _ITEM :]
+        end = search_end
+        while True:
+            hit = data.rfind(pattern, 0, end)
+            if hit < 0:
+                break
+            if hit % _ITEM == 0:
+                start = hit // _ITEM + n
+                return tokens[start : start + k]
+            end = hit + len(pattern) - 1  # a misaligned hit: look again just before it
+    return array("q")
