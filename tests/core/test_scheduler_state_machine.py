@@ -295,8 +295,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             request = self.live[seq.request_id]
             assert request.status is RequestStatus.RUNNING
             assert seq.num_tokens >= 1
-            assert not self.config.long_prefill_token_threshold or (
-                seq.num_tokens <= max(1, self.config.long_prefill_token_threshold)
+            assert not self.config.long_prefill_token_threshold or (  # drafts are no prefill
+                seq.num_tokens - seq.num_drafts <= max(1, self.config.long_prefill_token_threshold)
             )
             end = seq.start_pos + seq.num_tokens
             known = end - seq.num_drafts  # drafts are not among the request's tokens
