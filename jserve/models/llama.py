@@ -208,9 +208,10 @@ def lay_out_weights(state: nnx.State, matmul_impl: MatmulImpl | str) -> nnx.Stat
     embedding, when tied: the lookup then reads the packed table) packed by `pack_weights`.
     Once, at load time; the other parameters are shared with `state`, and so are GGUF blocks
     packed at load (`pack_block_projections`), which only "native" reads."""
-    if matmul_impl == MatmulImpl.XLA:
+    weights = {} if matmul_impl == MatmulImpl.XLA else weights_to_pack(state)
+    if not weights:  # XLA's dot reads them as they are, or a GGUF brought them all packed
         return state
-    return with_packed_weights(state, pack_weights(weights_to_pack(state), matmul_impl))
+    return with_packed_weights(state, pack_weights(weights, matmul_impl))
 
 
 def weights_to_pack(state: nnx.State) -> dict[str, Any]:
