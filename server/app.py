@@ -98,11 +98,16 @@ async def _metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     if state.engine is not None:
         try:
-            state.metrics.refresh(state.engine.stats())
-            state.metrics.model_info.labels(state.model_name, state.engine.quantization).set(1)
+            engine = state.engine
+            state.metrics.refresh(engine.stats())
+            state.metrics.describe_engine(
+                state.model_name, engine.quantization, engine.block_size,
+                engine.kv_cache_tokens // engine.block_size,
+            )  # fmt: skip
         except Exception:  # a dead engine still lets operators read the server-side series
             logger.exception("engine.stats() failed; serving the last snapshot")
-    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    body = state.metrics.render(state.model_name)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
 async def _models(request: web.Request) -> web.Response:

@@ -5,14 +5,17 @@ Two sources:
    counters, compilations, per-iteration token counts, speculative decoding's drafts and
    acceptance, per draft position too) come from one `engine.stats()` snapshot
    taken when /metrics is scraped; cumulative engine counters are exported as counters. The
-   served model's name and quantization are `jserve:model_info`'s labels.
-2. Per-request latencies and outcomes are observed by the server while it streams, from the
-   engine's RequestMetrics timestamps when given (else the server's own clock). Each is also
+   served model's name and quantization are `jserve:model_info`'s labels, the KV cache's
+   layout `jserve:cache_config_info`'s.
+2. Per-request latencies (TTFT, ITL, end to end, queued, running, prefill, decode), sizes and
+   outcomes are observed by the server while it streams, from the engine's RequestMetrics
+   timestamps when given (else the server's own clock). Some are also
    split by lane and tenant in `jserve:tenant_*` series (TTFT, ITL, queue time, finished
    requests by reason - "abort" counts cancellations, "timeout" deadline misses -,
    rejections by reason, served prompt and generated tokens). The tenant label's cardinality
    is bounded (jserve.core.tenants.TenantLabels): tenants past the limit report as "other".
 Each app has its own CollectorRegistry, so several apps (tests) never share series.
+/metrics renders them followed by vLLM's names of the same series (jserve.server.vllm_metrics).
 """
 
 from __future__ import annotations
@@ -26,13 +29,20 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from jserve.config.scheduler import Lane
 from jserve.core.tenants import DEFAULT_TENANT, TenantLabels
 from jserve.errors import RejectReason
-from jserve.outputs import EngineStats, RequestOutput
+from jserve.outputs import EngineStats, RequestMetrics, RequestOutput
+from jserve.server.vllm_metrics import (
+    VLLM_ITERATION_TOKEN_BUCKETS,
+    VLLM_ITL_BUCKETS,
+    VLLM_REQUEST_LATENCY_BUCKETS,
+    VLLM_TOKEN_COUNT_BUCKETS,
+    VLLM_TTFT_BUCKETS,
+    vllm_families,
+)
 
 _LATENCY_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0,
 )  # fmt: skip
-_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
 # EngineStats field -> (metric name without prefix, help text)
 _ENGINE_GAUGES = {
@@ -107,10 +117,11 @@ class ServerMetrics:
         self._engine = _EngineSnapshotCollector()
         self.registry.register(self._engine)
         self._declare_request_series(self.registry)
+        self._declare_latency_series(self.registry)
         self._declare_tenant_series(self.registry)
 
     def _declare_request_series(self, reg: CollectorRegistry) -> None:
-        """Requests' outcomes and latencies, and the engine's iteration sizes."""
+        """Requests' outcomes and sizes, the engine's iteration sizes, and what is served."""
         self.request_success = Counter(
             "jserve:request_success", "Finished sequences by finish reason (one per choice).",
             ["finished_reason"], registry=reg,
@@ -119,30 +130,62 @@ class ServerMetrics:
             "jserve:request_rejected", "Requests refused before generation, by reason.",
             ["reason"], registry=reg,
         )  # fmt: skip
-        self.ttft = Histogram(
-            "jserve:time_to_first_token_seconds", "Arrival to first token.",
-            buckets=_LATENCY_BUCKETS, registry=reg,
+        self.request_prompt_tokens = Histogram(
+            "jserve:request_prompt_tokens", "Prompt tokens of each finished sequence.",
+            buckets=VLLM_TOKEN_COUNT_BUCKETS, registry=reg,
         )  # fmt: skip
-        self.itl = Histogram(
-            "jserve:inter_token_latency_seconds", "Time between consecutive tokens of a request.",
-            buckets=_LATENCY_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.e2e = Histogram(
-            "jserve:e2e_request_latency_seconds", "Arrival to finish.",
-            buckets=_LATENCY_BUCKETS, registry=reg,
-        )  # fmt: skip
-        self.queue_time = Histogram(
-            "jserve:request_queue_time_seconds", "Arrival to first scheduling.",
-            buckets=_LATENCY_BUCKETS, registry=reg,
+        self.request_generation_tokens = Histogram(
+            "jserve:request_generation_tokens", "Generated tokens of each finished sequence.",
+            buckets=VLLM_TOKEN_COUNT_BUCKETS, registry=reg,
         )  # fmt: skip
         self.iteration_tokens = Histogram(
             "jserve:iteration_tokens", "Tokens scheduled per engine iteration.",
-            buckets=_ITERATION_TOKEN_BUCKETS, registry=reg,
+            buckets=VLLM_ITERATION_TOKEN_BUCKETS, registry=reg,
         )  # fmt: skip
         self.model_info = Gauge(
             "jserve:model_info", "The served model and its weights as served (always 1): "
             'quantization "none" or "gguf:" and its packed block formats.',
             ["model_name", "quantization"], registry=reg,
+        )  # fmt: skip
+        self.cache_config_info = Gauge(
+            "jserve:cache_config_info", "The KV cache's layout (always 1): tokens per block and "
+            "blocks (num_gpu_blocks, as vLLM names it, whatever the device).",
+            ["block_size", "num_gpu_blocks"], registry=reg,
+        )  # fmt: skip
+
+    def _declare_latency_series(self, reg: CollectorRegistry) -> None:
+        """Requests' latencies and phases. Each histogram's bounds include vLLM's, which the
+        `vllm:` series re-emitted from it keep."""
+
+        def seconds(name: str, doc: str, vllm_buckets: tuple[float, ...]) -> Histogram:
+            buckets = sorted({*_LATENCY_BUCKETS, *vllm_buckets})
+            return Histogram(f"jserve:{name}", doc, buckets=buckets, registry=reg)
+
+        self.ttft = seconds(
+            "time_to_first_token_seconds", "Arrival to first token.", VLLM_TTFT_BUCKETS
+        )
+        self.itl = seconds(
+            "inter_token_latency_seconds", "Time between consecutive tokens of a request.",
+            VLLM_ITL_BUCKETS,
+        )  # fmt: skip
+        self.e2e = seconds(
+            "e2e_request_latency_seconds", "Arrival to finish.", VLLM_REQUEST_LATENCY_BUCKETS
+        )
+        self.queue_time = seconds(
+            "request_queue_time_seconds", "Arrival to first scheduling.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.inference_time = seconds(
+            "request_inference_time_seconds", "First scheduling to last token.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.prefill_time = seconds(
+            "request_prefill_time_seconds", "First scheduling to first token.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
+        )  # fmt: skip
+        self.decode_time = seconds(
+            "request_decode_time_seconds", "First token to last token.",
+            VLLM_REQUEST_LATENCY_BUCKETS,
         )  # fmt: skip
 
     def _declare_tenant_series(self, reg: CollectorRegistry) -> None:
@@ -191,8 +234,38 @@ class ServerMetrics:
         for tokens in stats.iteration_tokens:
             self.iteration_tokens.observe(tokens)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def describe_engine(
+        self, model_name: str, quantization: str, block_size: int, num_blocks: int
+    ) -> None:
+        """Set the info series: the served model and the KV cache's layout."""
+        self.model_info.labels(model_name, quantization).set(1)
+        self.cache_config_info.labels(str(block_size), str(num_blocks)).set(1)
+
+    def render(self, model_name: str) -> bytes:
+        """The exposition: jserve's series, then vLLM's names of them (labelled with
+        `model_name`), both from one collection."""
+        return generate_latest(_Exposition(self.registry, model_name))
+
+    def observe_phases(self, timing: RequestMetrics) -> None:
+        """A finished request's time running, in prefill and in decode (when it had tokens)."""
+        if timing.first_scheduled_time is None or timing.first_token_time is None:
+            return
+        last_token = timing.last_token_time or timing.first_token_time
+        self.inference_time.observe(last_token - timing.first_scheduled_time)
+        self.prefill_time.observe(timing.first_token_time - timing.first_scheduled_time)
+        self.decode_time.observe(last_token - timing.first_token_time)
+
+
+class _Exposition:
+    """What /metrics renders: the registry's families, then vLLM's re-emission of them."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str) -> None:
+        self.registry, self.model_name = registry, model_name
+
+    def collect(self) -> Iterator[Metric]:
+        families = list(self.registry.collect())
+        yield from families
+        yield from vllm_families(families, self.model_name)
 
 
 class RequestTracker:
@@ -237,15 +310,20 @@ class RequestTracker:
         self.steps, self.last_token_time = steps, now
 
     def on_finish(self, output: RequestOutput) -> None:
+        metrics = self.metrics
         generated = sum(len(choice.token_ids) for choice in output.outputs)
-        self.metrics.tenant_tokens.labels(*self.labels, "generation").inc(generated)
+        metrics.tenant_tokens.labels(*self.labels, "generation").inc(generated)
         for choice in output.outputs:
             reason = choice.finish_reason or "abort"
-            self.metrics.request_success.labels(reason).inc()
-            self.metrics.tenant_finished.labels(*self.labels, reason).inc()
+            metrics.request_success.labels(reason).inc()
+            metrics.tenant_finished.labels(*self.labels, reason).inc()
+            metrics.request_prompt_tokens.observe(len(output.prompt_token_ids))
+            metrics.request_generation_tokens.observe(len(choice.token_ids))
         timing = output.metrics
         end = timing.finished_time if timing and timing.finished_time else time.monotonic()
-        self.metrics.e2e.observe(end - self._arrival(output))
+        metrics.e2e.observe(end - self._arrival(output))
+        if timing:
+            metrics.observe_phases(timing)
 
     def on_client_gone(self, num_choices: int) -> None:
         self.metrics.request_success.labels("abort").inc(num_choices)

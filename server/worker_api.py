@@ -7,7 +7,8 @@ Found by running the routers in front of jserve and reading what they request:
   smg registers it as `runtime_type: vllm` (jserve's HTTP API, metric names and KV events are
   vLLM's). Its load monitor then reads a vLLM worker's load every 10 s from `/metrics`: the
   series `vllm:num_requests_running`, `vllm:num_requests_waiting` and
-  `vllm:kv_cache_usage_perc`, which `VllmLoadGauges` adds next to the `jserve:` ones.
+  `vllm:kv_cache_usage_perc`, which /metrics carries beside the `jserve:` ones (the same
+  series under vLLM's names: jserve.server.vllm_metrics).
 - vllm-router 0.1.17: `/health` and `/v1/models` only.
 
 Every value is read from the engine (the async engine's `stats()` and its fixed sizes), never
@@ -22,12 +23,10 @@ histogram here exactly as `/metrics` does, so neither reader loses the other's s
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
 
 from aiohttp import web
-from prometheus_client.core import GaugeMetricFamily, Metric
 
 from jserve.outputs import EngineStats
 from jserve.server.engine_client import EngineClient
@@ -156,33 +155,9 @@ async def _server_info(request: web.Request) -> web.Response:
     return json_response(body)
 
 
-class VllmLoadGauges:
-    """The load series a router reads from a vLLM worker's /metrics, from the same engine
-    snapshot as the `jserve:` series (so both always agree)."""
-
-    def __init__(self, state: ServerState) -> None:
-        self.state = state
-
-    def collect(self) -> Iterator[Metric]:
-        stats = self.state.metrics.engine_snapshot
-        model = self.state.model_name
-        for name, doc, value in (
-            ("num_requests_running", "Requests in the running batch.",
-             stats.num_requests_running),
-            ("num_requests_waiting", "Requests waiting to be scheduled.",
-             stats.num_requests_waiting),
-            ("kv_cache_usage_perc", "Fraction of KV cache blocks in use (0-1).",
-             stats.kv_cache_usage),
-        ):  # fmt: skip
-            gauge = GaugeMetricFamily(f"vllm:{name}", doc, labels=["model_name"])
-            gauge.add_metric([model], value)
-            yield gauge
-
-
 def add_worker_routes(app: web.Application) -> None:
     """Register the router-facing endpoints on the app (jserve.server.app.create_app calls this)."""
     app[_THROUGHPUT] = _Throughput()
-    app[STATE].metrics.registry.register(VllmLoadGauges(app[STATE]))
     app.router.add_get("/version", _version)
     for path in ("/server_info", "/get_server_info"):
         app.router.add_get(path, _server_info)

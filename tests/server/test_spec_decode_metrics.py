@@ -11,7 +11,7 @@ from tests.server.server_harness import metric
 def _render(stats: EngineStats) -> str:
     metrics = ServerMetrics()
     metrics.refresh(stats)
-    return metrics.render().decode()
+    return metrics.render("m").decode()
 
 
 def test_spec_decode_counters_and_rates():
