@@ -33,6 +33,7 @@ from jserve.outputs import EngineStats, RequestMetrics, RequestOutput
 from jserve.server.vllm_metrics import (
     VLLM_ITERATION_TOKEN_BUCKETS,
     VLLM_ITL_BUCKETS,
+    VLLM_N_BUCKETS,
     VLLM_REQUEST_LATENCY_BUCKETS,
     VLLM_TOKEN_COUNT_BUCKETS,
     VLLM_TTFT_BUCKETS,
@@ -137,6 +138,15 @@ class ServerMetrics:
         self.request_generation_tokens = Histogram(
             "jserve:request_generation_tokens", "Generated tokens of each finished sequence.",
             buckets=VLLM_TOKEN_COUNT_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.request_max_generation_tokens = Histogram(
+            "jserve:request_max_num_generation_tokens",
+            "Generated tokens of each finished request's longest choice.",
+            buckets=VLLM_TOKEN_COUNT_BUCKETS, registry=reg,
+        )  # fmt: skip
+        self.request_n = Histogram(
+            "jserve:request_params_n", "Choices (n) of each finished request.",
+            buckets=VLLM_N_BUCKETS, registry=reg,
         )  # fmt: skip
         self.iteration_tokens = Histogram(
             "jserve:iteration_tokens", "Tokens scheduled per engine iteration.",
@@ -319,6 +329,10 @@ class RequestTracker:
             metrics.tenant_finished.labels(*self.labels, reason).inc()
             metrics.request_prompt_tokens.observe(len(output.prompt_token_ids))
             metrics.request_generation_tokens.observe(len(choice.token_ids))
+        if output.outputs:
+            metrics.request_n.observe(len(output.outputs))
+            longest = max(len(choice.token_ids) for choice in output.outputs)
+            metrics.request_max_generation_tokens.observe(longest)
         timing = output.metrics
         end = timing.finished_time if timing and timing.finished_time else time.monotonic()
         metrics.e2e.observe(end - self._arrival(output))

@@ -32,6 +32,7 @@ VLLM_REQUEST_LATENCY_BUCKETS = (
 VLLM_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 # vLLM's 1-2-5 series, which it cuts at the model's max_model_len; here it runs to 10M tokens
 # (longer than any context), so the buckets past the served model's length stay empty.
+VLLM_N_BUCKETS = (1, 2, 5, 10, 20)
 VLLM_TOKEN_COUNT_BUCKETS = (*(m * 10**e for e in range(7) for m in (1, 2, 5)), 10**7)
 
 
@@ -95,6 +96,12 @@ VLLM_ALIASES = (
         "Number of generation tokens processed.",
         VLLM_TOKEN_COUNT_BUCKETS,
     ),
+    _alias(
+        "request_max_num_generation_tokens",
+        "Histogram of maximum number of requested generation tokens.",
+        VLLM_TOKEN_COUNT_BUCKETS,
+    ),
+    _alias("request_params_n", "Histogram of the n request parameter.", VLLM_N_BUCKETS),
     _alias(
         "time_to_first_token_seconds",
         "Histogram of time to first token in seconds.",

@@ -97,6 +97,35 @@ async def test_every_query_in_the_dashboard_names_an_exported_series():
     assert missing == {"vllm:no_such_series_total", "vllm:prompt_tokens"}
 
 
+async def test_vllms_example_dashboard_finds_every_series_it_queries():
+    # The series vLLM's own example dashboard (examples/observability/prometheus_grafana/
+    # grafana.json in vLLM's repository) queries, all filtered on model_name.
+    vllm_dashboard = {
+        f"vllm:{name}"
+        for name in (
+            "e2e_request_latency_seconds_bucket", "e2e_request_latency_seconds_sum",
+            "e2e_request_latency_seconds_count", "prompt_tokens_total", "generation_tokens_total",
+            "inter_token_latency_seconds_bucket", "inter_token_latency_seconds_sum",
+            "inter_token_latency_seconds_count", "num_requests_running", "num_requests_waiting",
+            "time_to_first_token_seconds_bucket", "time_to_first_token_seconds_sum",
+            "time_to_first_token_seconds_count", "kv_cache_usage_perc",
+            "request_prompt_tokens_bucket", "request_generation_tokens_bucket",
+            "request_success_total", "request_queue_time_seconds_sum",
+            "request_prefill_time_seconds_sum", "request_decode_time_seconds_sum",
+            "request_max_num_generation_tokens_sum",
+        )
+    }  # fmt: skip
+    exposition = await _exposition()
+    assert not vllm_dashboard - exported_series(exposition)
+    samples = {
+        sample.name
+        for family in text_string_to_metric_families(exposition)
+        for sample in family.samples
+        if sample.labels.get("model_name") == "smol"
+    }
+    assert vllm_dashboard <= samples  # each has a sample for the model_name variable to pick
+
+
 def test_the_dashboard_imports_with_a_datasource_input_and_a_model_variable():
     dashboard = json.loads(DASHBOARD.read_text())
     assert [i["name"] for i in dashboard["__inputs"]] == ["DS_PROMETHEUS"]

@@ -42,6 +42,11 @@ VLLM_FAMILIES = {
     "vllm:iteration_tokens_total": ("histogram", "jserve:iteration_tokens"),
     "vllm:request_prompt_tokens": ("histogram", "jserve:request_prompt_tokens"),
     "vllm:request_generation_tokens": ("histogram", "jserve:request_generation_tokens"),
+    "vllm:request_max_num_generation_tokens": (
+        "histogram",
+        "jserve:request_max_num_generation_tokens",
+    ),
+    "vllm:request_params_n": ("histogram", "jserve:request_params_n"),
     "vllm:time_to_first_token_seconds": ("histogram", "jserve:time_to_first_token_seconds"),
     "vllm:inter_token_latency_seconds": ("histogram", "jserve:inter_token_latency_seconds"),
     "vllm:time_per_output_token_seconds": ("histogram", "jserve:inter_token_latency_seconds"),
@@ -122,6 +127,7 @@ def test_vllms_histogram_bounds_are_vllms(families):
     request = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0, math.inf]  # fmt: skip
     steps = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, math.inf]
+    assert _bounds(families["vllm:request_params_n"]) == [1, 2, 5, 10, 20, math.inf]
     assert _bounds(families["vllm:time_to_first_token_seconds"]) == ttft
     assert _bounds(families["vllm:inter_token_latency_seconds"]) == itl
     assert _bounds(families["vllm:time_per_output_token_seconds"]) == itl
@@ -155,6 +161,14 @@ def test_the_counts_are_the_requests(families, served):
         assert _value(family, "_sum") == total
         assert _value(family, "_bucket", le="+Inf") == len(choices)
     assert _value(families["vllm:generation_tokens"], "_total") == generated
+    longest = [max(len(c["text"]) for c in b["choices"]) for b in bodies if len(b["choices"]) > 1]
+    assert longest == [4]  # the one request with n=2; the others' choice is their longest
+    max_generated = families["vllm:request_max_num_generation_tokens"]
+    assert _value(max_generated, "_count") == len(REQUESTS)
+    assert _value(max_generated, "_sum") == generated - 4  # n=2: 4 + 4 generated, 4 the longest
+    n = families["vllm:request_params_n"]
+    assert (_value(n, "_count"), _value(n, "_sum")) == (len(REQUESTS), len(choices))
+    assert _value(n, "_bucket", le="1.0") == len(REQUESTS) - 1
     per_request = ("time_to_first_token", "e2e_request_latency", "request_queue_time",
                    "request_prefill_time", "request_decode_time",
                    "request_inference_time")  # fmt: skip
