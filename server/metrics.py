@@ -9,11 +9,11 @@ Two sources:
    layout `jserve:cache_config_info`'s.
 2. Per-request latencies (TTFT, ITL, end to end, queued, running, prefill, decode), sizes and
    outcomes are observed by the server while it streams, from the engine's RequestMetrics
-   timestamps when given (else the server's own clock). Some are also
-   split by lane and tenant in `jserve:tenant_*` series (TTFT, ITL, queue time, finished
-   requests by reason - "abort" counts cancellations, "timeout" deadline misses -,
-   rejections by reason, served prompt and generated tokens). The tenant label's cardinality
-   is bounded (jserve.core.tenants.TenantLabels): tenants past the limit report as "other".
+   timestamps when given (else the server's own clock). Some are also split by lane and
+   tenant in `jserve:tenant_*` series (TTFT, ITL, queue time, finished requests by reason -
+   "abort" counts cancellations, "timeout" deadline misses -, rejections by reason, served
+   prompt and generated tokens). The tenant label's cardinality is bounded
+   (jserve.core.tenants.TenantLabels): tenants past the limit report as "other".
 Each app has its own CollectorRegistry, so several apps (tests) never share series.
 /metrics renders them followed by vLLM's names of the same series (jserve.server.vllm_metrics).
 """
