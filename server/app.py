@@ -28,7 +28,9 @@ from jserve.server.api_errors import APIError
 from jserve.server.engine_client import EngineClient
 from jserve.server.generation import chat_completions, completions
 from jserve.server.metrics import ServerMetrics
+from jserve.server.models_api import add_model_routes
 from jserve.server.responses import json_response
+from jserve.server.responses_api import add_responses_routes
 from jserve.server.settings import ServerSettings
 from jserve.server.state import STATE, Health, ServerState
 from jserve.server.tokenization import add_tokenization_routes
@@ -36,7 +38,7 @@ from jserve.server.worker_api import add_worker_routes
 
 logger = logging.getLogger(__name__)
 
-_OPEN_PATHS = frozenset({"/health", "/metrics"})
+_OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -110,20 +112,6 @@ async def _metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-async def _models(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    engine = state.ready_engine()
-    model = {
-        "id": state.model_name,
-        "object": "model",
-        "created": state.created,
-        "owned_by": "jserve",
-        "max_model_len": engine.max_model_len,
-        "quantization": engine.quantization,
-    }
-    return json_response({"object": "list", "data": [model]})
-
-
 def create_app(
     engine: EngineClient | None,
     settings: ServerSettings = ServerSettings(),  # noqa: B008 (frozen: one shared default)
@@ -144,10 +132,13 @@ def create_app(
     app[STATE] = ServerState(engine, settings, metrics)
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
-    app.router.add_get("/v1/models", _models)
+    app.router.add_get("/ping", _health)  # vLLM's (and SageMaker's) name for /health
+    app.router.add_post("/ping", _health)
+    add_model_routes(app)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     add_tokenization_routes(app)
     add_worker_routes(app)
     add_admin_routes(app)
+    add_responses_routes(app)
     return app

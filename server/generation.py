@@ -20,6 +20,7 @@ Walkthrough of one request:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator
@@ -51,7 +52,9 @@ class StreamIdle(ConnectionError):
     """The client stopped reading its stream for longer than the stream idle timeout."""
 
 
-async def _write(response: web.StreamResponse, data: bytes, idle_timeout: float | None) -> None:
+async def write_stream(
+    response: web.StreamResponse, data: bytes, idle_timeout: float | None
+) -> None:
     """Write, waiting at most `idle_timeout` seconds for a client that stopped reading (the
     write blocks once the socket's buffers are full)."""
     try:
@@ -67,7 +70,7 @@ def _sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
-class _Generation:
+class Generation:
     """One engine request: admission, tracked outputs, and abort unless it finished."""
 
     def __init__(
@@ -129,7 +132,20 @@ class _Generation:
             await aclose()
 
 
-def _failure(gen: _Generation, state: ServerState) -> APIError | None:
+@contextlib.asynccontextmanager
+async def tracked(state: ServerState, gen: Generation) -> AsyncIterator[Generation]:
+    """Serve `gen` as one of the server's in-flight requests (shutdown waits for them and
+    may cut them); however serving it ends, release it (step 5 above)."""
+    state.in_flight.add(gen.request_id)
+    try:
+        yield gen
+    finally:
+        state.in_flight.discard(gen.request_id)
+        state.cut.discard(gen.request_id)
+        await gen.release()
+
+
+def request_failure(gen: Generation, state: ServerState) -> APIError | None:
     """Why a request that ended did not end well, if it did not: cut by shutdown, or failed in
     the engine (its own host-side step failed, or a failed device step restarted the engine)."""
     if gen.request_id in state.cut:
@@ -142,7 +158,7 @@ def _failure(gen: _Generation, state: ServerState) -> APIError | None:
 
 
 async def _stream(
-    request: web.Request, gen: _Generation, builder: ResponseBuilder, include_usage: bool
+    request: web.Request, gen: Generation, builder: ResponseBuilder, include_usage: bool
 ) -> web.StreamResponse:
     first = await gen.first()
     response = web.StreamResponse(
@@ -158,7 +174,7 @@ async def _stream(
             if chunk is not None:
                 if include_usage:
                     chunk["usage"] = None
-                await _write(response, _sse(chunk), idle_timeout)
+                await write_stream(response, _sse(chunk), idle_timeout)
 
     try:
         await send(first)
@@ -168,28 +184,32 @@ async def _stream(
         raise  # the client is gone; nobody to tell
     except EngineDeadError as exc:
         # Headers are gone already: report in-band the way OpenAI-compatible servers do.
-        await _write(response, _sse(APIError(503, f"the engine died: {exc}").body()), idle_timeout)
+        await write_stream(
+            response, _sse(APIError(503, f"the engine died: {exc}").body()), idle_timeout
+        )
     except Exception:
         logger.exception("request %s failed mid-stream", gen.request_id)
-        await _write(response, _sse(APIError(500, "internal server error").body()), idle_timeout)
+        await write_stream(
+            response, _sse(APIError(500, "internal server error").body()), idle_timeout
+        )
     else:
-        failure = _failure(gen, request.app[STATE])
+        failure = request_failure(gen, request.app[STATE])
         if failure is not None:  # an error event the OpenAI client raises, then [DONE]
-            await _write(response, _sse(failure.body()), idle_timeout)
+            await write_stream(response, _sse(failure.body()), idle_timeout)
         elif include_usage and gen.final is not None:
-            await _write(response, _sse(builder.usage_chunk(gen.final)), idle_timeout)
-    await _write(response, _sse("[DONE]"), idle_timeout)
+            await write_stream(response, _sse(builder.usage_chunk(gen.final)), idle_timeout)
+    await write_stream(response, _sse("[DONE]"), idle_timeout)
     await response.write_eof()
     return response
 
 
 async def _respond_once(
-    request: web.Request, gen: _Generation, builder: ResponseBuilder
+    request: web.Request, gen: Generation, builder: ResponseBuilder
 ) -> web.Response:
     last = await gen.first()
     async for output in gen.rest():
         last = output
-    failure = _failure(gen, request.app[STATE])
+    failure = request_failure(gen, request.app[STATE])
     if failure is not None:
         raise failure
     return json_response(builder.full_response(last))
@@ -220,16 +240,11 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     builder = ResponseBuilder(
         kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools
     )
-    gen = _Generation(engine, parsed, prompt_ids, request_id, state.metrics, tenant)
-    state.in_flight.add(request_id)
-    try:
+    gen = Generation(engine, parsed, prompt_ids, request_id, state.metrics, tenant)
+    async with tracked(state, gen):
         if parsed.stream:
             return await _stream(request, gen, builder, parsed.include_usage)
         return await _respond_once(request, gen, builder)
-    finally:
-        state.in_flight.discard(request_id)
-        state.cut.discard(request_id)
-        await gen.release()
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

@@ -105,6 +105,30 @@ def test_chat_greedy_match_offline_api(client, engine):
     assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == expected
 
 
+def test_responses_api_text_is_chats_and_continues_the_conversation(client):
+    """/v1/responses generates through the chat path: greedy, its text is chat's for the same
+    messages, and previous_response_id sends the first exchange along with the next input."""
+    model = client.models.list().data[0].id
+    greedy = dict(model=model, temperature=0)
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    first = client.responses.create(input=question[0]["content"], max_output_tokens=24, **greedy)
+    chat = client.chat.completions.create(messages=question, max_tokens=24, **greedy)
+    assert first.output_text == chat.choices[0].message.content
+    assert first.usage.input_tokens == chat.usage.prompt_tokens
+    follow_up = "And of Germany?"
+    second = client.responses.create(
+        input=follow_up, previous_response_id=first.id, max_output_tokens=12, **greedy
+    )
+    conversation = [
+        *question,
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": follow_up},
+    ]
+    chat = client.chat.completions.create(messages=conversation, max_tokens=12, **greedy)
+    assert second.output_text == chat.choices[0].message.content
+    assert second.usage.input_tokens == chat.usage.prompt_tokens > first.usage.input_tokens
+
+
 def test_n_logprobs_and_stop_strings(client):
     model = client.models.list().data[0].id
     two = client.completions.create(

@@ -12,7 +12,7 @@ import pytest
 from server_harness import echo_text, metric, serve, serve_guarded
 
 from jserve.errors import RequestRejected
-from jserve.server.generation import StreamIdle, _write
+from jserve.server.generation import StreamIdle, write_stream
 from jserve.server.mock_engine import MockEngine
 
 COMPLETIONS = "/v1/completions"
@@ -102,7 +102,7 @@ async def test_a_write_the_client_does_not_read_times_out():
             await asyncio.Event().wait()
 
     with pytest.raises(StreamIdle):
-        await _write(Stuck(), b"data", 0.05)
+        await write_stream(Stuck(), b"data", 0.05)
 
 
 async def test_a_stream_whose_client_stops_reading_is_aborted_and_freed():
