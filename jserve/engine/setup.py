@@ -8,6 +8,7 @@ then only the step loop and request bookkeeping.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -140,8 +141,10 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
             f"a run of {args.num_processes} processes has {jax.device_count()} devices in all; "
             f"set --tensor-parallel-size {jax.device_count()} (got {args.tensor_parallel_size})"
         )
-    if template is not None:
-        loaded.tokenizer.chat_template = template
+    tokenizer = loaded.tokenizer
+    if template is not None:  # on a copy: `loaded` may be shared (tests, LLM)
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.chat_template = template
     mesh = make_mesh(args.tensor_parallel_size)
     graphdef, state = place_model(cfg, loaded.params, shapes.dtype, mesh)
     max_model_len = shapes.max_model_len
@@ -169,7 +172,7 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
         seq_buckets,
     )  # fmt: skip
     return EngineParts(
-        loaded.name, loaded.quantization, loaded.tokenizer, cfg, max_model_len, scheduler, pairs,
+        loaded.name, loaded.quantization, tokenizer, cfg, max_model_len, scheduler, pairs,
         inputs_builder, runner, sampler,
     )  # fmt: skip
 

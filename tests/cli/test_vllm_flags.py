@@ -120,3 +120,13 @@ def test_the_docs_flag_table_is_the_declaration():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
     found = re.search(r"<!-- vllm-flags:.*?-->\n(.*?)\n<!-- /vllm-flags -->", doc, re.S)
     assert found is not None and found[1] == flags_table()
+
+
+def test_compile_refuses_gpu_memory_utilization_naming_its_own_pool_flags(capsys):
+    from jserve.server.cli import main
+
+    assert main(["compile", "--target", "cpu", "--gpu-memory-utilization", "0.5"]) == 2
+    assert capsys.readouterr().err.endswith(
+        "jserve: error: jserve compile sizes the KV pool with --kv-cache-fraction (of each "
+        "chip's memory) or --kv-cache-memory; drop --gpu-memory-utilization\n"
+    )
