@@ -65,6 +65,11 @@ def _compile(args: argparse.Namespace) -> int:
     from jserve.loaders.model_source import load_config
 
     engine_args = engine_args_from_namespace(args)
+    if engine_args.gpu_memory_utilization is not None:  # it needs the weights on the chip
+        raise ValueError(
+            "jserve compile sizes the KV pool with --kv-cache-fraction (of each chip's memory) "
+            "or --kv-cache-memory; drop --gpu-memory-utilization"
+        )
     name, cfg = load_config(engine_args.model)
     if args.target == "tpu":
         target = tpu_target(args.topology)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from enum import StrEnum
 
 
@@ -26,11 +28,29 @@ class RequestRejected(ValueError):
     """
 
     def __init__(
-        self, reason: RejectReason, message: str, retry_after: float | None = None
+        self,
+        reason: RejectReason,
+        message: str,
+        retry_after: float | None = None,
+        *,
+        param: str | None = None,
     ) -> None:
         super().__init__(message)
         self.reason = reason
         self.retry_after = retry_after
+        self.param = param  # the request field at fault, by SamplingParams' name, if one is
+
+
+@contextmanager
+def invalid_param(param: str) -> Iterator[None]:
+    """A ValueError raised inside becomes RequestRejected INVALID naming `param` (a
+    RequestRejected passes as it is)."""
+    try:
+        yield
+    except RequestRejected:
+        raise
+    except ValueError as e:
+        raise RequestRejected(RejectReason.INVALID, str(e), param=param) from None
 
 
 class EngineDeadError(RuntimeError):

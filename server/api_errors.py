@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 from aiohttp import web
 
@@ -80,11 +81,16 @@ def _retry_after(exc: RequestRejected) -> dict[str, str]:
     return {"Retry-After": str(seconds)}
 
 
-def rejection_to_api_error(exc: RequestRejected) -> APIError:
+def rejection_to_api_error(
+    exc: RequestRejected, fields: Mapping[str, str] | None = None
+) -> APIError:
     """Map the engine's admission refusal to the status the client should act on: overload
     a retry can fix is 429 (queue full, a deadline the queue ahead makes unmeetable) or 503
     (KV cache above its reject watermark), each with Retry-After; the message says which
-    limit refused it and the numbers."""
+    limit refused it and the numbers. An invalid request's 400 names the field at fault:
+    the engine names it as SamplingParams does, `fields` maps such a name to the request's
+    own field where they differ (max_tokens sent as max_completion_tokens, a constraint sent
+    as response_format)."""
     if exc.reason == RejectReason.QUEUE_FULL:
         return APIError(429, str(exc), code="queue_full", headers=_retry_after(exc))
     if exc.reason == RejectReason.DEADLINE:
@@ -95,4 +101,5 @@ def rejection_to_api_error(exc: RequestRejected) -> APIError:
         return APIError(503, str(exc), code="shutting_down")
     if exc.reason == RejectReason.TOO_LONG:
         return APIError(400, str(exc), param="prompt", code="context_length_exceeded")
-    return APIError(400, str(exc), code=str(exc.reason))
+    param = exc.param if exc.param is None or fields is None else fields.get(exc.param, exc.param)
+    return APIError(400, str(exc), param=param, code=str(exc.reason))

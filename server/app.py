@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -117,9 +118,12 @@ def create_app(
     settings: ServerSettings = ServerSettings(),  # noqa: B008 (frozen: one shared default)
     *,
     tenants: tuple[str, ...] = (),
+    sampling_defaults: Mapping[str, Any] | None = None,
 ) -> web.Application:
     """The OpenAI-compatible app. `engine=None` serves /health "starting" until set_engine().
-    `tenants` are the declared ones (the tenants file's), which always get a metric label.
+    `tenants` are the declared ones (the tenants file's), which always get a metric label;
+    `sampling_defaults` are the defaults --generation-config read
+    (jserve.server.generation_config).
 
     Serve it with handler_cancellation=True (run_server and aiohttp's TestServer do) so a
     client that disconnects cancels its handler, which aborts the engine request at once.
@@ -129,7 +133,7 @@ def create_app(
         client_max_size=settings.max_body_bytes,
     )
     metrics = ServerMetrics(TenantLabels(tenants, settings.max_tenant_labels))
-    app[STATE] = ServerState(engine, settings, metrics)
+    app[STATE] = ServerState(engine, settings, metrics, sampling_defaults=sampling_defaults or {})
     app.router.add_get("/health", _health)
     app.router.add_get("/metrics", _metrics)
     app.router.add_get("/ping", _health)  # vLLM's (and SageMaker's) name for /health

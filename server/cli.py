@@ -19,9 +19,12 @@ from jserve.cli import add_library_commands, run_command
 from jserve.config.engine_args import add_engine_arguments
 from jserve.config.settings import add_flags, from_namespace
 from jserve.core.tenants import load_tenant_policy
+from jserve.sampling_params import SamplingParams
 from jserve.server.fleet import add_fleet_arguments, run_fleet
+from jserve.server.generation_config import sampling_defaults
 from jserve.server.runner import EngineFactory, run_server
-from jserve.server.settings import ServerSettings
+from jserve.server.settings import LogLevel, ServerSettings
+from jserve.server.vllm_flags import add_vllm_flags, take_model_tag
 
 _THREAD_GRACE_SECONDS = 1.0  # for idle worker threads to end once the loop has closed
 
@@ -38,10 +41,14 @@ def serve_main(args: argparse.Namespace, engine_factory: EngineFactory) -> int:
     settings = from_namespace(ServerSettings, args)
     # Read now, so a bad tenants file fails before the model loads (the engine reads it too).
     tenants = load_tenant_policy(getattr(args, "tenants_file", None)).tenants
-    _configure_logging()
+    defaults = sampling_defaults(settings.generation_config, getattr(args, "model", None))
+    SamplingParams(**defaults)  # a bad value in the file fails here, not in every request
+    _configure_logging(settings.log_level, getattr(args, "verbose", False))
     loop = asyncio.new_event_loop()
     try:
-        code = loop.run_until_complete(run_server(engine_factory, settings, tenants=tenants))
+        code = loop.run_until_complete(
+            run_server(engine_factory, settings, tenants=tenants, sampling_defaults=defaults)
+        )
         loop.run_until_complete(loop.shutdown_asyncgens())
     finally:
         loop.close()  # unlike asyncio.run, this does not wait for the loop's worker threads
@@ -72,11 +79,12 @@ def _serve(args: argparse.Namespace) -> int:
     from jserve.config.engine_args import engine_args_from_namespace
     from jserve.engine.async_engine import AsyncLLMEngine
 
+    take_model_tag(args)
     engine_args = engine_args_from_namespace(args)
     if engine_args.process_id > 0:  # a multi-process run's other processes serve no HTTP
         from jserve.engine.follower import run_follower
 
-        _configure_logging()
+        _configure_logging(LogLevel.INFO, args.verbose)
         return run_follower(engine_args)
     return serve_main(args, lambda: AsyncLLMEngine.start(engine_args))
 
@@ -85,13 +93,15 @@ def _fleet(args: argparse.Namespace, serve_parser: argparse.ArgumentParser) -> i
     serve_args = args.serve_args[1:] if args.serve_args[:1] == ["--"] else args.serve_args
     # Check the replicas' flags now, not once per replica after the fleet has started.
     serve_ns = serve_parser.parse_args(serve_args)
+    take_model_tag(serve_ns)
     return run_fleet(args, serve_args, serve_ns.block_size)
 
 
-def _configure_logging() -> None:
-    logging.basicConfig(
-        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+def _configure_logging(level: LogLevel, verbose: bool) -> None:
+    """Log at `level` (--uvicorn-log-level; trace is debug), or debug with -v."""
+    name = "DEBUG" if verbose or level == LogLevel.TRACE else level.upper()
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(name)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     add_engine_arguments(serve)
     add_serve_arguments(serve)
+    add_vllm_flags(serve)
     serve.set_defaults(func=_serve)
     fleet = sub.add_parser(
         "fleet",

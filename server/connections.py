@@ -121,7 +121,9 @@ class GuardedRequestHandler(web.RequestHandler):
         if isinstance(exc, LineTooLong):
             error = APIError(431, "the request line or a header field is too long")
         elif isinstance(exc, ContentEncodingError):
-            error = APIError(400, "the request's Content-Encoding is not supported")
+            error = APIError(
+                400, "the request's Content-Encoding is not supported", param="Content-Encoding"
+            )
         elif status >= 500:
             error = APIError(500, "internal server error", code="internal_error")
         else:

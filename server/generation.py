@@ -87,6 +87,7 @@ class Generation:
         self.num_choices = parsed.params.n
         self.metrics = metrics
         self.lane, self.tenant = parsed.lane, tenant
+        self.fields = parsed.fields
         self.tracker = RequestTracker(metrics, parsed.lane, tenant)
         self.final: RequestOutput | None = None
         self.rejected = False
@@ -112,7 +113,7 @@ class Generation:
         except RequestRejected as exc:
             self.rejected = True
             self.metrics.rejected(exc.reason, self.lane, self.tenant)
-            raise rejection_to_api_error(exc) from exc
+            raise rejection_to_api_error(exc, self.fields) from exc
 
     async def rest(self) -> AsyncIterator[RequestOutput]:
         async for output in self.outputs:
@@ -224,7 +225,8 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
             raw, CompletionRequest if kind is Endpoint.COMPLETION else ChatRequest
         )
         tenant = request_tenant(request.headers.get("X-Tenant"), body.user)
-        parsed = parse_completion(body) if isinstance(body, CompletionRequest) else parse_chat(body)
+        parse = parse_completion if isinstance(body, CompletionRequest) else parse_chat
+        parsed = parse(body, state.policy)  # type: ignore[arg-type]
     except APIError:
         state.metrics.request_rejected.labels(RejectReason.INVALID).inc()
         raise
@@ -237,6 +239,11 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
         state.metrics.rejected(RejectReason.INVALID, parsed.lane, tenant)
         raise
     request_id = f"{'cmpl' if kind is Endpoint.COMPLETION else 'chatcmpl'}-{uuid.uuid4().hex}"
+    if state.settings.enable_log_requests:
+        logger.info(
+            "request %s: %d prompt tokens, lane %s, tenant %s, %s", request_id, len(prompt_ids),
+            parsed.lane, tenant, parsed.params,
+        )  # fmt: skip
     builder = ResponseBuilder(
         kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools
     )

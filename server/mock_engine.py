@@ -145,7 +145,7 @@ class MockEngine:
             raise RequestRejected(RejectReason.SHUTTING_DOWN, f"the engine is {self.state}")
         if params.n > self.max_n:
             raise RequestRejected(
-                RejectReason.INVALID, f"n must be at most {self.max_n}, got {params.n}"
+                RejectReason.INVALID, f"n must be at most {self.max_n}, got {params.n}", param="n"
             )
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = params.max_tokens or self.max_model_len - len(ids)
@@ -272,7 +272,8 @@ class MockEngine:
         reason = request.stop.after_token(token, num_tokens)
         if reason is not None:  # no token is special here: a stop token's text stays
             choice.finish_reason, choice.text = reason, full_text
-            choice.stop_reason = token if reason is FinishReason.STOP else None
+            stop = reason is FinishReason.STOP
+            choice.stop_reason = request.stop.token_stop_reason(token) if stop else None
             return
         choice.text = full_text[: check.end]
         if check.stop is not None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ from jserve.server.protocol_types import (
     Message,
     ToolChoiceMode,
 )
-from jserve.server.structured_outputs import output_constraint
+from jserve.server.structured_outputs import constraint_field, output_constraint
 from jserve.server.tools import ToolRequest, ToolUse, calls_as_text, with_tool_prompt
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -50,6 +50,20 @@ _SAMPLING_FIELDS = (
     "ignore_eos", "skip_special_tokens",
 )  # fmt: skip
 _SAMPLING_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+
+@dataclass(frozen=True)
+class RequestPolicy:
+    """What the server's settings decide for every request (server/settings.py): the most
+    logprobs one may ask for, whether tool_choice "auto" is served, and the sampling defaults
+    of fields a request leaves out (--generation-config)."""
+
+    max_logprobs: int = MAX_LOGPROBS
+    auto_tool_choice: bool = True
+    sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+_DEFAULT_POLICY = RequestPolicy()
 
 
 @dataclass
@@ -64,6 +78,8 @@ class ParsedRequest:
     timeout: float | None
     top_logprobs: int = 0  # chat: how many alternatives to list per token
     tools: ToolRequest | None = None  # chat: the tools it may call (server/tools.py)
+    # The request's field for each SamplingParams name where they differ (for errors).
+    fields: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _refuse_unsupported(body: GenerationRequest) -> None:
@@ -87,12 +103,14 @@ def _sampling_params(
     logprobs: int | None,
     constraint: StructuredOutputsParams | None,
     renamed: dict[str, str],
+    defaults: Mapping[str, Any],
 ) -> SamplingParams:
-    """SamplingParams of the request: fields it leaves out (or null) keep their defaults,
-    except max_tokens, whose None means "fill the context". A value out of range is a 400
-    naming the field; `renamed` maps a SamplingParams name to the field the request used."""
-    kwargs: dict[str, Any] = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
-    kwargs = {k: v for k, v in kwargs.items() if v is not None}
+    """SamplingParams of the request: fields it leaves out (or null) take `defaults`, else
+    SamplingParams' own, except max_tokens, whose None means "fill the context". A value out
+    of range is a 400 naming the field; `renamed` maps a SamplingParams name to the field the
+    request used."""
+    given = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
+    kwargs: dict[str, Any] = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     kwargs.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint)
     try:
         return SamplingParams(**kwargs)
@@ -162,15 +180,38 @@ def _prompt(prompt: str | list[str | int | list[int]]) -> str | list[int]:
     )
 
 
-def parse_completion(body: CompletionRequest) -> ParsedRequest:
+def _check_logprobs(name: str, value: int | None, policy: RequestPolicy) -> None:
+    """A 400 naming `name` if it asks for more logprobs than --max-logprobs allows."""
+    if value is not None and value > policy.max_logprobs:
+        raise APIError(
+            400,
+            f"{name} must be at most {policy.max_logprobs} (the server's --max-logprobs), got "
+            f"{show(value)}",
+            param=name,
+        )
+
+
+def parse_completion(
+    body: CompletionRequest, policy: RequestPolicy = _DEFAULT_POLICY
+) -> ParsedRequest:
     _refuse_unsupported(body)
     if body.tools is not None:
         raise APIError(400, "'tools' is only supported on /v1/chat/completions", param="tools")
     prompt = _prompt(body.prompt)
+    _check_logprobs("logprobs", body.logprobs, policy)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = _sampling_params(body, max_tokens, body.logprobs, output_constraint(body), {})
+    params = _sampling_params(
+        body, max_tokens, body.logprobs, output_constraint(body), {}, policy.sampling_defaults
+    )
     stream, include_usage, lane, timeout = _request_options(body)
-    return ParsedRequest(prompt, None, params, body.model, stream, include_usage, lane, timeout)
+    return ParsedRequest(
+        prompt, None, params, body.model, stream, include_usage, lane, timeout,
+        fields=_constraint_fields(constraint_field(body)),
+    )  # fmt: skip
+
+
+def _constraint_fields(name: str | None) -> dict[str, str]:
+    return {} if name is None else {"structured_outputs": name}
 
 
 def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
@@ -191,9 +232,10 @@ def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
     return rendered
 
 
-def _tool_request(body: ChatRequest) -> ToolRequest | None:
+def _tool_request(body: ChatRequest, auto_allowed: bool) -> ToolRequest | None:
     """The request's tools and tool_choice; None when there are none (or tool_choice is
-    "none"). A null tool_choice is the default: "auto" with tools."""
+    "none"). A null tool_choice is the default: "auto" with tools, a 400 unless
+    `auto_allowed` (--enable-auto-tool-choice), as in vLLM."""
     choice = body.tool_choice
     if body.tools is None:
         if choice not in (None, ToolChoiceMode.NONE):
@@ -210,6 +252,13 @@ def _tool_request(body: ChatRequest) -> ToolRequest | None:
     tools = [msgspec.to_builtins(tool) for tool in body.tools]
     parallel = body.parallel_tool_calls is not False
     if choice is None or choice == ToolChoiceMode.AUTO:
+        if not auto_allowed:
+            raise APIError(
+                400,
+                'tool_choice "auto" (the default with tools) is off on this server '
+                '(--no-enable-auto-tool-choice); send "required", "none" or a named function',
+                param="tool_choice",
+            )
         return ToolRequest(tools, ToolUse.AUTO, parallel=parallel)
     if choice == ToolChoiceMode.NONE:
         return None
@@ -248,17 +297,18 @@ def render_chat(
         raise APIError(400, f"cannot format the conversation: {exc}", param="messages") from exc
 
 
-def _chat_logprobs(body: ChatRequest) -> tuple[int | None, int]:
+def _chat_logprobs(body: ChatRequest, policy: RequestPolicy) -> tuple[int | None, int]:
     """(SamplingParams.logprobs, top_logprobs) of a chat request."""
     top_logprobs = body.top_logprobs
     if top_logprobs is not None and not body.logprobs:
         raise APIError(400, "'top_logprobs' requires logprobs=true", param="top_logprobs")
     if top_logprobs is not None:
         _checked(check_int, "top_logprobs", top_logprobs, 0, MAX_LOGPROBS)
+        _check_logprobs("top_logprobs", top_logprobs, policy)
     return ((top_logprobs or 0) if body.logprobs else None), top_logprobs or 0
 
 
-def parse_chat(body: ChatRequest) -> ParsedRequest:
+def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> ParsedRequest:
     """Parse a chat request; encode_prompt renders and tokenizes its messages."""
     _refuse_unsupported(body)
     messages = chat_messages(body.messages)
@@ -267,9 +317,10 @@ def parse_chat(body: ChatRequest) -> ParsedRequest:
     max_tokens, renamed = body.max_tokens, {}
     if body.max_completion_tokens is not None:
         max_tokens, renamed = body.max_completion_tokens, {"max_tokens": "max_completion_tokens"}
-    logprobs, top_logprobs = _chat_logprobs(body)
-    tools = _tool_request(body)
+    logprobs, top_logprobs = _chat_logprobs(body, policy)
+    tools = _tool_request(body, policy.auto_tool_choice)
     constraint = output_constraint(body)
+    fields = {**renamed, **_constraint_fields(constraint_field(body))}
     forced = tools.constraint() if tools is not None else None
     if forced is not None:
         if constraint is not None:
@@ -279,12 +330,14 @@ def parse_chat(body: ChatRequest) -> ParsedRequest:
                 "drop response_format / structured_outputs",
                 param="tool_choice",
             )
-        constraint = forced
-    params = _sampling_params(body, max_tokens, logprobs, constraint, renamed)
+        constraint, fields["structured_outputs"] = forced, "tools"
+    params = _sampling_params(
+        body, max_tokens, logprobs, constraint, renamed, policy.sampling_defaults
+    )
     stream, include_usage, lane, timeout = _request_options(body)
     return ParsedRequest(
         None, messages, params, body.model, stream, include_usage, lane, timeout, top_logprobs,
-        tools,
+        tools, fields,
     )  # fmt: skip
 
 

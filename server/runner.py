@@ -25,7 +25,8 @@ import asyncio
 import contextlib
 import logging
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 from aiohttp import web
 
@@ -48,11 +49,12 @@ async def run_server(
     settings: ServerSettings,
     *,
     tenants: tuple[str, ...] = (),
+    sampling_defaults: Mapping[str, Any] | None = None,
     stop: asyncio.Event | None = None,
 ) -> int:
     """Serve until SIGTERM/SIGINT (or `stop` is set); return the process exit code.
-    `tenants` are the declared ones (see create_app)."""
-    app = create_app(None, settings, tenants=tenants)
+    `tenants` and `sampling_defaults` are create_app's."""
+    app = create_app(None, settings, tenants=tenants, sampling_defaults=sampling_defaults)
     state = app[STATE]
     runner, listener = await start_listening(app, settings)
     bound_host, bound_port = listener.sockets[0].getsockname()[:2]

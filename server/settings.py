@@ -9,11 +9,31 @@ so a bad value fails the same way from the command line or from Python.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 from jserve.config.settings import Bounds, check_settings, documented, setting
 from jserve.config.validation import INT32_MAX
+from jserve.sampling_params import MAX_LOGPROBS
 
 _SECONDS = Bounds(0.0, 86_400.0, lo_open=True)  # a timeout: more than 0, at most a day
+
+
+class ToolCallParser(StrEnum):
+    """The tool-call formats jserve parses (server/tools.py): Hermes-style <tool_call> blocks
+    of JSON, vLLM's `hermes` parser."""
+
+    HERMES = "hermes"
+
+
+class LogLevel(StrEnum):
+    """Log levels, as uvicorn names them (trace logs as debug)."""
+
+    CRITICAL = "critical"
+    ERROR = "error"
+    WARNING = "warning"
+    INFO = "info"
+    DEBUG = "debug"
+    TRACE = "trace"
 
 
 @documented
@@ -85,6 +105,44 @@ class ServerSettings:
         "connections that have not yet sent a complete request head; a new one past this "
         "closes the oldest",
         bounds=Bounds(1, 1_000_000),
+    )
+    enable_auto_tool_choice: bool = setting(
+        True,
+        'serve tool_choice "auto" (the default with tools): calls the model writes are parsed '
+        "into tool_calls; --no-enable-auto-tool-choice refuses it with a 400, as vLLM does "
+        "without --enable-auto-tool-choice",
+        vllm="--enable-auto-tool-choice",
+    )
+    tool_call_parser: ToolCallParser = setting(
+        ToolCallParser.HERMES,
+        "format of the tool calls the model writes, which the tool prompt asks for",
+        vllm="--tool-call-parser",
+        choices=ToolCallParser,
+    )
+    max_logprobs: int = setting(
+        MAX_LOGPROBS,
+        "most logprobs (completions) or top_logprobs (chat) a request may ask for; more is a 400",
+        vllm="--max-logprobs",
+        bounds=Bounds(0, MAX_LOGPROBS),
+    )
+    generation_config: str = setting(
+        "auto",
+        "default sampling parameters of requests that leave them out: auto reads "
+        "generation_config.json in the model's directory (temperature, top_p, top_k, min_p, "
+        "repetition_penalty, max_new_tokens as max_tokens; a GGUF has none), vllm uses "
+        "jserve's own defaults, a folder reads that folder's generation_config.json",
+        vllm="--generation-config",
+    )
+    enable_log_requests: bool = setting(
+        False,
+        "log each request (id, prompt tokens, sampling parameters) at INFO",
+        vllm="--enable-log-requests",
+    )
+    log_level: LogLevel = setting(
+        LogLevel.INFO,
+        "level of the server's log (trace logs as debug)",
+        vllm="--uvicorn-log-level",
+        choices=LogLevel,
     )
 
     def __post_init__(self) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -15,6 +17,7 @@ from jserve.outputs import EngineState
 from jserve.server.api_errors import APIError
 from jserve.server.engine_client import EngineClient
 from jserve.server.metrics import ServerMetrics
+from jserve.server.protocol import RequestPolicy
 from jserve.server.settings import ServerSettings
 
 
@@ -39,6 +42,16 @@ class ServerState:
     cut: set[str] = field(default_factory=set)  # of those, the ones shutdown aborted
     start_error: str | None = None  # why the engine failed to start, if it did
     created: int = field(default_factory=lambda: int(time.time()))
+    # Sampling parameters of fields requests leave out (--generation-config).
+    sampling_defaults: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def policy(self) -> RequestPolicy:
+        """What the settings decide for every request (server/protocol.py)."""
+        return RequestPolicy(
+            self.settings.max_logprobs, self.settings.enable_auto_tool_choice,
+            self.sampling_defaults,
+        )  # fmt: skip
 
     @property
     def body_timeout(self) -> float:

@@ -47,8 +47,8 @@ def _vllm_structured(value: StructuredOutputs) -> dict[str, Any]:
     return {kind: v for kind, v in fields.items() if v not in (None, False)}
 
 
-def output_constraint(body: GenerationRequest) -> StructuredOutputsParams | None:
-    """The constraint the request sets, or None. Raises APIError(400) naming the field."""
+def _constraints(body: GenerationRequest) -> list[tuple[str, dict[str, Any]]]:
+    """(field, StructuredOutputsParams fields) of each constraint the request sets."""
     found: list[tuple[str, dict[str, Any]]] = []
     if body.response_format is not None:
         fields = _response_format(body.response_format)
@@ -59,6 +59,18 @@ def output_constraint(body: GenerationRequest) -> StructuredOutputsParams | None
     for name, kind in _GUIDED.items():
         if getattr(body, name) is not None:
             found.append((name, {kind: getattr(body, name)}))
+    return found
+
+
+def constraint_field(body: GenerationRequest) -> str | None:
+    """The field the request's output constraint comes from (for errors), or None."""
+    found = _constraints(body)
+    return found[0][0] if found else None
+
+
+def output_constraint(body: GenerationRequest) -> StructuredOutputsParams | None:
+    """The constraint the request sets, or None. Raises APIError(400) naming the field."""
+    found = _constraints(body)
     if not found:
         return None
     if len(found) > 1:

@@ -115,6 +115,22 @@ class EngineArgs:
     kv_cache_memory: int = setting(
         1 << 30, "KV pool size in bytes", vllm="--kv-cache-memory-bytes", bounds=Bounds(1)
     )
+    gpu_memory_utilization: float | None = setting(
+        None,
+        "on GPU and TPU, the fraction of the devices' memory (JAX's allocator limit) that "
+        "weights plus the KV pool may take: the pool gets what the weights leave of it; on CPU, "
+        "the fraction of kv_cache_memory the pool takes; overrides kv_cache_memory, "
+        "num_kv_blocks overrides it",
+        vllm="--gpu-memory-utilization",
+        default_text="none: kv_cache_memory sizes the pool",
+        bounds=Bounds(0.0, 1.0, lo_open=True),
+    )
+    chat_template: str | None = setting(
+        None,
+        "chat template to use instead of the model's: a file path, or the Jinja template itself",
+        vllm="--chat-template",
+        default_text="the model's",
+    )
     enable_prefix_caching: bool = _scheduler_setting("enable_prefix_caching")
     enable_chunked_prefill: bool = _scheduler_setting("enable_chunked_prefill")
     scheduling: SchedulingPolicy = _scheduler_setting("scheduling")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -207,6 +208,19 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+_FLAG = re.compile(r"--[a-z0-9][a-z0-9-]*")
+
+
+def flag_names(f: dataclasses.Field) -> list[str]:
+    """The flags of documented field `f`: its own, and vLLM's name for it where that is a
+    different flag (`--download-dir` for cache_dir), so a vLLM command line keeps working."""
+    names = [flag_name(f.name)]
+    vllm = f.metadata["vllm"]
+    if vllm is not None and _FLAG.fullmatch(vllm) and vllm not in names:
+        names.append(vllm)
+    return names
+
+
 def _flag_type(f: dataclasses.Field) -> Any:
     """The argparse `type` of a numeric field: parses the text, then checks the value as the
     constructor will, so a bad flag is a usage error naming the flag."""
@@ -228,8 +242,9 @@ def _flag_type(f: dataclasses.Field) -> Any:
 
 
 def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
-    """One flag per documented field of dataclass `cls` (`--max-num-seqs` for max_num_seqs);
-    help shows the parser's actual default, so `set_defaults` on a subcommand stays true."""
+    """One flag per documented field of dataclass `cls` (`--max-num-seqs` for max_num_seqs),
+    plus vLLM's name for it where that differs (`flag_names`); help shows the parser's actual
+    default, so `set_defaults` on a subcommand stays true."""
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         if "help" not in f.metadata:
             continue
@@ -246,7 +261,7 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
                 kwargs["choices"] = [str(choice) for choice in f.metadata["choices"]]
         else:
             kwargs["type"] = _flag_type(f)
-        parser.add_argument(flag_name(f.name), **kwargs)
+        parser.add_argument(*flag_names(f), dest=f.name, **kwargs)
 
 
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:

@@ -38,20 +38,23 @@ def check_new_request(
     """
     if request.num_prompt_tokens == 0:
         raise RequestRejected(
-            RejectReason.INVALID, "the prompt has no tokens; send at least one token"
-        )
+            RejectReason.INVALID, "the prompt has no tokens; send at least one token",
+            param="prompt",
+        )  # fmt: skip
     max_tokens, min_tokens = request.stop.max_tokens, request.stop.min_tokens
     if max_tokens < 1 or min_tokens < 0:
         raise RequestRejected(
             RejectReason.INVALID,
             f"max_tokens must be >= 1 and min_tokens >= 0, got max_tokens={max_tokens}, "
             f"min_tokens={min_tokens}",
+            param="max_tokens" if max_tokens < 1 else "min_tokens",
         )
     if request.lane not in LANES:
         names = tuple(str(lane) for lane in LANES)
         raise RequestRejected(
-            RejectReason.INVALID, f"lane must be one of {names}, got {request.lane!r}"
-        )
+            RejectReason.INVALID, f"lane must be one of {names}, got {request.lane!r}",
+            param="lane",
+        )  # fmt: skip
     total = request.num_prompt_tokens + max_tokens
     if total > config.max_model_len:
         raise RequestRejected(

@@ -3,7 +3,11 @@
 A sequence finishes, checked after each generated token, in this order:
 1. a stop token: the token is in `stop_token_ids` (EOS unless `ignore_eos`, plus the user's
    `stop_token_ids`) and the sequence has at least `min_tokens` tokens -> STOP, `stop_reason`
-   is the token id (its text stays in the output unless it is a special token, as in vLLM);
+   is None for one of the model's own stop tokens (EOS, and the end-of-turn tokens the
+   tokenizer adds to it) and the token id for one of the user's `stop_token_ids` only (its
+   text stays in the output unless it is a special token). This is vLLM's rule (its EOS check
+   comes first and leaves stop_reason None), held to every model stop token: which of them a
+   GGUF or an HF checkpoint declares as *the* EOS differs, and the answer must not;
 2. `max_tokens` tokens -> LENGTH (an unset max_tokens was resolved to what max_model_len
    leaves, so this also covers the context limit);
 3. a stop string: one of `stop` occurs in the text, searched only from `min_tokens` tokens on
@@ -45,6 +49,8 @@ class StopConditions:
     max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: frozenset[int] = frozenset()  # EOS (unless ignore_eos) and the user's ids
+    # The model's stop tokens among stop_token_ids (none with ignore_eos): stop_reason None.
+    eos_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     min_tokens_banned_ids: tuple[int, ...] = ()  # sorted; EOS and stop ids, even with ignore_eos
     # Built once per request from stop_strings, shared by its samples' searches.
@@ -65,6 +71,7 @@ class StopConditions:
             max_tokens=max_tokens,
             min_tokens=params.min_tokens,
             stop_token_ids=user_ids if params.ignore_eos else user_ids | eos,
+            eos_token_ids=frozenset() if params.ignore_eos else eos,
             stop_strings=tuple(params.stop),
             min_tokens_banned_ids=tuple(sorted(user_ids | eos)),
         )
@@ -76,6 +83,11 @@ class StopConditions:
         if num_output_tokens >= self.max_tokens:
             return FinishReason.LENGTH
         return None
+
+    def token_stop_reason(self, token_id: int) -> int | None:
+        """The `stop_reason` of a stop on `token_id` (rule 1): None for the model's own stop
+        tokens, the id for the user's."""
+        return None if token_id in self.eos_token_ids else token_id
 
     def stop_string_search(self) -> StopStringSearch:
         """Rule 3 for one sample: a search to feed its text as it grows."""
@@ -96,7 +108,10 @@ class StopConditions:
         `after_token`'s answer (`by_token`), the stop string `StopStringSearch` found, and
         whether the request's grammar is complete (False for an unconstrained request)."""
         if by_token is not None:
-            return StopDecision(by_token, token_id if by_token is FinishReason.STOP else None)
+            stop_reason = (
+                self.token_stop_reason(token_id) if by_token is FinishReason.STOP else None
+            )
+            return StopDecision(by_token, stop_reason)
         if stop_string is not None:
             return StopDecision(FinishReason.STOP, stop_string)
         if grammar_complete:

@@ -50,7 +50,7 @@ from jserve.config.scheduler import Lane
 from jserve.config.validation import show
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine.llm_engine import LLMEngine
-from jserve.errors import EngineDeadError, RejectReason, RequestRejected
+from jserve.errors import EngineDeadError, RejectReason, RequestRejected, invalid_param
 from jserve.outputs import EngineState, EngineStats, RequestOutput
 from jserve.sampling_params import SamplingParams
 
@@ -145,10 +145,8 @@ class AsyncLLMEngine:
         if params.structured_outputs is None:
             return None
         future = self.engine.structured.grammars.submit(params.structured_outputs)
-        try:
+        with invalid_param("structured_outputs"):  # a GrammarError, or llguidance refusing it
             return await asyncio.wrap_future(future)
-        except ValueError as e:  # a GrammarError, or llguidance refusing its input
-            raise RequestRejected(RejectReason.INVALID, str(e)) from None
 
     async def abort(self, request_id: str) -> None:
         self._send(_Command.ABORT, request_id)

@@ -46,7 +46,7 @@ from jserve.engine.output_processor import RequestState
 from jserve.engine.setup import build_engine_parts, measure_step_costs
 from jserve.engine.spec_decode import SpecDecodeCounters, may_speculate, num_accepted
 from jserve.engine.step_observer import ModelStep, StepObserver
-from jserve.errors import RejectReason, RequestRejected
+from jserve.errors import RejectReason, RequestRejected, invalid_param
 from jserve.kv_events.publisher import ZmqEventPublisher
 from jserve.kv_events.records import AllBlocksCleared
 from jserve.loaders.model_source import LoadedModel
@@ -63,7 +63,6 @@ from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.runtime.step_inputs import StepInputBuilder, StepInputs
 from jserve.sampling_params import SamplingParams
 from jserve.structured.decoding import SequenceMatcher, StructuredDecoding
-from jserve.structured.grammar import GrammarError
 
 log = logging.getLogger(__name__)
 
@@ -220,13 +219,12 @@ class LLMEngine:
             )
         text, ids = self._prompt_ids(prompt)
         max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
-        try:
+        with invalid_param("n"):
             check_int("n", params.n, 1, self.args.max_n)  # --max-n
+        with invalid_param("stop_token_ids"):
             check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
             stop = StopConditions.from_params(params, self.tokenizer.stop_token_ids, max_tokens)
             self.sampler.check_banned_ids(stop.banned_ids(0))
-        except ValueError as e:
-            raise RequestRejected(RejectReason.INVALID, str(e)) from None
         arrival = time.monotonic() if arrival_time is None else arrival_time
         matchers = self._matchers(params, grammar)
         state = RequestState.create(request_id, text, ids, params, stop, self.tokenizer, arrival)
@@ -258,29 +256,25 @@ class LLMEngine:
         """One grammar matcher per sample of a constrained request (compiled once, cached)."""
         if params.structured_outputs is None:
             return [None] * params.n
-        try:
+        with invalid_param("structured_outputs"):  # a GrammarError is a ValueError
             template = (
                 grammar
                 if grammar is not None
                 else self.structured.grammars.template(params.structured_outputs)
             )
-        except GrammarError as e:
-            raise RequestRejected(RejectReason.INVALID, str(e)) from None
         return [self.structured.new_matcher(template) for _ in range(params.n)]
 
     def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, dict):
             if "prompt_token_ids" not in prompt:
                 raise RequestRejected(
-                    RejectReason.INVALID, "a dict prompt needs 'prompt_token_ids'"
+                    RejectReason.INVALID, "a dict prompt needs 'prompt_token_ids'", param="prompt"
                 )
             prompt = prompt["prompt_token_ids"]
         if isinstance(prompt, str):
             return prompt, self.tokenizer.encode(prompt)
-        try:
+        with invalid_param("prompt"):
             return None, check_token_ids("prompt", list(prompt), self.vocab_size)
-        except ValueError as e:
-            raise RequestRejected(RejectReason.INVALID, str(e)) from None
 
     def abort_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT

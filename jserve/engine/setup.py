@@ -8,6 +8,7 @@ then only the step loop and request bookkeeping.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -23,6 +24,7 @@ from jserve.core.buckets import engine_buckets, step_buckets
 from jserve.core.scheduler import Scheduler
 from jserve.core.step_costs import StepCosts, check_target_itl, load_bucket_report
 from jserve.core.tenants import load_tenant_policy
+from jserve.loaders.chat_template import load_chat_template
 from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
@@ -129,6 +131,8 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
         load_native_kernels(cache_dir)
     platform = jax.devices()[0].platform  # the mesh's devices'
     packed = packs_quantized_blocks(args, platform)
+    # --chat-template, read (and a bad one refused) before the model loads.
+    template = None if args.chat_template is None else load_chat_template(args.chat_template)
     loaded = loaded or load_model(args.model, cache_dir=cache_dir, packed=packed)
     cfg = loaded.config
     shapes = step_shapes(args, cfg, platform)
@@ -137,9 +141,14 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
             f"a run of {args.num_processes} processes has {jax.device_count()} devices in all; "
             f"set --tensor-parallel-size {jax.device_count()} (got {args.tensor_parallel_size})"
         )
+    tokenizer = loaded.tokenizer
+    if template is not None:  # on a copy: `loaded` may be shared (tests, LLM)
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.chat_template = template
     mesh = make_mesh(args.tensor_parallel_size)
     graphdef, state = place_model(cfg, loaded.params, shapes.dtype, mesh)
-    max_model_len, num_blocks = shapes.max_model_len, shapes.num_blocks
+    max_model_len = shapes.max_model_len
+    num_blocks = pool_blocks(args, shapes, weight_bytes(state), _device_bytes(mesh))
     token_buckets, seq_buckets, pairs = shapes.token_buckets, shapes.seq_buckets, shapes.pairs
     seed = load_bucket_report(args.step_costs_file) if args.step_costs_file else None
     scheduler = Scheduler(
@@ -163,9 +172,42 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
         seq_buckets,
     )  # fmt: skip
     return EngineParts(
-        loaded.name, loaded.quantization, loaded.tokenizer, cfg, max_model_len, scheduler, pairs,
+        loaded.name, loaded.quantization, tokenizer, cfg, max_model_len, scheduler, pairs,
         inputs_builder, runner, sampler,
     )  # fmt: skip
+
+
+def pool_blocks(
+    args: EngineArgs, shapes: StepShapes, weights: int, device_bytes: int | None
+) -> int:
+    """KV blocks of the pool: --num-kv-blocks, else the share of memory
+    --gpu-memory-utilization gives it (on devices of `device_bytes` in all, what `weights`
+    bytes of weights leave of that fraction; on CPU, where `device_bytes` is None, that
+    fraction of --kv-cache-memory), else --kv-cache-memory's worth (`shapes.num_blocks`)."""
+    fraction = args.gpu_memory_utilization
+    if args.num_kv_blocks or fraction is None:
+        return shapes.num_blocks
+    if device_bytes is None:
+        pool = fraction * args.kv_cache_memory
+    else:
+        pool = fraction * device_bytes - weights
+    if pool < 2 * shapes.block_bytes:  # one block is the padding sink
+        raise ValueError(
+            f"--gpu-memory-utilization {fraction:g} leaves {max(0, int(pool))} bytes for the KV "
+            f"pool (weights take {weights}), less than two blocks of {shapes.block_bytes}; "
+            "raise it or lower --block-size"
+        )
+    return int(pool) // shapes.block_bytes
+
+
+def _device_bytes(mesh: Any) -> int | None:
+    """Memory JAX's allocator may use on the mesh's devices together (each as much as this
+    process's first); None on CPU, or where the device reports no limit."""
+    device = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
+    if device.platform == "cpu":
+        return None
+    limit = (device.memory_stats() or {}).get("bytes_limit")
+    return None if limit is None else limit * mesh.devices.size
 
 
 def weight_bytes(state: Any) -> int:

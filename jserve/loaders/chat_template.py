@@ -120,3 +120,29 @@ def render_chat_template(
         # Template code is arbitrary: whatever fails in it (raise_exception, a TypeError on a
         # missing field) is a problem of this template with this conversation, not of the caller.
         raise ChatTemplateError(f"chat template rejected the conversation: {err}") from err
+
+
+_JINJA_CHARS = frozenset("{}\n")
+
+
+def load_chat_template(value: str) -> str:
+    """The template `--chat-template` names, as vLLM reads it: the contents of the file at
+    `value`, else `value` itself when it looks like Jinja (has a brace or a newline); it must
+    compile.
+
+    Raises:
+        ChatTemplateError: `value` is neither a readable file nor a template, or it does not
+            compile.
+    """
+    try:
+        with open(value, encoding="utf-8") as f:
+            template = f.read()
+    except OSError as err:
+        if not _JINJA_CHARS & set(value):
+            raise ChatTemplateError(
+                f"--chat-template {value!r} looks like a file path, but it cannot be read "
+                f"({err.strerror}); give a readable file or the Jinja template itself"
+            ) from err
+        template = value
+    compile_chat_template(template)
+    return template

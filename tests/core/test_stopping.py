@@ -87,10 +87,30 @@ def test_decide_orders_token_rules_stop_strings_then_a_complete_grammar():
     assert stop.decide(7, None, None, False) is None
     assert stop.decide(7, None, None, True) == StopDecision(STOP, None)  # only EOS may follow
     assert stop.decide(7, None, "ab", True) == StopDecision(STOP, "ab")  # the string is named
-    assert stop.decide(EOS, STOP, "ab", True) == StopDecision(STOP, EOS)  # the stop token wins
+    assert stop.decide(EOS, STOP, "ab", True) == StopDecision(STOP, None)  # the stop token wins
     # the length wins over a grammar completed by the last allowed token, as without rule 4
     assert stop.decide(7, LENGTH, None, True) == StopDecision(LENGTH, None)
     assert stop.decide(7, LENGTH, "ab", False) == StopDecision(LENGTH, None)
+
+
+@pytest.mark.parametrize(
+    ("params", "token", "stop_reason"),
+    [
+        (SamplingParams(), EOS, None),  # the model's EOS: None, as vLLM
+        (SamplingParams(), 0, None),  # another model stop token (end of turn): None too
+        (SamplingParams(stop_token_ids=[9]), 9, 9),  # the user's stop id: the id
+        (SamplingParams(stop_token_ids=[EOS]), EOS, None),  # EOS is checked first, as vLLM
+        (SamplingParams(stop_token_ids=[EOS], ignore_eos=True), EOS, EOS),  # now only the user's
+    ],
+)
+def test_stop_reason_names_the_users_stop_id_and_never_a_model_stop_token(
+    params, token, stop_reason
+):
+    # Whichever of the model's stop tokens a GGUF or an HF checkpoint declares as EOS, the
+    # answer is the same: only the user's stop_token_ids are named.
+    stop = StopConditions.from_params(params, [EOS, 0], 16)
+    decision = stop.decide(token, stop.after_token(token, 1), None, False)
+    assert decision == StopDecision(FinishReason.STOP, stop_reason)
 
 
 def test_finish_reasons_are_the_strings_http_bodies_carry():

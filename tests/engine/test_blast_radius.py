@@ -41,18 +41,18 @@ def small_queue(engine, monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("prompt", "params", "message"),
+    ("prompt", "params", "param", "message"),
     [
-        ({"prompt_token_ids": [1, 49152]}, GREEDY,
+        ({"prompt_token_ids": [1, 49152]}, GREEDY, "prompt",
          "prompt[1] must be a token id in [0, 49152), got 49152"),
-        (PROMPT, SamplingParams(stop_token_ids=[49152], min_tokens=1),
+        (PROMPT, SamplingParams(stop_token_ids=[49152], min_tokens=1), "stop_token_ids",
          "stop_token_ids[0] must be a token id in [0, 49152), got 49152"),
     ],
 )  # fmt: skip
-def test_the_offline_api_checks_ids_against_the_vocabulary(engine, prompt, params, message):
+def test_the_offline_api_checks_ids_against_the_vocabulary(engine, prompt, params, param, message):
     with pytest.raises(RequestRejected) as error:
         engine.add_request("bad", prompt, params)
-    assert (error.value.reason, str(error.value)) == ("invalid", message)
+    assert (error.value.reason, error.value.param, str(error.value)) == ("invalid", param, message)
     assert not engine.has_unfinished_requests()
 
 
@@ -61,7 +61,7 @@ def test_n_is_capped_and_every_sample_counts_against_the_waiting_cap(small_queue
     few = SamplingParams(temperature=1.0, max_tokens=2, seed=1)
     with pytest.raises(RequestRejected) as error:
         engine.add_request("greedy-n", PROMPT, SamplingParams(n=5, max_tokens=2))
-    assert str(error.value) == "n must be an integer in [1, 4], got 5"
+    assert (error.value.param, str(error.value)) == ("n", "n must be an integer in [1, 4], got 5")
     engine.add_request("four", PROMPT, SamplingParams(n=4, max_tokens=2, seed=1))
     engine.add_request("three", PROMPT, SamplingParams(n=3, max_tokens=2, seed=1))
     assert engine.stats().num_requests_waiting == 7

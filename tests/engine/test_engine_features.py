@@ -198,3 +198,17 @@ def test_the_step_costs_learned_while_serving_are_saved_at_close(default_model, 
     learned = dict(engine.scheduler.step_costs.seconds)
     engine.close()
     assert learned and load_bucket_report(str(path)) == pytest.approx(learned)
+
+
+def test_stop_reason_is_null_for_the_models_eos_and_the_id_for_a_requested_stop_token(engine):
+    chat = engine.tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}])
+    prompt = {"prompt_token_ids": engine.tokenizer.encode(chat, add_special_tokens=False)}
+    ended = _generate(engine, [prompt], SamplingParams(temperature=0, max_tokens=64), "eos")[0]
+    out = ended.outputs[0]
+    assert out.finish_reason == "stop" and out.token_ids[-1] in engine.tokenizer.stop_token_ids
+    assert out.stop_reason is None  # vLLM's rule for EOS, whichever stop token the model has
+    k = next(i for i, t in enumerate(out.token_ids) if i > 0 and t not in out.token_ids[:i])
+    params = SamplingParams(temperature=0, max_tokens=64, stop_token_ids=[out.token_ids[k]])
+    asked = _generate(engine, [prompt], params, "ids")[0].outputs[0]
+    assert asked.token_ids == out.token_ids[: k + 1]
+    assert (asked.finish_reason, asked.stop_reason) == ("stop", out.token_ids[k])

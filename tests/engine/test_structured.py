@@ -176,7 +176,7 @@ def test_bad_constraints_are_refused_with_the_reason(engine, spec, words):
     params = SamplingParams(structured_outputs=StructuredOutputsParams(**spec))
     with pytest.raises(RequestRejected, match=words) as info:
         engine.add_request("bad", "x", params)
-    assert info.value.reason == "invalid"
+    assert (info.value.reason, info.value.param) == ("invalid", "structured_outputs")
     assert not engine.has_unfinished_requests()
 
 
@@ -257,6 +257,6 @@ def test_the_async_engine_compiles_before_queueing_and_never_on_the_step_thread(
 
     outputs, refusal = asyncio.run(asyncio.wait_for(serve(), timeout=120))
     jsonschema.validate(json.loads(outputs[-1].outputs[0].text), schema)
-    assert refusal.reason == "invalid"
+    assert (refusal.reason, refusal.param) == ("invalid", "structured_outputs")
     assert added == [("good", True)]  # compiled before "add"; the refused one never queued
     assert len(compiled_on) == 2 and all(t.startswith("jserve-grammar") for t in compiled_on)

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from jserve.loaders.chat_template import ChatTemplateError, render_chat_template
+from jserve.loaders.chat_template import (
+    ChatTemplateError,
+    load_chat_template,
+    render_chat_template,
+)
 from jserve.loaders.tokenizer import Tokenizer
 
 SYSTEM = {"role": "system", "content": "You are a pirate. Answer in one line."}
@@ -150,3 +154,16 @@ def test_model_without_template_says_which_model(smollm2_tokenizer):
     )
     with pytest.raises(ChatTemplateError, match="/models/base-model: this model has no chat"):
         no_template.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_chat_template_flag_takes_a_file_or_the_template_itself_as_vllm_does(tmp_path):
+    inline = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    path = tmp_path / "template.jinja"
+    path.write_text(inline)
+    assert load_chat_template(str(path)) == load_chat_template(inline) == inline
+    hi = [{"role": "user", "content": "hi"}]
+    assert render_chat_template(load_chat_template(str(path)), hi) == "<user>hi"
+    with pytest.raises(ChatTemplateError, match="looks like a file path, but it cannot be read"):
+        load_chat_template(str(tmp_path / "missing.jinja"))
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        load_chat_template("{% for m in messages %}")

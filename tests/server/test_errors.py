@@ -65,8 +65,13 @@ BAD_INPUTS = [
      + b"}}", 400, None, "not valid JSON: nested too deeply"),
     (COMPLETIONS, {"prompt": "a", "n": True}, 400, "n", "expected `int | null`, got `bool`"),
     (COMPLETIONS, {"prompt": "a", "n": 0}, 400, "n", f"n must be an integer in [1, {INT32_MAX}]"),
+    # Refused by the engine (its --max-n), which names the field too.
+    (COMPLETIONS, {"prompt": "a", "n": 65}, 400, "n", "n must be at most 64, got 65"),
     (COMPLETIONS, {"prompt": "a", "logprobs": 21}, 400, "logprobs", "logprobs must be"),
     (COMPLETIONS, {"prompt": "a", "stop": [1]}, 400, "stop[0]", "expected `str`, got `int`"),
+    (COMPLETIONS, {"prompt": "a", "stop": [""]}, 400, "stop", "stop must be a non-empty"),
+    (COMPLETIONS, {"prompt": "a", "stop": ["x"] * 129}, 400, "stop",
+     "stop has 129 strings; at most 128"),
     (COMPLETIONS, {"prompt": "a", "stop_token_ids": ["x"]}, 400, "stop_token_ids[0]",
      "expected `int`, got `str`"),
     (COMPLETIONS, {"prompt": "a", "presence_penalty": 3}, 400, "presence_penalty",

@@ -34,20 +34,21 @@ def _json_error(raw: bytes, status: int) -> dict:
 async def test_aiohttps_own_errors_are_json_and_echo_nothing():
     secret = b"SECRET-" * 2000  # one header line far over aiohttp's 8190-byte limit
     cases = [
-        # (raw request, status, a fragment of the message)
-        (POST + b"Content-Length: abc\r\n\r\n", 400, "malformed HTTP request"),
+        # (raw request, status, a fragment of the message, the header at fault)
+        (POST + b"Content-Length: abc\r\n\r\n", 400, "malformed HTTP request", None),
         (POST + b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", 400,
-         "malformed HTTP request"),  # a request-smuggling shape
+         "malformed HTTP request", None),  # a request-smuggling shape
         (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + secret + b"\r\n\r\n", 431,
-         "too long"),
+         "too long", None),
         (POST + b"Content-Encoding: br\r\nContent-Length: 4\r\n\r\nabcd", 400,
-         "Content-Encoding is not supported"),
+         "Content-Encoding is not supported", "Content-Encoding"),
     ]  # fmt: skip
     async with serve_guarded(MockEngine()) as address:
-        for raw, status, fragment in cases:
+        for raw, status, fragment, param in cases:
             response = await raw_exchange(address, raw)
             assert b"SECRET" not in response
-            assert fragment in _json_error(response, status)["message"], response[:300]
+            error = _json_error(response, status)
+            assert fragment in error["message"] and error["param"] == param, response[:300]
 
 
 async def test_a_gzip_body_that_does_not_decompress_is_400():
