@@ -334,7 +334,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
             _refuse_unsupported(body)
             chat, conversation = chat_request(body, _history(store, body.previous_response_id))
             tenant = request_tenant(request.headers.get("X-Tenant"), body.user)
-            parsed = parse_chat(chat)
+            parsed = parse_chat(chat, state.policy)
         except APIError:
             state.metrics.request_rejected.labels(RejectReason.INVALID).inc()
             raise
