@@ -77,6 +77,10 @@ class StepCosts:
         """Learn the engine's time from the end of one step to the start of the next."""
         self.between_steps += RECENT_WEIGHT * (max(0.0, seconds) - self.between_steps)
 
+    def measured(self, num_tokens: int, num_seqs: int) -> float | None:
+        """Seconds of this step's bucket as measured; None if it has not run yet."""
+        return self.seconds.get(self.bucket(num_tokens, num_seqs))
+
     def cost(self, num_tokens: int, num_seqs: int) -> float | None:
         """Estimated seconds of a step of this many tokens and sequences; None if nothing
         has been measured yet."""
