@@ -4,6 +4,7 @@ reference, its tenant histories, and when drafts pay (the step-cost rule, bucket
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from array import array
 
@@ -254,3 +255,16 @@ def test_a_suffix_scheduler_drafts_from_a_finished_request_of_the_tenant():
     scheduler.update_from_output(plan, {"s": 43})
     (seq,) = scheduler.schedule(0.0).seqs
     assert list(seq.token_ids[1:]) == [44, 45, EOS]  # match [40 .. 43]: up to 4 drafts
+
+
+def test_the_proposer_outlives_speculation_switched_off_and_on():
+    spec = json.dumps({"method": "suffix"})
+    scheduler = make_scheduler(speculative_config=spec)
+    proposer = scheduler.proposer
+    config = scheduler.config
+    scheduler.reconfigure(dataclasses.replace(config, speculative_config=None))
+    scheduler.reconfigure(config)
+    assert scheduler.proposer is proposer  # its tenants' histories are kept
+    scheduler.reconfigure(dataclasses.replace(config, speculative_config=json.dumps(SPEC)))
+    assert isinstance(scheduler.proposer, NgramProposer)
+    assert scheduler.fresh().proposer is not scheduler.proposer  # a fresh one starts empty
