@@ -199,8 +199,8 @@ class _Planner:
         elif self.preempted and len(self.waiting):
             self.outcome.deferred = Deferral.PREEMPTING
         plan = self.outcome.plan
-        spec = self.config.speculative
-        if self.draftable and spec is not None and self.drafting is not None:
+        if self.draftable and self.drafting is not None and self.config.speculative is not None:
+            spec = self.config.speculative
             limit = spec.disable_by_batch_size
             if limit is None or len(self.running) < limit:
                 plan.num_drafts = self.add_drafts(spec, self.drafting)

@@ -35,7 +35,7 @@ from operator import attrgetter
 
 from jserve.config.scheduler import CacheConfig, Lane, SchedulerConfig
 from jserve.config.settings import InvalidSetting
-from jserve.config.speculative import SpeculativeConfig
+from jserve.config.speculative import SpeculativeConfig, parse_speculative_config
 from jserve.core.admission import (
     check_deadline,
     check_kv_usage,
@@ -129,7 +129,9 @@ class Scheduler:
             )
         self.config = config
         self.watermark_blocks = watermark_blocks
-        spec = config.speculative
+        # Parsed here, not read from the config's cached property: reconfigure must leave a
+        # config's attributes as its caller made them.
+        spec = parse_speculative_config(config.speculative_config)
         # A proposer lives as long as its settings (a suffix proposer keeps recent outputs):
         # switching speculation off and on again with the same settings keeps it.
         if spec is not None and spec != self._spec:
