@@ -6,7 +6,7 @@ For a source of tokens (the sequence's prompt and output, or the tenant's histor
 1. **Match**: the longest m <= `max_depth` such that the sequence's last m tokens occur earlier
    in the source, followed by a token (in the sequence itself: ending before its last token).
    If the last m tokens occur, so do the last m - 1 (one token later, with the same next
-   token), so m is found by bisection.
+   token), so m is found by galloping and bisection.
 2. **Occurrences**: the latest MAX_OCCURRENCES occurrences of that match: the node of a suffix
    tree the match reaches, and its leaves (recent text weighs most, and the walk stays cheap).
 3. **Walk**: the next token most of them continue with (ties: the latest occurrence's) is a
@@ -16,9 +16,9 @@ For a source of tokens (the sequence's prompt and output, or the tenant's histor
    following far, a short one a guess worth one or two tokens.
 
 The draft whose probabilities sum higher wins between the two sources (ties: the sequence's
-own). Every search is `bytes.find` over int64 tokens in C (the n-gram proposer's technique,
-jserve.core.ngram), so a proposal costs microseconds to tens of microseconds; the history a
-tenant keeps is bounded (`suffix_decoding_max_cached_requests` outputs, HISTORY_TOKENS tokens,
+own). Every search is `bytes.rfind` over int64 tokens in C (the n-gram proposer's technique,
+jserve.core.ngram), so a proposal costs a few scans of the sequence and of its tenant's
+history, which is bounded (`suffix_decoding_max_cached_requests` outputs, HISTORY_TOKENS tokens,
 MAX_TENANTS tenants, least recently finished dropped), and never serves another tenant.
 """
 
