@@ -26,6 +26,10 @@ from jserve.core.request import Request
 from jserve.core.step_costs import StepCosts
 from jserve.core.suffix import SuffixProposer
 
+# Served steps after which a bucket's cost is tried again: load and first runs move a cost,
+# and a bucket priced too high would otherwise never be served, so never corrected.
+RETRY_AFTER = 256
+
 
 class DraftProposer(Protocol):
     """Guesses a sequence's next tokens; the planner verifies them in the next step."""
@@ -74,19 +78,20 @@ def num_drafts_that_pay(
 
     for a step already holding `num_tokens` tokens and `num_rows` rows of logits, and a
     sequence whose drafts have been accepted at the rate `acceptance` (each draft is expected
-    to yield `acceptance` tokens; the step's other tokens, one each). A bucket not measured yet
-    is taken to cost what the step costs without the drafts, so it is tried once and then
-    priced by what it measured. Without measured costs (no table, or the step's own bucket
-    unknown) every draft is taken."""
+    to yield `acceptance` tokens; the step's other tokens, one each). Costs are the
+    scheduler's measured ones, priced optimistically (`StepCosts.optimistic`): a bucket not
+    served within the last RETRY_AFTER steps is taken to cost what the step costs without the
+    drafts, so it is tried again and then priced by what it measured. Without measured costs
+    (no table, or the step's own bucket not served lately) every draft is taken."""
     if costs is None or max_drafts <= 0:
         return max(0, max_drafts)
-    base = costs.measured(num_tokens, num_rows)
+    base = costs.optimistic(num_tokens, num_rows, RETRY_AFTER)
     if base is None:
         return max_drafts
     between = costs.between_steps
     best, best_rate = 0, num_tokens / (base + between)
     for d in range(1, max_drafts + 1):
-        seconds = costs.measured(num_tokens + d, num_rows + d)
+        seconds = costs.optimistic(num_tokens + d, num_rows + d, RETRY_AFTER)
         rate = (num_tokens + acceptance * d) / ((base if seconds is None else seconds) + between)
         if rate > best_rate:
             best, best_rate = d, rate

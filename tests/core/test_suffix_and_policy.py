@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from jserve.config.engine_args import EngineArgs
 from jserve.config.settings import InvalidSetting
-from jserve.core.drafting import NgramProposer, make_proposer, num_drafts_that_pay
+from jserve.core.drafting import RETRY_AFTER, NgramProposer, make_proposer, num_drafts_that_pay
 from jserve.core.request import Request
 from jserve.core.step_costs import StepCosts
 from jserve.core.stopping import StopConditions
@@ -175,7 +175,11 @@ def test_a_suffix_setting_out_of_range_is_refused_naming_it(key, value):
 
 
 def _costs(seconds: dict[tuple[int, int], float]) -> StepCosts:
-    return StepCosts(TOKENS, SEQS, seconds)
+    """A table that served each bucket once, taking `seconds`."""
+    costs = StepCosts(TOKENS, SEQS)
+    for (tokens, seqs), secs in seconds.items():
+        costs.observe(tokens, seqs, secs)
+    return costs
 
 
 BATCH_ONE = {(1, 1): 1.0, (2, 2): 1.1, (4, 4): 1.2, (8, 8): 2.0}
@@ -207,6 +211,23 @@ def test_unmeasured_buckets_are_tried_and_no_table_takes_every_draft():
     assert num_drafts_that_pay(_costs({(1, 1): 1.0}), 1, 1, 0.5, 4) == 4
     assert num_drafts_that_pay(None, 1, 1, 0.5, 4) == 4
     assert num_drafts_that_pay(_costs({}), 1, 1, 0.5, 4) == 4
+    # A seeded table (a report, not served here) is tried before it is believed.
+    assert num_drafts_that_pay(StepCosts(TOKENS, SEQS, BATCH_ONE), 1, 1, 0.05, 4) == 4
+
+
+def test_a_bucket_priced_too_high_is_tried_again_and_believed_at_its_best():
+    """A first run's one-off costs must not keep a bucket out of use for good: after
+    RETRY_AFTER steps without it, it is tried again, and its latest time, if lower than its
+    average, is what it costs."""
+    costs = _costs({**BATCH_ONE, (4, 4): 5.0})  # a slow first run of bucket 4
+    assert num_drafts_that_pay(costs, 1, 1, 1.0, 4) == 4  # bucket 8 (5 tokens for 2.0)
+    for _ in range(RETRY_AFTER):
+        costs.observe(1, 1, 1.0)
+        costs.observe(5, 5, 2.0)
+    assert num_drafts_that_pay(costs, 1, 1, 1.0, 4) == 3  # bucket 4 is tried again...
+    costs.observe(4, 4, 1.2)  # ...and runs in 1.2 (its average is still 4.24)
+    assert costs.seconds[(4, 4)] > 4
+    assert num_drafts_that_pay(costs, 1, 1, 1.0, 4) == 3  # 4 tokens for 1.2 beat 5 for 2.0
 
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
