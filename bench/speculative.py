@@ -1,15 +1,19 @@
-"""Speculative decoding (n-gram), one request at a time: time per output token with and without
-`--speculative-config` on input-grounded prompts (a list to copy, code to continue, a passage
-to quote), greedy, with the outputs checked token for token equal.
+"""Speculative decoding, the whole table: methods off / ngram / suffix, on an input-grounded
+workload (copy, edit, quote, extract, summarize) and an open one (stories, chat), at
+concurrency 1, 4 and 32: time per output token, throughput and acceptance per method, greedy,
+each method's outputs checked token for token against speculation off.
 
-One engine serves both sides: speculation is switched by its scheduler's config (a verify step
-uses the same precompiled step shapes), and the sides alternate prompt by prompt through the
-A/B driver (bench.ab_driver), so a shared machine's drift hits both alike; the 1-minute load
-average around the run is recorded with the result.
+One engine serves every cell: speculation is switched by its scheduler's config (a verify step
+uses the same precompiled step shapes) and the engine is reset before each run (empty prefix
+cache, no suffix history from another run; the learned step costs are kept, as a server keeps
+them). Within a cell the methods take turns round by round, each round in a rotated order, so
+a shared machine's drift hits them alike; the 1-minute load average around each cell is
+recorded with it.
 
     python -m bench.speculative --json bench/results/speculative_cpu.json
 
-Not yet here (issue 35): an open workload (stories, chat) and concurrency 4 and 32.
+The first run compiles the engine's step shapes (a few minutes on a CPU, then cached under
+JSERVE_CACHE_DIR). `--concurrency 1 --max-tokens 8 --rounds 1` is a smoke run.
 """
 
 from __future__ import annotations
@@ -17,99 +21,229 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import platform
+import statistics
 import time
 
-from bench.ab_driver import alternate, describe, ratio_stats
 from bench.report_writer import write_json
 from jserve.config.engine_args import EngineArgs
 from jserve.engine.llm_engine import LLMEngine
 from jserve.sampling_params import SamplingParams
 
-PROMPTS = {
-    "copy": "Copy this list exactly, one item per line:\n"
-    + "".join(f"- item {i}: apple, banana, cherry, {i * 7} grams\n" for i in range(12)),
-    "code": "Rename the function add to plus and repeat the code:\n\n"
-    + "".join(
-        f"def add{i}(a, b):\n    # adds two numbers\n    return a + b + {i}\n\n" for i in range(6)
-    ),
-    "quote": "Quote the first sentence of this passage word for word.\n\n"
-    + "The history of computing is a story of ideas meeting machines. Early calculators were "
-    "mechanical, then electrical, and finally electronic; each step made arithmetic faster.",
+
+def _copy(i: int) -> str:
+    items = "".join(
+        f"- item {i + j}: apple, banana, cherry, {(i + j) * 7} grams\n" for j in range(12)
+    )
+    return "Copy this list exactly, one item per line:\n" + items
+
+
+def _edit(i: int) -> str:
+    code = "".join(
+        f"def add{i + j}(a, b):\n    # adds two numbers\n    return a + b + {j}\n\n"
+        for j in range(6)
+    )
+    return "Rename the function add to plus and repeat the code:\n\n" + code
+
+
+def _quote(i: int) -> str:
+    return (
+        "Quote the first two sentences of this passage word for word.\n\n"
+        f"Report {i}. The history of computing is a story of ideas meeting machines. Early "
+        "calculators were mechanical, then electrical, and finally electronic; each step made "
+        "arithmetic faster. Programs came later, stored in the same memory as their data."
+    )
+
+
+def _extract(i: int) -> str:
+    people = ["Ada Lovelace", "Alan Turing", "Grace Hopper", "Edsger Dijkstra", "Barbara Liskov"]
+    rows = "".join(
+        f"id={i * 10 + j}; name={name}; email={name.split()[0].lower()}@example.org; team=core\n"
+        for j, name in enumerate(people)
+    )
+    return f"From these records, list each name with its email, one per line:\n\n{rows}"
+
+
+def _summarize(i: int) -> str:
+    return (
+        "Summarize this text in two sentences, reusing its words.\n\n"
+        f"Meeting {i} notes. The team reviewed the release plan for the new storage service. "
+        "The storage service will replace the old file server in March. The migration will "
+        "move every project folder to the storage service over two weekends. The team agreed "
+        "that the old file server stays read-only for one month after the migration."
+    )
+
+
+def _story(i: int) -> str:
+    topics = ["a lighthouse keeper", "a lost robot", "a baker's apprentice", "a comet"]
+    return f"Write a short story about {topics[i % len(topics)]}."
+
+
+def _chat(i: int) -> str:
+    questions = [
+        "What are some tips for learning a new language?",
+        "Why is the sky blue?",
+        "How do I keep basil alive indoors?",
+        "What makes a good cup of coffee?",
+    ]
+    return questions[i % len(questions)]
+
+
+WORKLOADS = {
+    "grounded": (_copy, _edit, _quote, _extract, _summarize),
+    "open": (_story, _chat),
 }
 
 
-def _generate(engine: LLMEngine, prompt: str, max_tokens: int) -> tuple[list[int], float]:
-    """One request alone, chat-templated and greedy: its tokens and seconds to finish."""
+@dataclasses.dataclass
+class Run:
+    """One method's run of one batch: per request tokens, TPOT (ms), and the totals."""
+
+    tokens: dict[str, list[int]]
+    tpot_ms: list[float]
+    seconds: float
+    drafted: int
+    accepted: int
+
+
+def _prompt_ids(engine: LLMEngine, text: str) -> list[int]:
     tokenizer = engine.tokenizer
-    template = tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
-    ids = tokenizer.encode(template, add_special_tokens=False)
+    template = tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    return tokenizer.encode(template, add_special_tokens=False)
+
+
+def _run_batch(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> Run:
+    """All `prompts` at once (greedy), stepped until done."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = engine.stats()
     started = time.perf_counter()
-    engine.add_request("r", {"prompt_token_ids": ids}, params)
-    tokens: list[int] = []
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", {"prompt_token_ids": ids}, params)
+    first: dict[str, float] = {}
+    tokens: dict[str, list[int]] = {}
+    tpot = []
     while engine.has_unfinished_requests():
         for out in engine.step():
-            tokens = list(out.outputs[0].token_ids)
-    return tokens, time.perf_counter() - started
+            now = time.perf_counter()
+            ids = list(out.outputs[0].token_ids)
+            if ids and out.request_id not in first:
+                first[out.request_id] = now
+            if out.finished:
+                tokens[out.request_id] = ids
+                if len(ids) > 1:
+                    tpot.append(1000 * (now - first[out.request_id]) / (len(ids) - 1))
+    after = engine.stats()
+    return Run(
+        tokens, tpot, time.perf_counter() - started,
+        after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens,
+        after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens,
+    )  # fmt: skip
+
+
+def _cell(engine, configs, prompts, rounds, max_tokens) -> dict[str, list[Run]]:
+    """Each method's runs of `prompts`, round by round in a rotated order."""
+    methods = list(configs)
+    runs: dict[str, list[Run]] = {method: [] for method in methods}
+    for r in range(rounds):
+        for method in methods[r % len(methods) :] + methods[: r % len(methods)]:
+            engine.scheduler.reconfigure(configs[method])
+            engine.reset()
+            runs[method].append(_run_batch(engine, prompts, max_tokens))
+    return runs
+
+
+def _summary(runs: list[Run], off: list[Run]) -> dict:
+    tokens = sum(len(t) for run in runs for t in run.tokens.values())
+    tpot = statistics.mean(t for run in runs for t in run.tpot_ms)
+    drafted = sum(run.drafted for run in runs)
+    return {
+        "tpot_ms": tpot,
+        "throughput_tok_s": tokens / sum(run.seconds for run in runs),
+        "acceptance": sum(run.accepted for run in runs) / drafted if drafted else None,
+        "draft_tokens": drafted,
+        "identical_to_off": all(a.tokens == b.tokens for a, b in zip(runs, off, strict=True)),
+    }
+
+
+def _engine(max_concurrency: int) -> LLMEngine:
+    if max_concurrency <= 8:  # the test suite's sizes (tests/shared_engine.py): steps cached
+        sizes = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=49)
+    else:  # every sequence's prompt and output in the pool at once: no preemption
+        sizes = dict(
+            max_num_seqs=max_concurrency,
+            max_num_batched_tokens=256,
+            num_kv_blocks=max_concurrency * 512 // 16 + 1,
+        )
+    return LLMEngine(EngineArgs(**sizes, max_model_len=512))
+
+
+def _table(engine: LLMEngine, configs: dict, args: argparse.Namespace) -> list[dict]:
+    """Every (workload, concurrency) cell's rows, one per method, printed as they come."""
+    rows = []
+    for workload in args.workloads:
+        makers = WORKLOADS[workload]
+        for concurrency in args.concurrency:
+            # Whole batches of `concurrency` that hold every prompt kind at least once.
+            n = concurrency * -(-len(makers) // concurrency)
+            texts = [makers[i % len(makers)](i) for i in range(n)]
+            batches = [texts[i : i + concurrency] for i in range(0, n, concurrency)]
+            load_before = os.getloadavg()[0]
+            cell = {method: [] for method in configs}
+            for batch in batches:
+                prompts = [_prompt_ids(engine, text) for text in batch]
+                for method, runs in _cell(
+                    engine, configs, prompts, args.rounds, args.max_tokens
+                ).items():
+                    cell[method].extend(runs)
+            load = {"before": load_before, "after": os.getloadavg()[0]}
+            off = _summary(cell["off"], cell["off"])
+            for method, runs in cell.items():
+                row = {"method": method, "k": args.k if method != "off" else 0,
+                       "workload": workload, "concurrency": concurrency,
+                       **_summary(runs, cell["off"]), "loadavg_1min": load}  # fmt: skip
+                row["tpot_speedup"] = off["tpot_ms"] / row["tpot_ms"]
+                row["throughput_ratio"] = row["throughput_tok_s"] / off["throughput_tok_s"]
+                rows.append(row)
+                print(
+                    f"{workload:9} c={concurrency:<3} {method:7} TPOT {row['tpot_ms']:7.1f} ms "
+                    f"({row['tpot_speedup']:.2f}x)  {row['throughput_tok_s']:7.1f} tok/s "
+                    f"({row['throughput_ratio']:.2f}x)  acceptance {row['acceptance']}  "
+                    f"identical {row['identical_to_off']}  load {load}",
+                    flush=True,
+                )
+    return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--speculative-config", default='{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}')  # fmt: skip
+    parser.add_argument("--methods", nargs="+", default=["ngram", "suffix"])
+    parser.add_argument("--k", type=int, default=4, help="num_speculative_tokens")
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--pairs", type=int, default=2, help="A/B pairs per prompt")
+    parser.add_argument("--rounds", type=int, default=2, help="runs of each method per cell")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
-    # The test suite's sizes (tests/shared_engine.py): its compiled steps are reused.
-    sizes = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=49, max_model_len=512)
-    engine = LLMEngine(EngineArgs(**sizes))
-    plain = engine.scheduler.config
-    spec = dataclasses.replace(plain, speculative_config=args.speculative_config)
-
-    def side(config, prompt):
-        def run():
-            engine.scheduler.reconfigure(config)
-            engine.reset()  # no prefix-cache hits from the other side's run
-            before = engine.stats()
-            tokens, seconds = _generate(engine, prompt, args.max_tokens)
-            after = engine.stats()
-            drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-            accepted = (
-                after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-            )
-            return {"tokens": tokens, "tpot_ms": 1000 * seconds / len(tokens),
-                    "drafted": drafted, "accepted": accepted}  # fmt: skip
-
-        return run
-
-    _generate(engine, "Hello", 8)  # first-use costs (native kernels, caches) out of the way
-    rows = {}
-    for name, prompt in PROMPTS.items():
-        ab = alternate(side(plain, prompt), side(spec, prompt), args.pairs, abba=True)
-        assert all(a["tokens"] == b["tokens"] for a, b in zip(ab.a, ab.b, strict=True)), name
-        speedup = ratio_stats(ab.ratios(lambda a, b: a["tpot_ms"] / b["tpot_ms"]))
-        drafted = sum(b["drafted"] for b in ab.b)
-        rows[name] = {
-            "output_tokens": len(ab.a[0]["tokens"]),
-            "tpot_ms_off": [a["tpot_ms"] for a in ab.a],
-            "tpot_ms_on": [b["tpot_ms"] for b in ab.b],
-            "speedup": speedup,
-            "acceptance": sum(b["accepted"] for b in ab.b) / drafted if drafted else None,
-            "loadavg_1min": ab.loadavg_1min,
-        }
-        print(
-            f"{name}: {rows[name]['output_tokens']} tokens, TPOT speedup {describe(speedup)}, "
-            f"acceptance {rows[name]['acceptance']}, load {ab.loadavg_1min}"
+    engine = _engine(max(args.concurrency))
+    plain = dataclasses.replace(engine.scheduler.config, speculative_config=None)
+    configs = {"off": plain} | {
+        method: dataclasses.replace(
+            plain,
+            speculative_config=json.dumps({"method": method, "num_speculative_tokens": args.k}),
         )
-    result = {
-        "speculative_config": json.loads(args.speculative_config),
-        "machine": platform.processor() or platform.machine(),
-        "prompts": rows,
+        for method in args.methods
     }
+    # First-use costs out of the way, and the verify steps' buckets measured once, so the
+    # step-cost rule (docs/speculative.md) starts from measured costs in every cell.
+    _cell(engine, configs, [_prompt_ids(engine, _copy(100))], 1, 16)
+    rows = _table(engine, configs, args)
     if args.json:
-        write_json(args.json, result)
+        write_json(
+            args.json,
+            {"machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+             "max_tokens": args.max_tokens, "rounds": args.rounds, "rows": rows},
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -2,7 +2,9 @@
 
 `{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4,
 "prompt_lookup_min": 1}`: propose up to `num_speculative_tokens` tokens per decoding sequence
-by prompt lookup (jserve.core.ngram) and verify them in the same step (docs/speculative.md).
+by prompt lookup (jserve.core.ngram) or, with `"method": "suffix"`, from the sequence's own
+tokens and its tenant's recent outputs (jserve.core.suffix), and verify them in the same step
+(docs/speculative.md). Keys a method does not read are accepted and unused, as in vLLM.
 The text is parsed once, when the scheduler's config is built; an unknown key, method or a
 value out of range is an InvalidSetting naming it, so the engine refuses to start.
 """
@@ -22,12 +24,16 @@ from jserve.config.validation import show
 # sequence's drafts are kept well under any bucket.
 MAX_SPECULATIVE_TOKENS = 16
 MAX_LOOKUP = 64  # n-grams longer than this never pay for their search
+MAX_CACHED_REQUESTS = 100_000  # suffix: finished outputs kept for later drafts, at most
 
 
 class SpeculativeMethod(StrEnum):
     """How draft tokens are proposed."""
 
     NGRAM = "ngram"  # prompt lookup: the continuation of the last n-gram's earlier occurrence
+    # The most frequent continuation of the longest match in the sequence and its tenant's
+    # recent outputs, as long as the match and its frequency warrant.
+    SUFFIX = "suffix"
 
 
 @documented
@@ -48,6 +54,36 @@ class SpeculativeConfig:
     )
     prompt_lookup_min: int = setting(
         1, "shortest n-gram looked up in the sequence's tokens", bounds=Bounds(1, MAX_LOOKUP)
+    )
+
+    suffix_decoding_max_tree_depth: int = setting(
+        24,
+        "suffix: longest match (tokens) looked up at the end of a sequence",
+        bounds=Bounds(1, MAX_LOOKUP),
+    )
+    suffix_decoding_max_cached_requests: int = setting(
+        10_000,
+        "suffix: finished outputs kept (oldest dropped first) to draft from for their tenant's "
+        "later requests; 0 drafts from each sequence's own tokens only",
+        bounds=Bounds(0, MAX_CACHED_REQUESTS),
+    )
+    suffix_decoding_max_spec_factor: float = setting(
+        1.0,
+        "suffix: drafts per matched token: a match of m tokens proposes at most factor * m drafts",
+        bounds=Bounds(0, 16, lo_open=True),
+    )
+    suffix_decoding_min_token_prob: float = setting(
+        0.1,
+        "suffix: a draft is proposed only while the frequency of its continuation among the "
+        "match's occurrences (times the drafts' before it) stays at least this",
+        bounds=Bounds(0, 1),
+    )
+    disable_by_batch_size: int | None = setting(
+        None,
+        "no drafts in a step while at least this many sequences run (none: the measured step "
+        "costs decide, see docs/speculative.md)",
+        bounds=Bounds(1, None),
+        default_text="none",
     )
 
     def __post_init__(self) -> None:

@@ -13,11 +13,14 @@ c. unless (a) or (b) preempted, waiting requests: one from each lane that aging 
    jserve.core.fairness) or, with fairness="fcfs", FIFO. Tenants at their `max_running` cap
    wait. With scheduling="static", (c) is replaced by admitting a whole batch only when
    nothing runs;
-d. with speculative decoding, draft tokens (jserve.core.ngram) after the decodes of requests
-   that may speculate, in rank order, from what (a)-(c) left: token budget, logit rows (one
-   per draft, within the largest sequence bucket, max_num_seqs) and free blocks above the
-   watermark, for sequences whose drafts have been paying (jserve.core.ngram's acceptance
-   floor). Drafts never preempt, defer or displace other work.
+d. with speculative decoding, draft tokens (jserve.core.drafting's proposer) after the
+   decodes of requests that may speculate, in rank order, from what (a)-(c) left: token
+   budget, logit rows (one per draft, within the largest sequence bucket, max_num_seqs) and
+   free blocks above the watermark, for sequences whose drafts have been paying
+   (jserve.core.ngram's acceptance floor), as many as raise the step's expected tokens per
+   second under the measured step costs (jserve.core.drafting.num_drafts_that_pay), none
+   while `disable_by_batch_size` sequences or more run. Drafts never preempt, defer or
+   displace other work.
 When a running request cannot get a block, a request of the lowest running lane is preempted:
 the most-served tenant's latest one (fcfs: the latest arrival). Its blocks are freed and it
 goes back to the front of its lane with every token kept, to recompute them (cheaply, with
@@ -51,11 +54,13 @@ from operator import attrgetter
 from jserve.config.scheduler import FairnessPolicy, Lane, SchedulerConfig, SchedulingPolicy
 from jserve.config.speculative import SpeculativeConfig
 from jserve.core.block_manager import BlockManager
+from jserve.core.drafting import DraftProposer, num_drafts_that_pay
 from jserve.core.fairness import FairShare, service_of
-from jserve.core.ngram import RETRY_STEP, drafts_pay, propose_ngram
+from jserve.core.ngram import RETRY_STEP, drafts_pay
 from jserve.core.plan import PLACEHOLDER_TOKEN, ScheduledSeq, StepPlan
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
+from jserve.core.step_costs import StepCosts
 
 _rank = attrgetter("rank")
 # The input of every decode whose token is pending; shared and never written (the engine
@@ -91,6 +96,15 @@ class Deferral(StrEnum):
     PREEMPTING = "preempting"  # blocks ran out this step
 
 
+@dataclass(frozen=True)
+class Drafting:
+    """What pass (d) drafts with: the scheduler's proposer, and the measured step costs that
+    say whether drafts pay (None: not measured, every draft is taken)."""
+
+    proposer: DraftProposer
+    costs: StepCosts | None
+
+
 @dataclass
 class PlanOutcome:
     """What one `plan_step` decided; the scheduler applies it."""
@@ -116,11 +130,13 @@ def plan_step(
     step: int,
     fair: FairShare,
     budget: int,
+    drafting: Drafting | None = None,
 ) -> PlanOutcome:
-    """Plan iteration `step` with the passes above; `running` is sorted by rank."""
+    """Plan iteration `step` with the passes above; `running` is sorted by rank; `drafting`
+    is needed for pass (d) (with speculative decoding configured)."""
     return _Planner(
         config, block_manager, running, waiting, group_leaders, watermark_blocks, step, fair,
-        budget,
+        budget, drafting,
     ).build()  # fmt: skip
 
 
@@ -138,8 +154,10 @@ class _Planner:
         step: int,
         fair: FairShare,
         budget: int,
+        drafting: Drafting | None,
     ) -> None:
         self.config = config
+        self.drafting = drafting
         self.fair = fair
         self.vtc = config.fairness is FairnessPolicy.VTC
         self.block_manager = block_manager
@@ -181,8 +199,11 @@ class _Planner:
         elif self.preempted and len(self.waiting):
             self.outcome.deferred = Deferral.PREEMPTING
         plan = self.outcome.plan
-        if self.draftable and self.config.speculative is not None:
-            plan.num_drafts = self.add_drafts(self.config.speculative)
+        if self.draftable and self.drafting is not None and self.config.speculative is not None:
+            spec = self.config.speculative
+            limit = spec.disable_by_batch_size
+            if limit is None or len(self.running) < limit:
+                plan.num_drafts = self.add_drafts(spec, self.drafting)
         plan.seqs = self.decodes + self.prefills
         plan.num_decodes = len(self.decodes)
         plan.num_batched_tokens = self.step_budget - self.budget
@@ -244,9 +265,10 @@ class _Planner:
             if num_new and self._grow_or_preempt(request, num_new):
                 self._add_chunk(request, num_new)
 
-    def add_drafts(self, spec: SpeculativeConfig) -> int:
+    def add_drafts(self, spec: SpeculativeConfig, drafting: Drafting) -> int:
         """(d) Drafts for the decodes that may take them; returns how many were added."""
-        rows_left = self.config.max_num_seqs - len(self.decodes) - len(self.prefills)
+        rows = len(self.decodes) + len(self.prefills)
+        rows_left = self.config.max_num_seqs - rows
         added = 0
         for request, seq in self.draftable:
             if self.budget <= 0 or rows_left <= 0:
@@ -263,10 +285,14 @@ class _Planner:
             )  # fmt: skip
             if k <= 0:
                 continue
-            drafts = propose_ngram(
-                request.all_token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max
+            drafts = drafting.proposer.propose(request, k)
+            if not drafts:
+                continue
+            tokens = self.step_budget - self.budget
+            k = num_drafts_that_pay(
+                drafting.costs, tokens, rows + added, request.draft_acceptance, len(drafts)
             )
-            k = self._draft_room(request, len(drafts))
+            k = self._draft_room(request, k)
             if k == 0:
                 continue
             seq.token_ids = seq.token_ids + drafts[:k]

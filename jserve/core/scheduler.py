@@ -35,6 +35,7 @@ from operator import attrgetter
 
 from jserve.config.scheduler import CacheConfig, Lane, SchedulerConfig
 from jserve.config.settings import InvalidSetting
+from jserve.config.speculative import SpeculativeConfig, parse_speculative_config
 from jserve.core.admission import (
     check_deadline,
     check_kv_usage,
@@ -43,10 +44,11 @@ from jserve.core.admission import (
 )
 from jserve.core.block_manager import BlockManager
 from jserve.core.deadlines import DeadlineHeap
+from jserve.core.drafting import DraftProposer, make_proposer
 from jserve.core.fairness import FairShare
 from jserve.core.ngram import note_acceptance
 from jserve.core.plan import ScheduledSeq, StepPlan
-from jserve.core.planner import PlanOutcome, plan_step
+from jserve.core.planner import Drafting, PlanOutcome, plan_step
 from jserve.core.queues import WaitingQueues
 from jserve.core.request import LANE_RANK, Request, RequestStatus
 from jserve.core.step_costs import StepCosts
@@ -89,6 +91,8 @@ class Scheduler:
         self.block_manager = BlockManager(
             cache_config.num_blocks, cache_config.block_size, scheduler_config.enable_prefix_caching
         )
+        self._spec: SpeculativeConfig | None = None
+        self.proposer: DraftProposer | None = None  # made for the first speculative config
         self.reconfigure(scheduler_config)
         self.fair = FairShare(tenants or TenantPolicy())
         self.step_costs = step_costs
@@ -125,6 +129,13 @@ class Scheduler:
             )
         self.config = config
         self.watermark_blocks = watermark_blocks
+        # Parsed here, not read from the config's cached property: reconfigure must leave a
+        # config's attributes as its caller made them.
+        spec = parse_speculative_config(config.speculative_config)
+        # A proposer lives as long as its settings (a suffix proposer keeps recent outputs):
+        # switching speculation off and on again with the same settings keeps it.
+        if spec is not None and spec != self._spec:
+            self._spec, self.proposer = spec, make_proposer(spec)
         if old is not None:
             self.waiting.aging_iterations = config.aging_iterations
 
@@ -248,6 +259,7 @@ class Scheduler:
         outcome = plan_step(
             self.config, self.block_manager, self.running, self.waiting, self.group_leaders,
             self.watermark_blocks, self.num_steps, self.fair, self.step_budget(),
+            None if self.proposer is None else Drafting(self.proposer, self.step_costs),
         )  # fmt: skip
         self._apply(outcome)
         plan = outcome.plan
@@ -428,6 +440,8 @@ class Scheduler:
         """Free and forget `request` (the caller already took it out of running/waiting)."""
         self.block_manager.free(request)
         self.fair.on_finish(request, request.status is RequestStatus.RUNNING)
+        if self.proposer is not None:
+            self.proposer.on_finish(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self._requests[request.request_id]

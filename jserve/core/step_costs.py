@@ -51,6 +51,9 @@ class StepCosts:
         # Moving average of the engine's time between the end of one model step and the
         # start of the next while requests keep running (0 until measured).
         self.between_steps = 0.0
+        self.num_observed = 0  # served steps observed
+        # Each bucket's latest time and the `num_observed` it came at (served steps only).
+        self.latest: dict[tuple[int, int], tuple[float, int]] = {}
         for (tokens, seqs), secs in (seed or {}).items():
             if secs > 0:
                 self.seconds[(tokens, seqs)] = float(secs)
@@ -72,10 +75,25 @@ class StepCosts:
             self.deviation[key] = dev + EWMA_WEIGHT * (abs(seconds - old) - dev)
         recent = self.recent
         self.recent = seconds if recent is None else recent + RECENT_WEIGHT * (seconds - recent)
+        self.num_observed += 1
+        self.latest[key] = (seconds, self.num_observed)
 
     def observe_between_steps(self, seconds: float) -> None:
         """Learn the engine's time from the end of one step to the start of the next."""
         self.between_steps += RECENT_WEIGHT * (max(0.0, seconds) - self.between_steps)
+
+    def optimistic(self, num_tokens: int, num_seqs: int, within: int) -> float | None:
+        """Seconds of this step's bucket for a choice that only learns what it tries (how many
+        speculative drafts a step takes: jserve.core.drafting): the lower of its moving
+        average and its latest time, if it was served within the last `within` observed
+        steps; None if not (never served, or not lately), so the choice tries it again. A
+        pessimistic estimate (a first run's one-off costs, a moment of load) would otherwise
+        keep a bucket out of use, and so never be corrected."""
+        key = self.bucket(num_tokens, num_seqs)
+        latest = self.latest.get(key)
+        if latest is None or self.num_observed - latest[1] > within:
+            return None
+        return min(self.seconds[key], latest[0])
 
     def cost(self, num_tokens: int, num_seqs: int) -> float | None:
         """Estimated seconds of a step of this many tokens and sequences; None if nothing

@@ -82,9 +82,15 @@ def configs(draw) -> tuple[SchedulerConfig, CacheConfig]:
         speculative_config=draw(
             st.none()
             | st.builds(
-                lambda k, n: json.dumps(
-                    {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n}
+                lambda method, k, n: json.dumps(
+                    {
+                        "method": method,
+                        "num_speculative_tokens": k,
+                        "prompt_lookup_max": n,
+                        "suffix_decoding_max_spec_factor": n,
+                    }
                 ),
+                st.sampled_from(["ngram", "suffix"]),
                 st.integers(1, 4),
                 st.integers(1, 3),
             )

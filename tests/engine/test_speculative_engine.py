@@ -1,7 +1,8 @@
 """Speculative decoding on the real model: greedy and seeded sampled outputs token for token
 those of the same engine without it (stops, max_tokens cut inside an accepted run, n > 1,
-logprobs, penalties, min_tokens, top-k/top-p, a constrained request beside, preemption), in
-fewer steps, with no compilation, with the acceptance counted.
+logprobs, penalties, min_tokens, top-k/top-p, a constrained request beside, preemption), for
+the ngram and suffix methods, in fewer steps, with no compilation (the step-cost rule picks
+among the precompiled buckets), with the acceptance counted.
 
 Speculation is switched on the shared engine by its scheduler's config (the step shapes are
 the same with and without it) and switched back off before the test ends.
@@ -19,6 +20,7 @@ from jserve.sampling_params import SamplingParams, StructuredOutputsParams
 from tests.shared_engine import assert_no_blocks_held
 
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
+SUFFIX = json.dumps({"method": "suffix", "num_speculative_tokens": 4})
 COPY = "Copy this list exactly:\n" + "".join(
     f"- item {i}: apple, banana, cherry\n" for i in range(8)
 )
@@ -28,10 +30,10 @@ CODE = (
 
 
 @contextlib.contextmanager
-def speculating(engine) -> Iterator[None]:
-    """The engine, fresh (empty prefix cache), with SPEC until the block ends."""
+def speculating(engine, spec: str = SPEC) -> Iterator[None]:
+    """The engine, fresh (empty prefix cache), with `spec` until the block ends."""
     config = engine.scheduler.config
-    engine.scheduler.reconfigure(dataclasses.replace(config, speculative_config=SPEC))
+    engine.scheduler.reconfigure(dataclasses.replace(config, speculative_config=spec))
     engine.reset()
     try:
         yield
@@ -103,23 +105,24 @@ def _requests(tokenizer) -> list[tuple]:
 def test_speculation_gives_the_same_tokens_in_fewer_steps(engine):
     requests = _requests(engine.tokenizer)
     plain, plain_steps = _run(engine, requests)
-    before = engine.stats()
-    with speculating(engine):
-        spec, spec_steps = _run(engine, requests)
-    after = engine.stats()
-    assert spec == plain
     assert plain["short"][0][2] == "length" and len(plain["short"][0][0]) == 7
     assert plain["stop"][0][3] == "item 10"
     assert plain["two"][0] == plain["two"][1] and plain["two"][0][4] is not None
-    drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
-    drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
-    accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
-    assert 0 < accepted < drafted <= 4 * drafts
-    per_pos = after.spec_decode_num_accepted_tokens_per_pos
-    assert sum(per_pos) == after.spec_decode_num_accepted_tokens
-    assert per_pos == sorted(per_pos, reverse=True)  # position j accepted only after j - 1
-    # Every accepted draft saved one step of some request: the run is shorter.
-    assert spec_steps < plain_steps
+    for spec in (SPEC, SUFFIX):
+        before = engine.stats()
+        with speculating(engine, spec):
+            spec_out, spec_steps = _run(engine, requests)
+        after = engine.stats()
+        assert spec_out == plain, spec
+        drafts = after.spec_decode_num_drafts - before.spec_decode_num_drafts
+        drafted = after.spec_decode_num_draft_tokens - before.spec_decode_num_draft_tokens
+        accepted = after.spec_decode_num_accepted_tokens - before.spec_decode_num_accepted_tokens
+        assert 0 < accepted < drafted <= 4 * drafts, spec
+        per_pos = after.spec_decode_num_accepted_tokens_per_pos
+        assert sum(per_pos) == after.spec_decode_num_accepted_tokens
+        assert per_pos == sorted(per_pos, reverse=True)  # position j accepted only after j - 1
+        # Every accepted draft saved one step of some request: the run is shorter.
+        assert spec_steps < plain_steps, spec
 
 
 def test_preempted_speculating_requests_recompute_the_same_tokens(engine):
