@@ -1,0 +1,261 @@
+"""How large the regexes of an output constraint get once their counted repetitions are unrolled:
+a cheap check, before any grammar engine sees them.
+
+llguidance unrolls a counted repetition: `a{1000000}` becomes a million copies of `a`, and
+`(a{1000}){1000}` a thousand copies of a thousand. It refuses them in the end (its lexer runs
+out of fuel), but only after it has spent CPU-seconds building them on the compile pool. So
+every regex a constraint hands to it is measured first, with Python's own regex parser, and
+one whose expanded size is over MAX_REGEX_SIZE is refused at once (a ValueError that says
+what to fix; StructuredOutputsParams raises it on construction, which the server turns into a
+400 naming the field). docs/architecture.md gives the numbers behind the bound.
+
+The size is an upper bound of the nodes of the unrolled regex, `regex_size`:
+- a literal, a class, `.` or an anchor is 1; a concatenation or an alternation is the sum of
+  its parts; a group is its body;
+- `x{m,n}` is size(x) * max(n, 1) and `x{m,}` is size(x) * (m + 1), so `x*` and `x?` are
+  size(x) and `x+` is 2 * size(x);
+- a quantifier on a quantifier (`x{2}{3}`, which llguidance reads as `(x{2}){3}` but Python
+  refuses) multiplies the size of the whole regex by its count; Python's possessive `x{2}+`
+  is llguidance's `(x{2})+`, so twice `x{2}`.
+llguidance's syntax is Rust's `regex` crate's, which Python's parser mostly shares; before
+parsing, the Rust-only spellings that would stop it are rewritten to Python's of the same size
+(a Unicode class `\\p{L}` to `.`, a named group `(?<n>...)` to `(?P<n>...)`, `\\z` to `\\Z`).
+A regex Python still cannot parse is not refused here; llguidance decides, with its own error.
+
+Where regexes reach llguidance (`check_regex`, `check_json_schema`, `check_grammar`): a regex
+constraint; a JSON schema's `pattern` values and `patternProperties` keys, anywhere in it
+(`propertyNames`, `$defs`, `items`, `anyOf`... are walked; `const`, `enum`, `default` and
+`examples` hold data, not schemas); a Lark grammar's regex literals `/.../flags` and the JSON
+schemas of its `%json {...}` blocks (tool calls' grammars embed the tools' parameters so). A
+constraint longer than MAX_CONSTRAINT_CHARS is not read here: the engine refuses it by its
+length, also before llguidance (jserve.structured.grammar).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from collections.abc import Iterator
+from functools import lru_cache
+from re import _constants as sre  # type: ignore[attr-defined]  # Python's regex parser's codes
+from re import _parser as sre_parse  # type: ignore[attr-defined]
+from typing import Any
+
+from jserve.config.validation import excerpt
+
+# Characters of a constraint's text (JSON schema, regex, Lark/GBNF grammar, or the choices as
+# a JSON list): compile time and memory grow with it.
+MAX_CONSTRAINT_CHARS = 100_000
+# Nodes of one regex with its counted repetitions unrolled (`regex_size`).
+MAX_REGEX_SIZE = 20_000
+# Quantifiers stacked on quantifiers (`x{2}{3}`) read in one regex; past this, it is refused.
+MAX_STACKED_QUANTIFIERS = 4
+
+_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT)
+# An escape (taken whole, so `\\p` is not read as `\p`), or the start of a Rust named group.
+_RUST_ONLY = re.compile(r"\\[pP](?:\{[^}]*\}|.)?|\\.|\(\?<(?![=!])", re.S)
+_QUANTIFIER = re.compile(r"[*+?]|\{(\d*)(?:(,)(\d*))?\}")
+# JSON schema keywords whose values are data, never schemas: not searched for patterns.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+# A Lark grammar's lexemes that can hold a regex, or hide a `/` or `#` from the scan: llguidance's
+# own lexer's token definitions (its lark/lexer.rs), which takes `//` and `#` to the line's end
+# as a comment and a `%json` / `%regex` / `%llguidance` keyword as followed by one JSON value.
+_LARK_LEXEMES = re.compile(
+    r"(?P<comment>(?:#|//)[^\n]*)"
+    r'|(?P<string>"(?:\\(?:["\\/bfnrt]|u[a-fA-F0-9]{4})|[^"\\\x00-\x1f\x7f])*"i?)'
+    r"|(?P<regex>/(?:\\.|[^/\\])+/)(?P<flags>[imslux]*)"
+    r"|(?P<special><[^<>\s]+>)"
+    r"|%(?P<keyword>json|regex|llguidance)\b"
+)
+# llguidance reads a grammar as Lark when it has a `start:` rule or `%llguidance`, else as GBNF
+# (llguidance.gbnf_to_lark.is_lark_syntax), which has no regex literals.
+_LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:)")
+_SPACE = re.compile(r"\s*")
+
+
+def _as_python(match: re.Match) -> str:
+    text = match[0]
+    if text[:2] in ("\\p", "\\P"):
+        return "."
+    return {"(?<": "(?P<", "\\z": "\\Z"}.get(text, text)
+
+
+def _parse(pattern: str) -> Any:
+    """Python's parse (its FutureWarnings on Rust's nested classes, like `[[:alpha:]]`,
+    silenced: they warn of Python's future, not of this regex's size)."""
+    with warnings.catch_warnings(action="ignore", category=FutureWarning):
+        return sre_parse.parse(pattern)
+
+
+def _tree_size(items: Any) -> int:
+    """The unrolled size of a parsed sequence (a list of (opcode, argument) pairs)."""
+    return sum(_node_size(op, arg) for op, arg in items)
+
+
+def _repeat_size(low: int, high: int, body: int) -> int:
+    copies = low + 1 if high == sre.MAXREPEAT else max(high, 1)
+    return body * copies
+
+
+def _node_size(op: Any, arg: Any) -> int:
+    if op in _REPEATS:
+        return _repeat_size(arg[0], arg[1], _tree_size(arg[2]))
+    if op is sre.POSSESSIVE_REPEAT:  # Python's `x{m,n}+`, llguidance's `(x{m,n})+`
+        return 2 * _repeat_size(arg[0], arg[1], _tree_size(arg[2]))
+    if op is sre.BRANCH:
+        return sum(_tree_size(branch) for branch in arg[1])
+    if op is sre.SUBPATTERN:
+        return _tree_size(arg[-1])
+    if op is sre.ATOMIC_GROUP:
+        return _tree_size(arg)
+    if op in (sre.ASSERT, sre.ASSERT_NOT):
+        return _tree_size(arg[1])
+    if op is sre.GROUPREF_EXISTS:
+        return sum(_tree_size(branch) for branch in arg[1:] if branch is not None)
+    return 1  # a literal, a class, `.`, an anchor, a back-reference
+
+
+def _stacked_factor(pattern: str, at: int) -> tuple[int, int]:
+    """The count of the quantifier at `pattern[at:]` as a factor of size, and its length."""
+    match = _QUANTIFIER.match(pattern, at)
+    if match is None or match[0] == "{}":
+        raise ValueError("not a quantifier")
+    if match[0] in "*?":
+        return 1, 1
+    if match[0] == "+":
+        return 2, 1
+    low = int(match[1] or 0)
+    high = sre.MAXREPEAT if match[2] and not match[3] else int(match[3] or match[1] or 0)
+    return _repeat_size(low, high, 1), len(match[0])
+
+
+@lru_cache(maxsize=256)
+def regex_size(pattern: str) -> int | None:
+    """An upper bound of `pattern`'s nodes with its counted repetitions unrolled (the rules
+    are in this module's docstring); None when Python's parser cannot read it.
+
+    Raises:
+        ValueError: more than MAX_STACKED_QUANTIFIERS quantifiers stacked on quantifiers.
+    """
+    factor, text = 1, _RUST_ONLY.sub(_as_python, pattern)
+    for _ in range(MAX_STACKED_QUANTIFIERS + 1):
+        try:
+            return factor * _tree_size(_parse(text))
+        except re.error as e:
+            if not e.msg.startswith("multiple repeat") or e.pos is None:
+                return None
+            try:
+                count, length = _stacked_factor(text, e.pos)
+            except ValueError:
+                return None
+            factor *= count
+            text = text[: e.pos] + text[e.pos + length :]
+        except (OverflowError, RecursionError, ValueError):  # e.g. a count past 2**32
+            return None
+    raise ValueError(
+        f"the regex {excerpt(pattern)!r} stacks more than {MAX_STACKED_QUANTIFIERS} "
+        "quantifiers on quantifiers (like x{2}{3}); write x{6}, or group them: (?:x{2}){3}"
+    )
+
+
+def check_regex(pattern: str, where: str = "") -> None:
+    """Refuse `pattern` if it unrolls to more than MAX_REGEX_SIZE nodes.
+
+    Args:
+        pattern: the regex, in llguidance's (Rust regex) syntax.
+        where: where the constraint holds it, for the message ("" for a regex constraint).
+
+    Raises:
+        ValueError: it is too large; the message says how large and what to write instead.
+    """
+    if len(pattern) > MAX_CONSTRAINT_CHARS:
+        return  # refused by its length, before llguidance too
+    size = regex_size(pattern)
+    if size is not None and size > MAX_REGEX_SIZE:
+        place = f" ({where})" if where else ""
+        raise ValueError(
+            f"the regex {excerpt(pattern)!r}{place} expands to about {size:,} nodes once its "
+            f"counted repetitions are unrolled; the limit is {MAX_REGEX_SIZE:,}: use + or * "
+            "or a smaller count"
+        )
+
+
+def _schema_patterns(schema: Any) -> Iterator[tuple[str, str]]:
+    """(where, regex) for every regex a JSON schema holds; `where` is its path in the schema."""
+    stack: list[tuple[str, Any]] = [("", schema)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, list):
+            stack.extend((f"{path}[{i}]", item) for i, item in enumerate(node))
+            continue
+        if not isinstance(node, dict):
+            continue
+        for key, value in node.items():
+            here = f"{path}.{key}" if path else str(key)
+            if key == "pattern" and isinstance(value, str):
+                yield here, value
+            elif key == "patternProperties" and isinstance(value, dict):
+                yield from ((f"{here} key", name) for name in value)
+            if key not in _DATA_KEYWORDS:
+                stack.append((here, value))
+
+
+def check_json_schema(schema: str | dict, where: str = "") -> None:
+    """Refuse a JSON schema (a dict or its JSON text) one of whose regexes is too large (see
+    `check_regex`). Text that is not a JSON object is left to the grammar engine's error.
+
+    Raises:
+        ValueError: a regex in it is too large; the message gives its path in the schema.
+    """
+    if isinstance(schema, str):
+        if len(schema) > MAX_CONSTRAINT_CHARS:
+            return
+        try:
+            schema = json.loads(schema)
+        except (ValueError, RecursionError):
+            return
+    else:
+        try:
+            if len(json.dumps(schema)) > MAX_CONSTRAINT_CHARS:
+                return
+        except (TypeError, ValueError, RecursionError):  # not JSON: the engine says so
+            return
+    for path, pattern in _schema_patterns(schema):
+        check_regex(pattern, f"{where} at {path}" if where else f"at {path}")
+
+
+def _grammar_regexes(grammar: str) -> Iterator[tuple[str, str]]:
+    """("regex", body) for each regex literal of a Lark grammar, ("schema", text) for each
+    `%json` block's JSON; strings, comments and special tokens are skipped whole, so a `/` or
+    `#` inside them is not misread."""
+    decoder = json.JSONDecoder()
+    at = 0
+    while (lexeme := _LARK_LEXEMES.search(grammar, at)) is not None:
+        at = lexeme.end()
+        if lexeme["regex"] is not None:
+            flags = "(?x)" if "x" in lexeme["flags"] else ""
+            yield "regex", flags + lexeme["regex"][1:-1]
+        elif lexeme["keyword"] is not None:
+            try:
+                value, at = decoder.raw_decode(grammar, _SPACE.match(grammar, at).end())
+            except ValueError:
+                continue  # llguidance refuses the grammar with its own error
+            if lexeme["keyword"] == "json":
+                yield "schema", value
+
+
+def check_grammar(grammar: str) -> None:
+    """Refuse a Lark grammar whose regex literals or `%json` schemas hold a regex that is too
+    large (see `check_regex`). A GBNF grammar has no regex literals.
+
+    Raises:
+        ValueError: a regex in it is too large; the message says where.
+    """
+    if len(grammar) > MAX_CONSTRAINT_CHARS or _LARK_SYNTAX.search(grammar) is None:
+        return
+    for kind, value in _grammar_regexes(grammar):
+        if kind == "regex":
+            check_regex(value, "a regex literal of the grammar")
+        else:
+            check_json_schema(value, "in a %json schema of the grammar")

@@ -1,0 +1,208 @@
+"""The unrolled size of a constraint's regexes (jserve.config.regex_size), checked before any
+grammar engine: sizes against hand-computed ones, every place a regex reaches llguidance
+searched, realistic regexes served, and StructuredOutputsParams refusing the bombs."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from jserve.config import regex_size as rs
+from jserve.config.regex_size import (
+    MAX_REGEX_SIZE,
+    check_grammar,
+    check_json_schema,
+    check_regex,
+    regex_size,
+)
+from jserve.sampling_params import StructuredOutputsParams
+
+BOMB = "a{1000000}"
+
+
+@pytest.mark.parametrize(
+    ("pattern", "size"),
+    [
+        ("abc", 3),
+        ("a|bc|def", 6),
+        (r"[a-z]\d.", 3),
+        ("^a$", 3),
+        ("a{5}", 5),
+        ("a{2,7}", 7),
+        ("a{,5}", 5),
+        ("a{3,}", 4),  # 3 copies and a star
+        ("a*", 1),
+        ("a?", 1),
+        ("a+", 2),
+        ("(?:ab|c){10}", 30),
+        ("(a{3}b){4}", 16),
+        ("(?P<x>a{2})(?=b{3})", 5),
+        ("a{2}+", 4),  # Python's possessive; llguidance's (a{2})+
+        ("a{2}{3}", 6),  # stacked: llguidance's (a{2}){3}
+        ("x(a{10}){10}{10}", 1010),  # stacked counts multiply the whole regex: an upper bound
+        (BOMB, 1_000_000),
+        ("(a{1000}){1000}", 1_000_000),
+        ("(a{100}){100}{100}", 1_000_000),
+        ("((ab|cd){10}e){10}", 410),
+        ("(a|b){10}", 10),  # Python reads a|b as the class [ab]
+        (r"\d{4}-\d{2}-\d{2}", 10),
+        # Rust-only spellings, read as Python's of the same size
+        (r"\p{L}{3}\pN{2}", 5),
+        (r"[\p{Greek}\d]{4}", 4),
+        (r"\\p{3}", 4),  # an escaped backslash, then p{3}
+        ("(?<year>a{1000}){1000}", 1_000_000),
+        (r"(?<=a)b\z", 3),
+        ("[[:alpha:]]{3}", 4),  # Python: a class, then `]` three times; an upper bound
+    ],
+)  # fmt: skip
+def test_size_matches_the_hand_computed_bound(pattern, size):
+    assert regex_size(pattern) == size
+
+
+@pytest.mark.parametrize("pattern", ["(unclosed", "a{99999999999}", "[a--b]", "(" * 5000])
+def test_a_regex_python_cannot_read_is_left_to_llguidance(pattern):
+    assert regex_size(pattern) is None
+    check_regex(pattern)  # not refused here
+
+
+REALISTIC = [
+    r"\d{4}-\d{2}-\d{2}",
+    "[a-z]{1,64}",
+    ".{0,1000}",
+    r"[^\n]{0,4000}",
+    r"\d{3}-\d{4}",
+    r"(\d{1,3}\.){3}\d{1,3}",
+    r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}",
+    r"[A-Za-z0-9._%+-]{1,64}@[A-Za-z0-9.-]{1,255}\.[A-Za-z]{2,24}",
+    r"^\+?[1-9]\d{1,14}$",
+    r"(.|\n)*",
+    "(a|b){500}(c|d){500}",
+    "^[a-z]+[0-9]{2,4}$",
+]
+
+
+@pytest.mark.parametrize("pattern", REALISTIC)
+def test_realistic_regexes_pass(pattern):
+    size = regex_size(pattern)
+    assert size is not None and size <= MAX_REGEX_SIZE
+    StructuredOutputsParams(regex=pattern)
+
+
+@pytest.mark.parametrize("pattern", [BOMB, "(a{1000}){1000}", "(a{100}){100}{100}"])
+def test_bombs_are_refused_with_what_to_fix(pattern):
+    with pytest.raises(ValueError) as info:
+        StructuredOutputsParams(regex=pattern)
+    message = str(info.value)
+    assert message == (
+        f"the regex {pattern!r} expands to about 1,000,000 nodes once its counted "
+        f"repetitions are unrolled; the limit is {MAX_REGEX_SIZE:,}: use + or * or a smaller "
+        "count"
+    )
+
+
+def test_the_bound_is_inclusive():
+    check_regex(f"a{{{MAX_REGEX_SIZE}}}")
+    with pytest.raises(ValueError, match="expands to about"):
+        check_regex(f"a{{{MAX_REGEX_SIZE + 1}}}")
+
+
+def test_too_many_stacked_quantifiers_are_refused():
+    stacked = "a" + "{1}" * (rs.MAX_STACKED_QUANTIFIERS + 2)
+    with pytest.raises(ValueError, match="stacks more than 4 quantifiers"):
+        check_regex(stacked)
+    assert regex_size("a" + "{1}" * (rs.MAX_STACKED_QUANTIFIERS + 1)) == 1
+
+
+def _schema_at(path: list[str], leaf: dict) -> dict:
+    schema = leaf
+    for key in reversed(path):
+        schema = {key: schema}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("schema", "where"),
+    [
+        ({"type": "string", "pattern": BOMB}, "at pattern"),
+        ({"properties": {"zip": {"type": "string", "pattern": BOMB}}},
+         "at properties.zip.pattern"),
+        ({"patternProperties": {BOMB: {"type": "string"}}}, "at patternProperties key"),
+        ({"propertyNames": {"pattern": BOMB}}, "at propertyNames.pattern"),
+        ({"$defs": {"d": {"items": {"anyOf": [{"type": "null"}, {"pattern": BOMB}]}}}},
+         "at $defs.d.items.anyOf[1].pattern"),
+        ({"properties": {"pattern": {"type": "string", "pattern": BOMB}}},
+         "at properties.pattern.pattern"),
+    ],
+)  # fmt: skip
+def test_every_regex_of_a_schema_is_checked(schema, where):
+    with pytest.raises(ValueError, match=re.escape(f"the regex {BOMB!r} ({where})")):
+        check_json_schema(schema)
+    with pytest.raises(ValueError, match="expands to about 1,000,000"):
+        StructuredOutputsParams(json=schema)
+    text = json.dumps(schema)
+    with pytest.raises(ValueError, match="expands to about 1,000,000"):
+        StructuredOutputsParams(json=text)
+
+
+def test_data_in_a_schema_is_not_a_regex():
+    data = {"pattern": BOMB}
+    check_json_schema({"const": data, "enum": [data], "default": data, "examples": [data]})
+    check_json_schema("not JSON {")  # left to the grammar engine's error
+
+
+def test_a_schema_over_the_length_cap_is_left_to_the_cap(monkeypatch):
+    monkeypatch.setattr(rs, "MAX_CONSTRAINT_CHARS", 20)
+    check_json_schema({"type": "string", "pattern": BOMB})
+    check_regex(BOMB + "b" * 20)
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        f'start: "x" /{BOMB}/',
+        f"start: x\nx: /{BOMB}/i",
+        f'start: "/" "#" /{BOMB}/',  # quotes hold a `/` and a `#`
+        f"start: </think> /{BOMB}/",  # a special token holds a `/`
+        f'start: %json {{"properties": {{"a": {{"pattern": "{BOMB}"}}}}}}',
+        f'start: a\na: %json\n  {{"type": "string", "pattern": "{BOMB}"}} "/"',
+    ],
+)
+def test_every_regex_of_a_lark_grammar_is_checked(grammar):
+    with pytest.raises(ValueError, match="expands to about 1,000,000"):
+        StructuredOutputsParams(grammar=grammar)
+
+
+@pytest.mark.parametrize(
+    "grammar",
+    [
+        f"start: x\n// /{BOMB}/\n# /{BOMB}/\nx: /[a-z]{{1,64}}/",  # comments
+        f'start: "/{BOMB}/"',  # a string, not a regex
+        f'start: %regex {{"substring_words": "a / {BOMB} /"}}',
+        f'start: %llguidance {{}} "x"\nx: "/{BOMB}/"',
+        f'root ::= [a/] "{BOMB}" [/]',  # GBNF: no regex literals
+        'start: "a"{3} /[0-9]{2,4}/ "/" /\\/+/',
+    ],
+)
+def test_what_is_not_a_regex_literal_is_not_read_as_one(grammar):
+    check_grammar(grammar)
+    StructuredOutputsParams(grammar=grammar)
+
+
+def test_a_bomb_is_refused_without_the_grammar_engine():
+    """The check is pure Python below the engine: a process that refuses a bomb has not even
+    loaded llguidance, so the refusal costs no compile."""
+    script = (
+        "import sys\n"
+        "from jserve.sampling_params import StructuredOutputsParams\n"
+        "try:\n"
+        f"    StructuredOutputsParams(regex={BOMB!r})\n"
+        "except ValueError as e:\n"
+        "    print('refused' if 'expands to about' in str(e) else e)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('llguidance', 'jax')))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.stdout.split("\n")[:2] == ["refused", "[]"], run.stderr
