@@ -49,6 +49,8 @@ from jserve.config.validation import excerpt
 MAX_CONSTRAINT_CHARS = 100_000
 # Nodes of one regex with its counted repetitions unrolled (`regex_size`).
 MAX_REGEX_SIZE = 20_000
+# Characters of a regex's place in a schema quoted in an error (a path can be long).
+_WHERE_CHARS = 160
 # Quantifiers stacked on quantifiers (`x{2}{3}`) read in one regex; past this, it is refused.
 MAX_STACKED_QUANTIFIERS = 4
 
@@ -173,6 +175,8 @@ def check_regex(pattern: str, where: str = "") -> None:
         return  # refused by its length, before llguidance too
     size = regex_size(pattern)
     if size is not None and size > MAX_REGEX_SIZE:
+        if len(where) > _WHERE_CHARS:  # a deep path: its end says the most
+            where = "..." + where[3 - _WHERE_CHARS :]
         place = f" ({where})" if where else ""
         raise ValueError(
             f"the regex {excerpt(pattern)!r}{place} expands to about {size:,} nodes once its "
@@ -192,7 +196,8 @@ def _schema_patterns(schema: Any) -> Iterator[tuple[str, str]]:
         if not isinstance(node, dict):
             continue
         for key, value in node.items():
-            here = f"{path}.{key}" if path else str(key)
+            name = excerpt(str(key))
+            here = f"{path}.{name}" if path else name
             if key == "pattern" and isinstance(value, str):
                 yield here, value
             elif key == "patternProperties" and isinstance(value, dict):

@@ -148,6 +148,16 @@ def test_every_regex_of_a_schema_is_checked(schema, where):
         StructuredOutputsParams(json=text)
 
 
+def test_a_long_path_is_cut_in_the_message():
+    schema: dict = {"type": "string", "pattern": BOMB}
+    for _ in range(60):  # 60,000 characters of names: under MAX_CONSTRAINT_CHARS
+        schema = {"properties": {"k" * 1000: schema}}
+    with pytest.raises(ValueError) as info:
+        check_json_schema(schema)
+    message = str(info.value)
+    assert len(message) < 400 and "(..." in message and "kkk....pattern)" in message, message
+
+
 def test_data_in_a_schema_is_not_a_regex():
     data = {"pattern": BOMB}
     check_json_schema({"const": data, "enum": [data], "default": data, "examples": [data]})
