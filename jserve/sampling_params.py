@@ -12,7 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from jserve.config.regex_size import check_grammar, check_json_schema, check_regex
+from jserve.config.grammar_size import check_grammar
+from jserve.config.regex_size import check_json_schema, check_regex
 from jserve.config.validation import INT64_MAX, INT64_MIN, check_float, check_int, show
 
 MAX_LOGPROBS = 20

@@ -22,13 +22,13 @@ parsing, the Rust-only spellings that would stop it are rewritten to Python's of
 (a Unicode class `\\p{L}` to `.`, a named group `(?<n>...)` to `(?P<n>...)`, `\\z` to `\\Z`).
 A regex Python still cannot parse is not refused here; llguidance decides, with its own error.
 
-Where regexes reach llguidance (`check_regex`, `check_json_schema`, `check_grammar`): a regex
-constraint; a JSON schema's `pattern` values and `patternProperties` keys, anywhere in it
-(`propertyNames`, `$defs`, `items`, `anyOf`... are walked; `const`, `enum`, `default` and
-`examples` hold data, not schemas); a Lark grammar's regex literals `/.../flags` and the JSON
-schemas of its `%json {...}` blocks (tool calls' grammars embed the tools' parameters so). A
-constraint longer than MAX_CONSTRAINT_CHARS is not read here: the engine refuses it by its
-length, also before llguidance (jserve.structured.grammar).
+Where regexes reach llguidance: a regex constraint (`check_regex`); a JSON schema's `pattern`
+values and `patternProperties` keys, anywhere in it (`check_json_schema`: `propertyNames`,
+`$defs`, `items`, `anyOf`... are walked; `const`, `enum`, `default` and `examples` hold data,
+not schemas); a Lark grammar's regex literals and `%json` schemas, and its definitions'
+counted repetitions (jserve.config.grammar_size; tool calls' grammars embed the tools'
+parameters as `%json`). A constraint longer than MAX_CONSTRAINT_CHARS is not read here: the
+engine refuses it by its length, also before llguidance (jserve.structured.grammar).
 """
 
 from __future__ import annotations
@@ -54,26 +54,13 @@ _WHERE_CHARS = 160
 # Quantifiers stacked on quantifiers (`x{2}{3}`) read in one regex; past this, it is refused.
 MAX_STACKED_QUANTIFIERS = 4
 
+unbounded = sre.MAXREPEAT  # the upper count of `x*`, `x+` and `x{m,}`
 _REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT)
 # An escape (taken whole, so `\\p` is not read as `\p`), or the start of a Rust named group.
 _RUST_ONLY = re.compile(r"\\[pP](?:\{[^}]*\}|.)?|\\.|\(\?<(?![=!])", re.S)
 _QUANTIFIER = re.compile(r"[*+?]|\{(\d*)(?:(,)(\d*))?\}")
 # JSON schema keywords whose values are data, never schemas: not searched for patterns.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
-# A Lark grammar's lexemes that can hold a regex, or hide a `/` or `#` from the scan: llguidance's
-# own lexer's token definitions (its lark/lexer.rs), which takes `//` and `#` to the line's end
-# as a comment and a `%json` / `%regex` / `%llguidance` keyword as followed by one JSON value.
-_LARK_LEXEMES = re.compile(
-    r"(?P<comment>(?:#|//)[^\n]*)"
-    r'|(?P<string>"(?:\\(?:["\\/bfnrt]|u[a-fA-F0-9]{4})|[^"\\\x00-\x1f\x7f])*"i?)'
-    r"|(?P<regex>/(?:\\.|[^/\\])+/)(?P<flags>[imslux]*)"
-    r"|(?P<special><[^<>\s]+>)"
-    r"|%(?P<keyword>json|regex|llguidance)\b"
-)
-# llguidance reads a grammar as Lark when it has a `start:` rule or `%llguidance`, else as GBNF
-# (llguidance.gbnf_to_lark.is_lark_syntax), which has no regex literals.
-_LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:)")
-_SPACE = re.compile(r"\s*")
 
 
 def _as_python(match: re.Match) -> str:
@@ -95,16 +82,17 @@ def _tree_size(items: Any) -> int:
     return sum(_node_size(op, arg) for op, arg in items)
 
 
-def _repeat_size(low: int, high: int, body: int) -> int:
-    copies = low + 1 if high == sre.MAXREPEAT else max(high, 1)
+def repeat_size(low: int, high: int, body: int) -> int:
+    """The size of `body{low,high}` (`high` is `unbounded` for `{low,}`)."""
+    copies = low + 1 if high == unbounded else max(high, 1)
     return body * copies
 
 
 def _node_size(op: Any, arg: Any) -> int:
     if op in _REPEATS:
-        return _repeat_size(arg[0], arg[1], _tree_size(arg[2]))
+        return repeat_size(arg[0], arg[1], _tree_size(arg[2]))
     if op is sre.POSSESSIVE_REPEAT:  # Python's `x{m,n}+`, llguidance's `(x{m,n})+`
-        return 2 * _repeat_size(arg[0], arg[1], _tree_size(arg[2]))
+        return 2 * repeat_size(arg[0], arg[1], _tree_size(arg[2]))
     if op is sre.BRANCH:
         return sum(_tree_size(branch) for branch in arg[1])
     if op is sre.SUBPATTERN:
@@ -128,8 +116,8 @@ def _stacked_factor(pattern: str, at: int) -> tuple[int, int]:
     if match[0] == "+":
         return 2, 1
     low = int(match[1] or 0)
-    high = sre.MAXREPEAT if match[2] and not match[3] else int(match[3] or match[1] or 0)
-    return _repeat_size(low, high, 1), len(match[0])
+    high = unbounded if match[2] and not match[3] else int(match[3] or match[1] or 0)
+    return repeat_size(low, high, 1), len(match[0])
 
 
 @lru_cache(maxsize=256)
@@ -228,39 +216,3 @@ def check_json_schema(schema: str | dict, where: str = "") -> None:
             return
     for path, pattern in _schema_patterns(schema):
         check_regex(pattern, f"{where} at {path}" if where else f"at {path}")
-
-
-def _grammar_regexes(grammar: str) -> Iterator[tuple[str, str]]:
-    """("regex", body) for each regex literal of a Lark grammar, ("schema", text) for each
-    `%json` block's JSON; strings, comments and special tokens are skipped whole, so a `/` or
-    `#` inside them is not misread."""
-    decoder = json.JSONDecoder()
-    at = 0
-    while (lexeme := _LARK_LEXEMES.search(grammar, at)) is not None:
-        at = lexeme.end()
-        if lexeme["regex"] is not None:
-            flags = "(?x)" if "x" in lexeme["flags"] else ""
-            yield "regex", flags + lexeme["regex"][1:-1]
-        elif lexeme["keyword"] is not None:
-            try:
-                value, at = decoder.raw_decode(grammar, _SPACE.match(grammar, at).end())
-            except ValueError:
-                continue  # llguidance refuses the grammar with its own error
-            if lexeme["keyword"] == "json":
-                yield "schema", value
-
-
-def check_grammar(grammar: str) -> None:
-    """Refuse a Lark grammar whose regex literals or `%json` schemas hold a regex that is too
-    large (see `check_regex`). A GBNF grammar has no regex literals.
-
-    Raises:
-        ValueError: a regex in it is too large; the message says where.
-    """
-    if len(grammar) > MAX_CONSTRAINT_CHARS or _LARK_SYNTAX.search(grammar) is None:
-        return
-    for kind, value in _grammar_regexes(grammar):
-        if kind == "regex":
-            check_regex(value, "a regex literal of the grammar")
-        else:
-            check_json_schema(value, "in a %json schema of the grammar")

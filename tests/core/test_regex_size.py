@@ -1,6 +1,7 @@
 """The unrolled size of a constraint's regexes (jserve.config.regex_size), checked before any
-grammar engine: sizes against hand-computed ones, every place a regex reaches llguidance
-searched, realistic regexes served, and StructuredOutputsParams refusing the bombs."""
+grammar engine: sizes against hand-computed ones, every place a regex in a JSON schema reaches
+llguidance searched, realistic regexes served, and StructuredOutputsParams refusing the bombs
+(grammars: test_grammar_size.py)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,7 @@ import sys
 import pytest
 
 from jserve.config import regex_size as rs
-from jserve.config.regex_size import (
-    MAX_REGEX_SIZE,
-    check_grammar,
-    check_json_schema,
-    check_regex,
-    regex_size,
-)
+from jserve.config.regex_size import MAX_REGEX_SIZE, check_json_schema, check_regex, regex_size
 from jserve.sampling_params import StructuredOutputsParams
 
 BOMB = "a{1000000}"
@@ -168,38 +163,6 @@ def test_a_schema_over_the_length_cap_is_left_to_the_cap(monkeypatch):
     monkeypatch.setattr(rs, "MAX_CONSTRAINT_CHARS", 20)
     check_json_schema({"type": "string", "pattern": BOMB})
     check_regex(BOMB + "b" * 20)
-
-
-@pytest.mark.parametrize(
-    "grammar",
-    [
-        f'start: "x" /{BOMB}/',
-        f"start: x\nx: /{BOMB}/i",
-        f'start: "/" "#" /{BOMB}/',  # quotes hold a `/` and a `#`
-        f"start: </think> /{BOMB}/",  # a special token holds a `/`
-        f'start: %json {{"properties": {{"a": {{"pattern": "{BOMB}"}}}}}}',
-        f'start: a\na: %json\n  {{"type": "string", "pattern": "{BOMB}"}} "/"',
-    ],
-)
-def test_every_regex_of_a_lark_grammar_is_checked(grammar):
-    with pytest.raises(ValueError, match="expands to about 1,000,000"):
-        StructuredOutputsParams(grammar=grammar)
-
-
-@pytest.mark.parametrize(
-    "grammar",
-    [
-        f"start: x\n// /{BOMB}/\n# /{BOMB}/\nx: /[a-z]{{1,64}}/",  # comments
-        f'start: "/{BOMB}/"',  # a string, not a regex
-        f'start: %regex {{"substring_words": "a / {BOMB} /"}}',
-        f'start: %llguidance {{}} "x"\nx: "/{BOMB}/"',
-        f'root ::= [a/] "{BOMB}" [/]',  # GBNF: no regex literals
-        'start: "a"{3} /[0-9]{2,4}/ "/" /\\/+/',
-    ],
-)
-def test_what_is_not_a_regex_literal_is_not_read_as_one(grammar):
-    check_grammar(grammar)
-    StructuredOutputsParams(grammar=grammar)
 
 
 def test_a_bomb_is_refused_without_the_grammar_engine():
