@@ -47,6 +47,8 @@ _LEXEMES = re.compile(
     r"|(?P<number>[0-9]+)"
     r"|(?P<ref>@[\w\-]+)"
     r"|(?P<punct>\.\.|->|[:|()\[\]{},~=.+*?-])"
+    r"|(?P<other>.)",  # what this reader does not follow (`&`, `@{`): sizes are not read
+    re.S,
 )
 # llguidance reads a grammar as Lark when it has a `start:` rule or `%llguidance`, else as GBNF
 # (llguidance.gbnf_to_lark.is_lark_syntax).
@@ -69,10 +71,7 @@ class _Token:
 def _tokens(grammar: str) -> Iterator[_Token]:
     decoder = json.JSONDecoder()
     at = 0
-    while at < len(grammar):
-        lexeme = _LEXEMES.match(grammar, at)
-        if lexeme is None:
-            raise _Unread
+    while (lexeme := _LEXEMES.match(grammar, at)) is not None:
         at, kind = lexeme.end(), lexeme.lastgroup
         if kind == "flags":
             kind = "regex"
@@ -85,9 +84,9 @@ def _tokens(grammar: str) -> Iterator[_Token]:
         elif kind == "keyword" and lexeme["keyword"] in ("json", "regex", "llguidance"):
             try:
                 token.value, at = decoder.raw_decode(grammar, _SPACE.match(grammar, at).end())
-            except ValueError:
-                raise _Unread from None
-            token.kind = "json" if lexeme["keyword"] == "json" else "keyword"
+                token.kind = "json" if lexeme["keyword"] == "json" else "keyword"
+            except ValueError:  # llguidance refuses it with its own error
+                token.kind = "other"
         yield token
 
 
@@ -236,10 +235,7 @@ def check_grammar(grammar: str) -> None:
     """
     if len(grammar) > limits.MAX_CONSTRAINT_CHARS or _LARK_SYNTAX.search(grammar) is None:
         return
-    try:
-        tokens = list(_tokens(grammar))
-    except _Unread:
-        return
+    tokens = list(_tokens(grammar))
     for token in tokens:
         if token.kind == "regex":
             check_regex(token.value, "a regex literal of the grammar")
@@ -254,6 +250,6 @@ def check_grammar(grammar: str) -> None:
     if size > limits.MAX_REGEX_SIZE:
         raise ValueError(
             f"the grammar's {'terminal' if _is_terminal(name) else 'rule'} {name[:60]!r} "
-            f"unrolls to about {size:,} nodes once its counted repetitions are expanded; the "
+            f"expands to about {size:,} nodes once its counted repetitions are unrolled; the "
             f"limit is {limits.MAX_REGEX_SIZE:,}: use + or * or a smaller count"
         )

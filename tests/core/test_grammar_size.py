@@ -20,6 +20,7 @@ BOMB = "a{1000000}"
         f"start: x\nx: /{BOMB}/i",
         f'start: "/" "#" /{BOMB}/',  # quotes hold a `/` and a `#`
         f"start: </think> /{BOMB}/",  # a special token holds a `/`
+        f"start: A\nA: /a/ & ~/{BOMB}/",  # regexes are read where definitions are not
         f'start: %json {{"properties": {{"a": {{"pattern": "{BOMB}"}}}}}}',
         f'start: a\na: %json\n  {{"type": "string", "pattern": "{BOMB}"}} "/"',
     ],
@@ -57,7 +58,7 @@ def test_what_is_not_a_regex_literal_is_not_read_as_one(grammar):
     ],
 )  # fmt: skip
 def test_definitions_that_unroll_too_far_are_refused(grammar, what, size):
-    with pytest.raises(ValueError, match=f"the grammar's {what} unrolls to about {size} nodes"):
+    with pytest.raises(ValueError, match=f"the grammar's {what} expands to about {size} nodes"):
         StructuredOutputsParams(grammar=grammar)
 
 
@@ -69,7 +70,7 @@ def test_definitions_that_unroll_too_far_are_refused(grammar, what, size):
         'start: <think> /(.|\\n){1000,3000}/ </think> %json {"type": "object"}',
         'start: A\nA: "a".."z"{5} -> letters\n%ignore /[ \\t]+/\n%import common.WS',
         'g[stop="\\n", max_tokens=10, temperature=0.7]: /.*/\nstart: g{20000}',
-        f"start: /a/ & ~/{BOMB}/",  # `&` is past this reader: llguidance decides
+        "start: A\nA: /a/ & ~/b{100}/{300}",  # `&` is past this reader: llguidance decides
     ],
 )
 def test_grammars_within_the_bound_or_past_the_reader_pass(grammar):

@@ -35,6 +35,7 @@ BOMBS = [
     (COMPLETIONS, {"structured_outputs": {"json": {"items": {"pattern": BOMB}}}},
      "structured_outputs"),
     (COMPLETIONS, {"guided_grammar": f'start: "/" /{BOMB}/'}, "guided_grammar"),
+    (COMPLETIONS, {"guided_grammar": 'start: A\nA: B{1000}\nB: "a"{1000}'}, "guided_grammar"),
     (CHAT, {**REQUIRED, "tools": [_tool({"properties": {"c": {"pattern": BOMB}}})]},
      "tools[0].function.parameters"),
     (CHAT, {"messages": HI, "tools": [_tool({}), _tool({"patternProperties": {BOMB: {}}}, "g")],
