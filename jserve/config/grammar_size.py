@@ -221,7 +221,7 @@ class _Body:
 
     def _number(self) -> int:
         token = self._take()
-        if token.kind != "number":
+        if token.kind != "number" or len(token.text) > 18:  # past a count llguidance reads
             raise _Unread
         return int(token.text)
 

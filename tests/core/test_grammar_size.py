@@ -5,6 +5,8 @@ against hand-computed ones, and what it does not follow left to llguidance."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jserve.config.grammar_size import check_grammar
 from jserve.sampling_params import StructuredOutputsParams
@@ -84,3 +86,20 @@ def test_a_forced_tool_call_grammar_is_read_and_passes():
         ToolRequest(tools, ToolUse.REQUIRED).constraint()
     parameters["properties"]["city"]["pattern"] = "[A-Z][a-z]{1,40}"
     assert ToolRequest(tools, ToolUse.REQUIRED).constraint() is not None
+
+
+_GRAMMAR_PIECES = st.sampled_from(
+    ["start: ", "A: ", "a: ", "\n", "\n  | ", '"x"', '"/"', "/b{30}/", "/[a-z]/i", "A", "a",
+     "(", ")", "[", "]", "{", "}", "2", "300", ",", "~", "..", "|", "*", "+", "?", "&", "#",
+     "//", "<x/>", "%json", " {}", ' {"pattern": "c{9}"}', "%ignore ", "->", "@g", "9" * 30]
+)  # fmt: skip
+
+
+@given(st.lists(_GRAMMAR_PIECES, max_size=40).map("".join))
+def test_any_grammar_text_passes_or_gets_a_reason(grammar):
+    """Whatever the text, the check returns or raises a ValueError that says what is too large:
+    never another exception (which the server would answer with a 500)."""
+    try:
+        check_grammar("start: x\n" + grammar)
+    except ValueError as e:
+        assert "expands to about" in str(e)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from jserve.config import regex_size as rs
 from jserve.config.regex_size import MAX_REGEX_SIZE, check_json_schema, check_regex, regex_size
@@ -179,3 +181,20 @@ def test_a_bomb_is_refused_without_the_grammar_engine():
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert run.stdout.split("\n")[:2] == ["refused", "[]"], run.stderr
+
+
+_REGEX_PIECES = st.sampled_from(
+    ["a", "(", ")", "(?:", "(?<n>", "|", "[", "]", "^", "-", "\\", "\\p{L}", "\\d", "{", "}",
+     "{2}", "{3,}", "{,4}", "{1,99}", "*", "+", "?", ".", "9" * 30]
+)  # fmt: skip
+
+
+@given(st.lists(_REGEX_PIECES, max_size=30).map("".join))
+def test_any_regex_text_passes_or_gets_a_reason(pattern):
+    """Whatever the text, the check returns or raises a ValueError that says what to fix:
+    never another exception (which the server would answer with a 500)."""
+    try:
+        check_regex(pattern)
+        check_json_schema({"properties": {"p": {"pattern": pattern}}})
+    except ValueError as e:
+        assert "expands to about" in str(e) or "stacks more than" in str(e)
