@@ -9,12 +9,14 @@ definitions (its lark/lexer.rs), so that a `/` or `#` inside a string, a comment
 token like `</think>` is not misread:
 - every regex literal `/.../flags` and every `%json {...}` schema is checked as a regex
   (`check_regex`) or a schema (`check_json_schema`);
-- every definition's unrolled size is bounded from above by the rules of `regex_size`, a
+- every definition's unrolled size is counted by the rules of `regex_size`, a
   string, a special token or a `%json` counting 1 and a regex literal its own size; a
   terminal counts the terminals it names at their size, a rule counts a name as 1 (rules are
   not inlined). One past jserve.config.regex_size.MAX_REGEX_SIZE is refused.
-A grammar this reader does not follow (GBNF, which llguidance converts first, or syntax it
-does not know) is left to llguidance and its limits, never refused on that ground.
+GBNF (which llguidance converts to Lark first) is left to llguidance and its limits, as are
+the sizes of a Lark grammar's definitions where it uses syntax this reader does not follow
+(`&`, `~` on regexes): its regex literals and `%json` schemas are still checked, and nothing
+is refused on the ground of being unread.
 """
 
 from __future__ import annotations

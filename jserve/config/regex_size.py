@@ -9,14 +9,14 @@ one whose expanded size is over MAX_REGEX_SIZE is refused at once (a ValueError 
 what to fix; StructuredOutputsParams raises it on construction, which the server turns into a
 400 naming the field). docs/architecture.md gives the numbers behind the bound.
 
-The size is an upper bound of the nodes of the unrolled regex, `regex_size`:
+The size counts the nodes of the regex with its counted repetitions unrolled, `regex_size`:
 - a literal, a class, `.` or an anchor is 1; a concatenation or an alternation is the sum of
   its parts; a group is its body;
-- `x{m,n}` is size(x) * max(n, 1) and `x{m,}` is size(x) * (m + 1), so `x*` and `x?` are
-  size(x) and `x+` is 2 * size(x);
+- `x{m,n}` is size(x) * max(n, 1) and `x{m,}` is size(x) * max(m, 1), so `x*`, `x+` and
+  `x?` are size(x) (a loop is not unrolled: nested `+` does not double);
 - a quantifier on a quantifier (`x{2}{3}`, which llguidance reads as `(x{2}){3}` but Python
   refuses) multiplies the size of the whole regex by its count; Python's possessive `x{2}+`
-  is llguidance's `(x{2})+`, so twice `x{2}`.
+  is llguidance's `(x{2})+`, sized alike.
 llguidance's syntax is Rust's `regex` crate's, which Python's parser mostly shares; before
 parsing, the Rust-only spellings that would stop it are rewritten to Python's of the same size
 (a Unicode class `\\p{L}` to `.`, a named group `(?<n>...)` to `(?P<n>...)`, `\\z` to `\\Z`).
@@ -55,7 +55,7 @@ _WHERE_CHARS = 160
 MAX_STACKED_QUANTIFIERS = 4
 
 unbounded = sre.MAXREPEAT  # the upper count of `x*`, `x+` and `x{m,}`
-_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT)
+_REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)  # greedy, lazy, Python's `x*+`
 # An escape (taken whole, so `\\p` is not read as `\p`), or the start of a Rust named group.
 _RUST_ONLY = re.compile(r"\\[pP](?:\{[^}]*\}|.)?|\\.|\(\?<(?![=!])", re.S)
 _QUANTIFIER = re.compile(r"[*+?]|\{(\d*)(?:(,)(\d*))?\}")
@@ -84,15 +84,12 @@ def _tree_size(items: Any) -> int:
 
 def repeat_size(low: int, high: int, body: int) -> int:
     """The size of `body{low,high}` (`high` is `unbounded` for `{low,}`)."""
-    copies = low + 1 if high == unbounded else max(high, 1)
-    return body * copies
+    return body * max(low if high == unbounded else high, 1)
 
 
 def _node_size(op: Any, arg: Any) -> int:
     if op in _REPEATS:
         return repeat_size(arg[0], arg[1], _tree_size(arg[2]))
-    if op is sre.POSSESSIVE_REPEAT:  # Python's `x{m,n}+`, llguidance's `(x{m,n})+`
-        return 2 * repeat_size(arg[0], arg[1], _tree_size(arg[2]))
     if op is sre.BRANCH:
         return sum(_tree_size(branch) for branch in arg[1])
     if op is sre.SUBPATTERN:
@@ -111,10 +108,8 @@ def _stacked_factor(pattern: str, at: int) -> tuple[int, int]:
     match = _QUANTIFIER.match(pattern, at)
     if match is None or match[0] == "{}":
         raise ValueError("not a quantifier")
-    if match[0] in "*?":
+    if match[0] in "*+?":
         return 1, 1
-    if match[0] == "+":
-        return 2, 1
     low = int(match[1] or 0)
     high = unbounded if match[2] and not match[3] else int(match[3] or match[1] or 0)
     return repeat_size(low, high, 1), len(match[0])
@@ -122,7 +117,7 @@ def _stacked_factor(pattern: str, at: int) -> tuple[int, int]:
 
 @lru_cache(maxsize=256)
 def regex_size(pattern: str) -> int | None:
-    """An upper bound of `pattern`'s nodes with its counted repetitions unrolled (the rules
+    """The nodes of `pattern` with its counted repetitions unrolled (the rules
     are in this module's docstring); None when Python's parser cannot read it.
 
     Raises:
