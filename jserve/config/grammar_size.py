@@ -12,7 +12,7 @@ token like `</think>` is not misread:
 - every definition's unrolled size is counted by the rules of `regex_size`, a
   string, a special token or a `%json` counting 1 and a regex literal its own size; a
   terminal counts the terminals it names at their size, a rule counts a name as 1 (rules are
-  not inlined). One past jserve.config.regex_size.MAX_REGEX_SIZE is refused.
+  not inlined). One past `size_limit` (of the grammar's length) is refused.
 GBNF (which llguidance converts to Lark first) is left to llguidance and its limits, as are
 the sizes of a Lark grammar's definitions where it uses syntax this reader does not follow
 (`&`, `~` on regexes): its regex literals and `%json` schemas are still checked, and nothing
@@ -27,12 +27,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from jserve.config import regex_size as limits  # its bounds, declared (and set) there alone
 from jserve.config.regex_size import (
+    MAX_CONSTRAINT_CHARS,
     check_json_schema,
     check_regex,
     regex_size,
     repeat_size,
+    size_limit,
     unbounded,
 )
 
@@ -230,12 +231,12 @@ class _Body:
 
 def check_grammar(grammar: str) -> None:
     """Refuse a Lark grammar one of whose regexes, `%json` schemas or definitions unrolls past
-    MAX_REGEX_SIZE (see this module's docstring).
+    `size_limit` (see this module's docstring).
 
     Raises:
         ValueError: the message names the regex or the definition, and what to fix.
     """
-    if len(grammar) > limits.MAX_CONSTRAINT_CHARS or _LARK_SYNTAX.search(grammar) is None:
+    if len(grammar) > MAX_CONSTRAINT_CHARS or _LARK_SYNTAX.search(grammar) is None:
         return
     tokens = list(_tokens(grammar))
     for token in tokens:
@@ -249,9 +250,9 @@ def check_grammar(grammar: str) -> None:
     except (_Unread, RecursionError):
         return
     name, size = max(sizes.items(), key=lambda item: item[1], default=("", 0))
-    if size > limits.MAX_REGEX_SIZE:
+    if size > size_limit(grammar):
         raise ValueError(
             f"the grammar's {'terminal' if _is_terminal(name) else 'rule'} {name[:60]!r} "
             f"expands to about {size:,} nodes once its counted repetitions are unrolled; the "
-            f"limit is {limits.MAX_REGEX_SIZE:,}: use + or * or a smaller count"
+            f"limit is {size_limit(grammar):,}: use + or * or a smaller count"
         )

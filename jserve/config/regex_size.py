@@ -5,9 +5,9 @@ llguidance unrolls a counted repetition: `a{1000000}` becomes a million copies o
 `(a{1000}){1000}` a thousand copies of a thousand. It refuses them in the end (its lexer runs
 out of fuel), but only after it has spent CPU-seconds building them on the compile pool. So
 every regex a constraint hands to it is measured first, with Python's own regex parser, and
-one whose expanded size is over MAX_REGEX_SIZE is refused at once (a ValueError that says
-what to fix; StructuredOutputsParams raises it on construction, which the server turns into a
-400 naming the field). docs/architecture.md gives the numbers behind the bound.
+one whose expanded size is over `size_limit` is refused at once (a ValueError that says what
+to fix; StructuredOutputsParams raises it on construction, which the server turns into a 400
+naming the field). docs/architecture.md gives the numbers behind the bound.
 
 The size counts the nodes of the regex with its counted repetitions unrolled, `regex_size`:
 - a literal, a class, `.` or an anchor is 1; a concatenation or an alternation is the sum of
@@ -47,7 +47,8 @@ from jserve.config.validation import excerpt
 # Characters of a constraint's text (JSON schema, regex, Lark/GBNF grammar, or the choices as
 # a JSON list): compile time and memory grow with it.
 MAX_CONSTRAINT_CHARS = 100_000
-# Nodes of one regex with its counted repetitions unrolled (`regex_size`).
+# Nodes of one regex with its counted repetitions unrolled (`regex_size`), unless the regex
+# is longer (`size_limit`).
 MAX_REGEX_SIZE = 20_000
 # Characters of a regex's place in a schema quoted in an error (a path can be long).
 _WHERE_CHARS = 160
@@ -144,8 +145,16 @@ def regex_size(pattern: str) -> int | None:
     )
 
 
+def size_limit(text: str) -> int:
+    """The most nodes `text` (a regex or a grammar) may unroll to: MAX_REGEX_SIZE, or its own
+    length if that is more. Nodes written out are no more than the characters that write them,
+    so a long regex without counts is never refused, and unrolling never makes a constraint
+    dearer than one written out in full under MAX_CONSTRAINT_CHARS would be."""
+    return max(MAX_REGEX_SIZE, len(text))
+
+
 def check_regex(pattern: str, where: str = "") -> None:
-    """Refuse `pattern` if it unrolls to more than MAX_REGEX_SIZE nodes.
+    """Refuse `pattern` if it unrolls past `size_limit`.
 
     Args:
         pattern: the regex, in llguidance's (Rust regex) syntax.
@@ -157,13 +166,13 @@ def check_regex(pattern: str, where: str = "") -> None:
     if len(pattern) > MAX_CONSTRAINT_CHARS:
         return  # refused by its length, before llguidance too
     size = regex_size(pattern)
-    if size is not None and size > MAX_REGEX_SIZE:
+    if size is not None and size > size_limit(pattern):
         if len(where) > _WHERE_CHARS:  # a deep path: its end says the most
             where = "..." + where[3 - _WHERE_CHARS :]
         place = f" ({where})" if where else ""
         raise ValueError(
             f"the regex {excerpt(pattern)!r}{place} expands to about {size:,} nodes once its "
-            f"counted repetitions are unrolled; the limit is {MAX_REGEX_SIZE:,}: use + or * "
+            f"counted repetitions are unrolled; the limit is {size_limit(pattern):,}: use + or * "
             "or a smaller count"
         )
 

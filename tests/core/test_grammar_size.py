@@ -68,6 +68,7 @@ def test_definitions_that_unroll_too_far_are_refused(grammar, what, size):
     "grammar",
     [
         'start: x{1000}\nx: "a"{1000}',  # a rule is named, not inlined: 1,000 each
+        "start: A\nA: /" + "abcdefghij" * 3000 + "/",  # long, but written out: its length
         "start: c\nc: " + " | ".join(f'"w{i}"' for i in range(3000)),
         'start: <think> /(.|\\n){1000,3000}/ </think> %json {"type": "object"}',
         'start: A\nA: "a".."z"{5} -> letters\n%ignore /[ \\t]+/\n%import common.WS',

@@ -108,6 +108,18 @@ def test_the_bound_is_inclusive():
         check_regex(f"a{{{MAX_REGEX_SIZE + 1}}}")
 
 
+def test_a_long_regex_may_unroll_to_its_own_length():
+    """Nodes written out are no more than their characters: a long regex without counts is
+    served (as it was before this check), and counts may not take it past its length."""
+    words = "(" + "|".join(f"word{i}x" for i in range(5000)) + ")"  # 43,894 characters
+    literal = "abcdefghij" * 3000
+    for pattern in (words, literal, literal + "a{2}"):
+        assert len(pattern) > MAX_REGEX_SIZE
+        check_regex(pattern)
+    with pytest.raises(ValueError, match=r"about 55,000 nodes .* the limit is 25,008:"):
+        check_regex("b" * 25_000 + "a{30000}")
+
+
 def test_too_many_stacked_quantifiers_are_refused():
     stacked = "a" + "{1}" * (rs.MAX_STACKED_QUANTIFIERS + 2)
     with pytest.raises(ValueError, match="stacks more than 4 quantifiers"):
