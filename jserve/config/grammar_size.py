@@ -9,10 +9,10 @@ definitions (its lark/lexer.rs), so that a `/` or `#` inside a string, a comment
 token like `</think>` is not misread:
 - every regex literal `/.../flags` and every `%json {...}` schema is checked as a regex
   (`check_regex`) or a schema (`check_json_schema`);
-- every definition's unrolled size is counted by the rules of `regex_size`, a
+- every definition is sized by the rules of `regex_size` (unrolled, and as written), a
   string, a special token or a `%json` counting 1 and a regex literal its own size; a
   terminal counts the terminals it names at their size, a rule counts a name as 1 (rules are
-  not inlined). One past `size_limit` (of the grammar's length) is refused.
+  not inlined). One whose counts add more than MAX_REGEX_SIZE nodes is refused.
 GBNF (which llguidance converts to Lark first) is left to llguidance and its limits, as are
 the sizes of a Lark grammar's definitions where it uses syntax this reader does not follow
 (`&`, `~` on regexes): its regex literals and `%json` schemas are still checked, and nothing
@@ -27,13 +27,17 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from jserve.config import regex_size as limits  # MAX_REGEX_SIZE is declared (and set) there
 from jserve.config.regex_size import (
     MAX_CONSTRAINT_CHARS,
+    ONE,
+    Size,
     check_json_schema,
     check_regex,
     regex_size,
-    repeat_size,
-    size_limit,
+    repeat,
+    too_large,
+    total,
     unbounded,
 )
 
@@ -57,7 +61,7 @@ _LEXEMES = re.compile(
 # (llguidance.gbnf_to_lark.is_lark_syntax).
 _LARK_SYNTAX = re.compile(r"(?m)^\s*(%llguidance\b|start\s*:)")
 _SPACE = re.compile(r"\s*")
-_ONE = frozenset({"string", "special", "ref", "json", "keyword"})  # atoms of size 1
+_ATOMS = frozenset({"string", "special", "ref", "json", "keyword"})  # of size 1
 
 
 class _Unread(Exception):
@@ -98,11 +102,11 @@ class _Grammar:
     """A Lark grammar's definitions (name to body tokens) and the sizes found so far."""
 
     bodies: dict[str, list[_Token]]
-    sizes: dict[str, int] = field(default_factory=dict)
+    sizes: dict[str, Size] = field(default_factory=dict)
 
-    def size(self, name: str) -> int:
+    def size(self, name: str) -> Size:
         if name not in self.sizes:
-            self.sizes[name] = 1  # a reference back to a definition being sized: not unrolled
+            self.sizes[name] = ONE  # a reference back to a definition being sized: not unrolled
             self.sizes[name] = _Body(self, self.bodies.get(name, []), _is_terminal(name)).size()
         return self.sizes[name]
 
@@ -141,11 +145,11 @@ class _Body:
     def __init__(self, grammar: _Grammar, tokens: list[_Token], terminal: bool) -> None:
         self.grammar, self.tokens, self.terminal, self.at = grammar, tokens, terminal, 0
 
-    def size(self) -> int:
-        total = self._expansions()
+    def size(self) -> Size:
+        size = self._expansions()
         if self.at != len(self.tokens):
             raise _Unread
-        return total
+        return size
 
     def _peek(self) -> str | None:
         return self.tokens[self.at].text if self.at < len(self.tokens) else None
@@ -156,31 +160,31 @@ class _Body:
         self.at += 1
         return self.tokens[self.at - 1]
 
-    def _expansions(self) -> int:
-        total = self._alternative()
+    def _expansions(self) -> Size:
+        alternatives = [self._alternative()]
         while self._peek() == "|":
             self._take()
-            total += self._alternative()
-        return total
+            alternatives.append(self._alternative())
+        return total(alternatives)
 
-    def _alternative(self) -> int:
-        total = 0
+    def _alternative(self) -> Size:
+        items = []
         while self._peek() not in (None, "|", ")", "]"):
             if self._peek() == "->":  # an alias names the alternative: no size
                 self._take(), self._take()
                 continue
-            total += self._item()
-        return total
+            items.append(self._item())
+        return total(items)
 
-    def _item(self) -> int:
+    def _item(self) -> Size:
         size = self._atom()
         while True:
             bounds = self._quantifier()
             if bounds is None:
                 return size
-            size = repeat_size(*bounds, size)
+            size = repeat(*bounds, size)
 
-    def _atom(self) -> int:
+    def _atom(self) -> Size:
         token = self._take()
         if token.text in ("(", "["):
             size = self._expansions()
@@ -189,13 +193,13 @@ class _Body:
             return size
         if token.kind == "string" and self._peek() == "..":  # a range "a".."z"
             self._take(), self._take()
-            return 1
-        if token.kind in _ONE:
-            return 1
+            return ONE
+        if token.kind in _ATOMS:
+            return ONE
         if token.kind == "regex":
-            return regex_size(token.value) or 1
+            return regex_size(token.value) or ONE
         if token.kind == "name":
-            return self.grammar.size(token.text) if self.terminal else 1
+            return self.grammar.size(token.text) if self.terminal else ONE
         raise _Unread
 
     def _quantifier(self) -> tuple[int, int] | None:
@@ -230,8 +234,9 @@ class _Body:
 
 
 def check_grammar(grammar: str) -> None:
-    """Refuse a Lark grammar one of whose regexes, `%json` schemas or definitions unrolls past
-    `size_limit` (see this module's docstring).
+    """Refuse a Lark grammar one of whose regexes, `%json` schemas or definitions gains more
+    than MAX_REGEX_SIZE nodes by unrolling its counted repetitions (see this module's
+    docstring).
 
     Raises:
         ValueError: the message names the regex or the definition, and what to fix.
@@ -249,10 +254,7 @@ def check_grammar(grammar: str) -> None:
         sizes = {name: sized.size(name) for name in sized.bodies}
     except (_Unread, RecursionError):
         return
-    name, size = max(sizes.items(), key=lambda item: item[1], default=("", 0))
-    if size > size_limit(grammar):
-        raise ValueError(
-            f"the grammar's {'terminal' if _is_terminal(name) else 'rule'} {name[:60]!r} "
-            f"expands to about {size:,} nodes once its counted repetitions are unrolled; the "
-            f"limit is {size_limit(grammar):,}: use + or * or a smaller count"
-        )
+    name, size = max(sizes.items(), key=lambda item: item[1].added, default=("", ONE))
+    if size.added > limits.MAX_REGEX_SIZE:
+        kind = "terminal" if _is_terminal(name) else "rule"
+        raise too_large(f"the grammar's {kind} {name[:60]!r}", size)

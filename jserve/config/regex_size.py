@@ -5,11 +5,14 @@ llguidance unrolls a counted repetition: `a{1000000}` becomes a million copies o
 `(a{1000}){1000}` a thousand copies of a thousand. It refuses them in the end (its lexer runs
 out of fuel), but only after it has spent CPU-seconds building them on the compile pool. So
 every regex a constraint hands to it is measured first, with Python's own regex parser, and
-one whose expanded size is over `size_limit` is refused at once (a ValueError that says what
-to fix; StructuredOutputsParams raises it on construction, which the server turns into a 400
-naming the field). docs/architecture.md gives the numbers behind the bound.
+one whose counted repetitions add more than MAX_REGEX_SIZE nodes to those it writes out is
+refused at once (a ValueError that says what to fix; StructuredOutputsParams raises it on
+construction, which the server turns into a 400 naming the field). What is written out is
+bounded by the characters (MAX_CONSTRAINT_CHARS), so a long regex without counts is served,
+and neither padding nor comments buy room for counts. docs/architecture.md gives the numbers
+behind the bound.
 
-The size counts the nodes of the regex with its counted repetitions unrolled, `regex_size`:
+The size (`regex_size`) counts the regex's nodes with its counted repetitions unrolled:
 - a literal, a class, `.` or an anchor is 1; a concatenation or an alternation is the sum of
   its parts; a group is its body;
 - `x{m,n}` is size(x) * max(n, 1) and `x{m,}` is size(x) * max(m, 1), so `x*`, `x+` and
@@ -36,19 +39,18 @@ from __future__ import annotations
 import json
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from functools import lru_cache
 from re import _constants as sre  # type: ignore[attr-defined]  # Python's regex parser's codes
 from re import _parser as sre_parse  # type: ignore[attr-defined]
-from typing import Any
+from typing import Any, NamedTuple
 
 from jserve.config.validation import excerpt
 
 # Characters of a constraint's text (JSON schema, regex, Lark/GBNF grammar, or the choices as
 # a JSON list): compile time and memory grow with it.
 MAX_CONSTRAINT_CHARS = 100_000
-# Nodes of one regex with its counted repetitions unrolled (`regex_size`), unless the regex
-# is longer (`size_limit`).
+# Nodes that unrolling one regex's counted repetitions may add to those it writes out.
 MAX_REGEX_SIZE = 20_000
 # Characters of a regex's place in a schema quoted in an error (a path can be long).
 _WHERE_CHARS = 160
@@ -78,21 +80,44 @@ def _parse(pattern: str) -> Any:
         return sre_parse.parse(pattern)
 
 
-def _tree_size(items: Any) -> int:
-    """The unrolled size of a parsed sequence (a list of (opcode, argument) pairs)."""
-    return sum(_node_size(op, arg) for op, arg in items)
+class Size(NamedTuple):
+    """The nodes of a regex (or of a Lark definition) with its counted repetitions unrolled,
+    and as written, each count taken once: unrolling adds their difference."""
+
+    unrolled: int
+    written: int
+
+    @property
+    def added(self) -> int:
+        return self.unrolled - self.written
 
 
-def repeat_size(low: int, high: int, body: int) -> int:
+ONE = Size(1, 1)
+
+
+def total(sizes: Iterable[Size]) -> Size:
+    """The size of a concatenation or an alternation of parts of these sizes."""
+    unrolled = written = 0
+    for size in sizes:
+        unrolled, written = unrolled + size.unrolled, written + size.written
+    return Size(unrolled, written)
+
+
+def repeat(low: int, high: int, body: Size) -> Size:
     """The size of `body{low,high}` (`high` is `unbounded` for `{low,}`)."""
-    return body * max(low if high == unbounded else high, 1)
+    return Size(body.unrolled * max(low if high == unbounded else high, 1), body.written)
 
 
-def _node_size(op: Any, arg: Any) -> int:
+def _tree_size(items: Any) -> Size:
+    """The size of a parsed sequence (a list of (opcode, argument) pairs)."""
+    return total(_node_size(op, arg) for op, arg in items)
+
+
+def _node_size(op: Any, arg: Any) -> Size:
     if op in _REPEATS:
-        return repeat_size(arg[0], arg[1], _tree_size(arg[2]))
+        return repeat(arg[0], arg[1], _tree_size(arg[2]))
     if op is sre.BRANCH:
-        return sum(_tree_size(branch) for branch in arg[1])
+        return total(_tree_size(branch) for branch in arg[1])
     if op is sre.SUBPATTERN:
         return _tree_size(arg[-1])
     if op is sre.ATOMIC_GROUP:
@@ -100,12 +125,12 @@ def _node_size(op: Any, arg: Any) -> int:
     if op in (sre.ASSERT, sre.ASSERT_NOT):
         return _tree_size(arg[1])
     if op is sre.GROUPREF_EXISTS:
-        return sum(_tree_size(branch) for branch in arg[1:] if branch is not None)
-    return 1  # a literal, a class, `.`, an anchor, a back-reference
+        return total(_tree_size(branch) for branch in arg[1:] if branch is not None)
+    return ONE  # a literal, a class, `.`, an anchor, a back-reference
 
 
-def _stacked_factor(pattern: str, at: int) -> tuple[int, int]:
-    """The count of the quantifier at `pattern[at:]` as a factor of size, and its length."""
+def _stacked_count(pattern: str, at: int) -> tuple[int, int]:
+    """The count of the quantifier at `pattern[at:]` (as it multiplies a size), its length."""
     match = _QUANTIFIER.match(pattern, at)
     if match is None or match[0] == "{}":
         raise ValueError("not a quantifier")
@@ -113,13 +138,13 @@ def _stacked_factor(pattern: str, at: int) -> tuple[int, int]:
         return 1, 1
     low = int(match[1] or 0)
     high = unbounded if match[2] and not match[3] else int(match[3] or match[1] or 0)
-    return repeat_size(low, high, 1), len(match[0])
+    return repeat(low, high, ONE).unrolled, len(match[0])
 
 
 @lru_cache(maxsize=256)
-def regex_size(pattern: str) -> int | None:
-    """The nodes of `pattern` with its counted repetitions unrolled (the rules
-    are in this module's docstring); None when Python's parser cannot read it.
+def regex_size(pattern: str) -> Size | None:
+    """`pattern`'s size (the rules are in this module's docstring); None when Python's parser
+    cannot read it.
 
     Raises:
         ValueError: more than MAX_STACKED_QUANTIFIERS quantifiers stacked on quantifiers.
@@ -127,12 +152,13 @@ def regex_size(pattern: str) -> int | None:
     factor, text = 1, _RUST_ONLY.sub(_as_python, pattern)
     for _ in range(MAX_STACKED_QUANTIFIERS + 1):
         try:
-            return factor * _tree_size(_parse(text))
+            size = _tree_size(_parse(text))
+            return Size(factor * size.unrolled, size.written)
         except re.error as e:
             if not e.msg.startswith("multiple repeat") or e.pos is None:
                 return None
             try:
-                count, length = _stacked_factor(text, e.pos)
+                count, length = _stacked_count(text, e.pos)
             except ValueError:
                 return None
             factor *= count
@@ -145,16 +171,18 @@ def regex_size(pattern: str) -> int | None:
     )
 
 
-def size_limit(text: str) -> int:
-    """The most nodes `text` (a regex or a grammar) may unroll to: MAX_REGEX_SIZE, or its own
-    length if that is more. Nodes written out are no more than the characters that write them,
-    so a long regex without counts is never refused, and unrolling never makes a constraint
-    dearer than one written out in full under MAX_CONSTRAINT_CHARS would be."""
-    return max(MAX_REGEX_SIZE, len(text))
+def too_large(what: str, size: Size) -> ValueError:
+    """The refusal of `what` (a regex, a grammar's definition), which unrolls to `size`."""
+    return ValueError(
+        f"{what} expands to about {size.unrolled:,} nodes once its counted repetitions are "
+        f"unrolled, {size.added:,} more than it writes out; they may add at most "
+        f"{MAX_REGEX_SIZE:,}: use + or * or a smaller count"
+    )
 
 
 def check_regex(pattern: str, where: str = "") -> None:
-    """Refuse `pattern` if it unrolls past `size_limit`.
+    """Refuse `pattern` if unrolling its counted repetitions adds more than MAX_REGEX_SIZE
+    nodes to those it writes out.
 
     Args:
         pattern: the regex, in llguidance's (Rust regex) syntax.
@@ -166,15 +194,11 @@ def check_regex(pattern: str, where: str = "") -> None:
     if len(pattern) > MAX_CONSTRAINT_CHARS:
         return  # refused by its length, before llguidance too
     size = regex_size(pattern)
-    if size is not None and size > size_limit(pattern):
+    if size is not None and size.added > MAX_REGEX_SIZE:
         if len(where) > _WHERE_CHARS:  # a deep path: its end says the most
             where = "..." + where[3 - _WHERE_CHARS :]
         place = f" ({where})" if where else ""
-        raise ValueError(
-            f"the regex {excerpt(pattern)!r}{place} expands to about {size:,} nodes once its "
-            f"counted repetitions are unrolled; the limit is {size_limit(pattern):,}: use + or * "
-            "or a smaller count"
-        )
+        raise too_large(f"the regex {excerpt(pattern)!r}{place}", size)
 
 
 def _schema_patterns(schema: Any) -> Iterator[tuple[str, str]]:

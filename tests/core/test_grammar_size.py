@@ -57,6 +57,7 @@ def test_what_is_not_a_regex_literal_is_not_read_as_one(grammar):
         ("start: a\na: /a{1000}/{1000}", "rule 'a'", "1,000,000"),
         ('start: x\n  // a comment line\n  | y\nx: "a"\ny: /b{100}/ ~ 300', "rule 'y'", "30,000"),
         ('start: ("a" | "b" [C]){2}{15000}\nC: "c"', "rule 'start'", "90,000"),
+        ("// " + "x" * 50_000 + '\nstart: A\nA: "a"{30000}', "terminal 'A'", "30,000"),  # padded
     ],
 )  # fmt: skip
 def test_definitions_that_unroll_too_far_are_refused(grammar, what, size):

@@ -58,7 +58,15 @@ BOMB = "a{1000000}"
     ],
 )  # fmt: skip
 def test_size_matches_the_hand_computed_bound(pattern, size):
-    assert regex_size(pattern) == size
+    assert regex_size(pattern).unrolled == size
+
+
+@pytest.mark.parametrize(
+    ("pattern", "written"),
+    [("abc", 3), ("(a{3}b){4}", 2), ("(a{100}){100}{100}", 1), ("x(ab|c{9}){2}", 4)],
+)
+def test_written_size_takes_each_count_once(pattern, written):
+    assert regex_size(pattern).written == written
 
 
 @pytest.mark.parametrize("pattern", ["(unclosed", "a{99999999999}", "[a--b]", "(" * 5000])
@@ -86,7 +94,7 @@ REALISTIC = [
 @pytest.mark.parametrize("pattern", REALISTIC)
 def test_realistic_regexes_pass(pattern):
     size = regex_size(pattern)
-    assert size is not None and size <= MAX_REGEX_SIZE
+    assert size is not None and size.added <= MAX_REGEX_SIZE
     StructuredOutputsParams(regex=pattern)
 
 
@@ -95,36 +103,39 @@ def test_bombs_are_refused_with_what_to_fix(pattern):
     with pytest.raises(ValueError) as info:
         StructuredOutputsParams(regex=pattern)
     message = str(info.value)
+    added = 1_000_000 - regex_size(pattern).written
     assert message == (
         f"the regex {pattern!r} expands to about 1,000,000 nodes once its counted "
-        f"repetitions are unrolled; the limit is {MAX_REGEX_SIZE:,}: use + or * or a smaller "
-        "count"
+        f"repetitions are unrolled, {added:,} more than it writes out; they may add at most "
+        f"{MAX_REGEX_SIZE:,}: use + or * or a smaller count"
     )
 
 
 def test_the_bound_is_inclusive():
-    check_regex(f"a{{{MAX_REGEX_SIZE}}}")
+    check_regex(f"a{{{MAX_REGEX_SIZE + 1}}}")  # adds MAX_REGEX_SIZE copies to the one written
     with pytest.raises(ValueError, match="expands to about"):
-        check_regex(f"a{{{MAX_REGEX_SIZE + 1}}}")
+        check_regex(f"a{{{MAX_REGEX_SIZE + 2}}}")
 
 
-def test_a_long_regex_may_unroll_to_its_own_length():
-    """Nodes written out are no more than their characters: a long regex without counts is
-    served (as it was before this check), and counts may not take it past its length."""
+def test_a_long_regex_is_served_and_padding_buys_no_room():
+    """What a regex writes out is bounded by its characters, not by this check: a long regex
+    without counts is served (as it was before), and neither literals nor blanks around a
+    count let it add more."""
     words = "(" + "|".join(f"word{i}x" for i in range(5000)) + ")"  # 43,894 characters
     literal = "abcdefghij" * 3000
     for pattern in (words, literal, literal + "a{2}"):
         assert len(pattern) > MAX_REGEX_SIZE
         check_regex(pattern)
-    with pytest.raises(ValueError, match=r"about 55,000 nodes .* the limit is 25,008:"):
-        check_regex("b" * 25_000 + "a{30000}")
+    for padded in ("b" * 25_000 + "a{30000}", "(?x)" + " " * 50_000 + "a{25000}"):
+        with pytest.raises(ValueError, match=r"\d more than it writes out; they may add at"):
+            check_regex(padded)
 
 
 def test_too_many_stacked_quantifiers_are_refused():
     stacked = "a" + "{1}" * (rs.MAX_STACKED_QUANTIFIERS + 2)
     with pytest.raises(ValueError, match="stacks more than 4 quantifiers"):
         check_regex(stacked)
-    assert regex_size("a" + "{1}" * (rs.MAX_STACKED_QUANTIFIERS + 1)) == 1
+    assert regex_size("a" + "{1}" * (rs.MAX_STACKED_QUANTIFIERS + 1)) == (1, 1)
 
 
 def _schema_at(path: list[str], leaf: dict) -> dict:
