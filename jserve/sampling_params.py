@@ -47,9 +47,10 @@ class StructuredOutputsParams:
     """Exactly one output constraint, vLLM's field names: `json` a JSON schema (a dict or its
     JSON text), `json_object` any JSON object, `regex`, `choice` one of these strings, `grammar`
     a Lark or GBNF grammar. Whether the constraint compiles is the engine's check (it needs
-    the grammar engine and the tokenizer); here its shape is checked, and that no regex in it
-    unrolls past jserve.config.regex_size.MAX_REGEX_SIZE (which would cost the grammar engine
-    seconds before it refused)."""
+    the grammar engine and the tokenizer); here its shape is checked, and that unrolling the
+    counted repetitions of its regexes (and Lark definitions) adds at most
+    jserve.config.regex_size.MAX_REGEX_SIZE nodes (more would cost the grammar engine seconds
+    before it refused)."""
 
     json: str | dict | None = None
     json_object: bool = False

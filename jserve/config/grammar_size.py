@@ -92,7 +92,7 @@ def _tokens(grammar: str) -> Iterator[_Token]:
             try:
                 token.value, at = decoder.raw_decode(grammar, _SPACE.match(grammar, at).end())
                 token.kind = "json" if lexeme["keyword"] == "json" else "keyword"
-            except ValueError:  # llguidance refuses it with its own error
+            except (ValueError, RecursionError):  # llguidance refuses it with its own error
                 token.kind = "other"
         yield token
 
@@ -117,7 +117,7 @@ def _is_terminal(name: str) -> bool:
 
 def _definitions(tokens: list[_Token]) -> dict[str, list[_Token]]:
     """Each definition's name and body; a statement (`%ignore ...`) is skipped. A body runs to
-    the end of its line, and on over lines that start with `|`."""
+    the end of its line, and on through the lines after it that start with `|`."""
     bodies: dict[str, list[_Token]] = {}
     statements: list[list[_Token]] = [[]]
     for i, token in enumerate(tokens):

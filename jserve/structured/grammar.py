@@ -18,11 +18,11 @@ time wait for one compile.
 
 What is served is bounded, so that a request cannot hold a worker for long, take the
 memory of the host, or fail at its first token:
-- before the compiler: no regex of the constraint unrolls its counted repetitions past
-  jserve.config.regex_size.MAX_REGEX_SIZE (checked when StructuredOutputsParams is built,
-  so a regex like `a{1000000}` never reaches the pool); at most MAX_CHOICES options in a
-  choice, and at most MAX_CONSTRAINT_CHARS characters of schema, regex, grammar or choices
-  (in the canonical text form that keys the cache);
+- before the compiler: unrolling the counted repetitions of the constraint's regexes and
+  Lark definitions adds at most jserve.config.regex_size.MAX_REGEX_SIZE nodes (checked when
+  StructuredOutputsParams is built, so a regex like `a{1000000}` never reaches the pool);
+  at most MAX_CHOICES options in a choice, and at most MAX_CONSTRAINT_CHARS characters of
+  schema, regex, grammar or choices (in the canonical text form that keys the cache);
 - in the compiler: llguidance's `LLParserLimits` (`LIMITS`), which cap the grammar's size,
   the lexer's states and the work ("fuel") of building the lexer and of each token's mask;
 - after it: the first mask is computed, and one allowed token consumed on a copy
