@@ -62,6 +62,9 @@ _REPEATS = (sre.MAX_REPEAT, sre.MIN_REPEAT, sre.POSSESSIVE_REPEAT)  # greedy, la
 # An escape (taken whole, so `\\p` is not read as `\p`), or the start of a Rust named group.
 _RUST_ONLY = re.compile(r"\\[pP](?:\{[^}]*\}|.)?|\\.|\(\?<(?![=!])", re.S)
 _QUANTIFIER = re.compile(r"[*+?]|\{(\d*)(?:(,)(\d*))?\}")
+# What might be a count (`{2}`, `{2,}`, `{ 2 , 9 }` in verbose mode); an escaped `\{2}` may
+# match too, which only costs a parse.
+_COUNT = re.compile(r"\{[\d,\s]*\}")
 # JSON schema keywords whose values are data, never schemas: not searched for patterns.
 _DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 
@@ -193,6 +196,8 @@ def check_regex(pattern: str, where: str = "") -> None:
     """
     if len(pattern) > MAX_CONSTRAINT_CHARS:
         return  # refused by its length, before llguidance too
+    if _COUNT.search(pattern) is None:
+        return  # no count to unroll (`*`, `+`, `?` add nothing): no need to parse it
     size = regex_size(pattern)
     if size is not None and size.added > MAX_REGEX_SIZE:
         if len(where) > _WHERE_CHARS:  # a deep path: its end says the most

@@ -131,6 +131,15 @@ def test_a_long_regex_is_served_and_padding_buys_no_room():
             check_regex(padded)
 
 
+def test_a_regex_without_counts_is_not_parsed(monkeypatch):
+    """Only counts unroll; a regex without one is passed without the parse's cost."""
+    parsed = []
+    monkeypatch.setattr(rs, "regex_size", lambda pattern: parsed.append(pattern))
+    check_regex("(" + "|".join(f"w{i}" for i in range(9000)) + ")+" + r"\p{L}*")
+    check_regex("a{5}")
+    assert parsed == ["a{5}"]
+
+
 def test_too_many_stacked_quantifiers_are_refused():
     stacked = "a" + "{1}" * (rs.MAX_STACKED_QUANTIFIERS + 2)
     with pytest.raises(ValueError, match="stacks more than 4 quantifiers"):
