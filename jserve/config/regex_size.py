@@ -150,7 +150,8 @@ def regex_size(pattern: str) -> Size | None:
     cannot read it.
 
     Raises:
-        ValueError: more than MAX_STACKED_QUANTIFIERS quantifiers stacked on quantifiers.
+        ValueError: more than MAX_STACKED_QUANTIFIERS quantifiers stacked on quantifiers, and
+            a count among what is left to read.
     """
     factor, text = 1, _RUST_ONLY.sub(_as_python, pattern)
     for _ in range(MAX_STACKED_QUANTIFIERS + 1):
@@ -168,6 +169,8 @@ def regex_size(pattern: str) -> Size | None:
             text = text[: e.pos] + text[e.pos + length :]
         except (OverflowError, RecursionError, ValueError):  # e.g. a count past 2**32
             return None
+    if _COUNT.search(text) is None:
+        return None  # only `*`, `+`, `?` stacked: nothing they could add, left to llguidance
     raise ValueError(
         f"the regex {excerpt(pattern)!r} stacks more than {MAX_STACKED_QUANTIFIERS} "
         "quantifiers on quantifiers (like x{2}{3}); write x{6}, or group them: (?:x{2}){3}"

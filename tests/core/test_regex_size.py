@@ -145,6 +145,9 @@ def test_too_many_stacked_quantifiers_are_refused():
     with pytest.raises(ValueError, match="stacks more than 4 quantifiers"):
         check_regex(stacked)
     assert regex_size("a" + "{1}" * (rs.MAX_STACKED_QUANTIFIERS + 1)) == (1, 1)
+    assert regex_size("a" + "*" * 9) is None  # nothing stacked `*` could add: llguidance reads it
+    with pytest.raises(ValueError, match="stacks more than"):  # a count hidden behind them
+        regex_size("(a{1000})" + "*" * 9 + "{1000}")
 
 
 def _schema_at(path: list[str], leaf: dict) -> dict:
