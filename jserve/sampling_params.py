@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from jserve.config.grammar_size import check_grammar
+from jserve.config.regex_size import check_json_schema, check_regex
 from jserve.config.validation import INT64_MAX, INT64_MIN, check_float, check_int, show
 
 MAX_LOGPROBS = 20
@@ -45,7 +47,10 @@ class StructuredOutputsParams:
     """Exactly one output constraint, vLLM's field names: `json` a JSON schema (a dict or its
     JSON text), `json_object` any JSON object, `regex`, `choice` one of these strings, `grammar`
     a Lark or GBNF grammar. Whether the constraint compiles is the engine's check (it needs
-    the grammar engine and the tokenizer); here only its shape is checked."""
+    the grammar engine and the tokenizer); here its shape is checked, and that unrolling the
+    counted repetitions of its regexes (and Lark definitions) adds at most
+    jserve.config.regex_size.MAX_REGEX_SIZE nodes (more would cost the grammar engine seconds
+    before it refused)."""
 
     json: str | dict | None = None
     json_object: bool = False
@@ -77,6 +82,12 @@ class StructuredOutputsParams:
             or (bool(self.choice) and all(isinstance(c, str) and c for c in self.choice)),
             "structured outputs 'choice' must be a non-empty list of non-empty strings",
         )
+        if self.json is not None:
+            check_json_schema(self.json)
+        elif self.regex is not None:
+            check_regex(self.regex)
+        elif self.grammar is not None:
+            check_grammar(self.grammar)
 
     @property
     def kind(self) -> StructuredKind:

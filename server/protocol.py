@@ -25,6 +25,7 @@ from typing import Any
 
 import msgspec
 
+from jserve.config.regex_size import check_json_schema
 from jserve.config.scheduler import Lane
 from jserve.config.validation import FLOAT32_MAX, check_float, check_int, check_token_ids, show
 from jserve.core.tenants import DEFAULT_TENANT, check_tenant_name
@@ -308,6 +309,22 @@ def _chat_logprobs(body: ChatRequest, policy: RequestPolicy) -> tuple[int | None
     return ((top_logprobs or 0) if body.logprobs else None), top_logprobs or 0
 
 
+def _forced_constraint(tools: ToolRequest | None) -> StructuredOutputsParams | None:
+    """The grammar a "required" or named tool_choice imposes (it embeds the tools' parameters
+    schemas); a 400 naming the tool whose schema holds a regex too large to unroll."""
+    if tools is None or tools.choice == ToolUse.AUTO:
+        return None
+    for i, tool in enumerate(tools.tools):
+        if tools.named not in (None, tool["function"]["name"]):
+            continue  # not in the grammar
+        field = f"tools[{i}].function.parameters"
+        try:
+            check_json_schema(tool["function"].get("parameters") or {})
+        except ValueError as exc:
+            raise APIError(400, f"'{field}': {exc}", param=field) from exc
+    return tools.constraint()
+
+
 def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> ParsedRequest:
     """Parse a chat request; encode_prompt renders and tokenizes its messages."""
     _refuse_unsupported(body)
@@ -321,7 +338,7 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
     tools = _tool_request(body, policy.auto_tool_choice)
     constraint = output_constraint(body)
     fields = {**renamed, **_constraint_fields(constraint_field(body))}
-    forced = tools.constraint() if tools is not None else None
+    forced = _forced_constraint(tools)
     if forced is not None:
         if constraint is not None:
             raise APIError(

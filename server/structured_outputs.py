@@ -9,7 +9,8 @@ Accepted (at most one constraint per request; two are a 400, never a silent choi
 
 Their shapes are the protocol Structs' (server/protocol_types.py); whether a schema, regex or
 grammar compiles is the engine's check at admission (a 400 naming the problem, through
-RequestRejected "invalid").
+RequestRejected "invalid"). A regex in it whose counted repetitions unroll too far is refused
+here already, by StructuredOutputsParams (jserve.config.regex_size), a 400 naming the field.
 """
 
 from __future__ import annotations

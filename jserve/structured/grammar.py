@@ -18,15 +18,17 @@ time wait for one compile.
 
 What is served is bounded, so that a request cannot hold a worker for long, take the
 memory of the host, or fail at its first token:
-- before the compiler: at most MAX_CHOICES options in a choice, and at most
-  MAX_CONSTRAINT_CHARS characters of schema, regex, grammar or choices (in the canonical
-  text form that keys the cache);
+- before the compiler: unrolling the counted repetitions of the constraint's regexes and
+  Lark definitions adds at most jserve.config.regex_size.MAX_REGEX_SIZE nodes (checked when
+  StructuredOutputsParams is built, so a regex like `a{1000000}` never reaches the pool);
+  at most MAX_CHOICES options in a choice, and at most MAX_CONSTRAINT_CHARS characters of
+  schema, regex, grammar or choices (in the canonical text form that keys the cache);
 - in the compiler: llguidance's `LLParserLimits` (`LIMITS`), which cap the grammar's size,
   the lexer's states and the work ("fuel") of building the lexer and of each token's mask;
 - after it: the first mask is computed, and one allowed token consumed on a copy
-  (`_probe`), so a grammar past the limits at its first token (a regex like `a{1000000}`) is
-  refused at admission. (This also fills the lexer caches that every copy shares, so the
-  first step of each sequence is cheap.) A limit reached later in a sequence fails only that
+  (`_probe`), so a grammar past the limits at its first token is refused at admission.
+  (This also fills the lexer caches that every copy shares, so the first step of each
+  sequence is cheap.) A limit reached later in a sequence fails only that
   sequence (jserve.structured.decoding).
 Every refusal is a GrammarError whose message is short: at most ERROR_CHARS characters of
 llguidance's error, never its state dump or the grammar.
@@ -44,15 +46,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import llguidance
 import numpy as np
 
+from jserve.config.regex_size import MAX_CONSTRAINT_CHARS
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.sampling_params import StructuredKind, StructuredOutputsParams
 
 # Options of one choice constraint. Each option is one alternative of a single grammar rule,
 # and llguidance's parser refuses a rule with more alternatives than max_items_in_row (below).
 MAX_CHOICES = 1_000
-# Characters of a constraint's text (JSON schema, regex, Lark/GBNF grammar, or the choices as
-# a JSON list): compile time and memory grow with it.
-MAX_CONSTRAINT_CHARS = 100_000
 # llguidance's limits; the values are its defaults, except where noted.
 LIMITS = llguidance.LLParserLimits(
     max_items_in_row=2_000,  # alternatives of one rule in one parser row

@@ -168,7 +168,6 @@ def test_constrained_greedy_equals_unconstrained_when_the_model_already_complies
         (dict(json={"type": "array", "uniqueItems": True}), "does not support"),
         (dict(regex="[a-"), "invalid regex"),
         (dict(grammar="start: missing_rule"), "invalid grammar"),
-        (dict(regex="a{1000000}"), "invalid regex: lexer error: too many expressions"),
         (dict(choice=[f"option {i}" for i in range(10_000)]), "at most 1000 are served"),
     ],
 )
@@ -248,8 +247,9 @@ def test_the_async_engine_compiles_before_queueing_and_never_on_the_step_thread(
         try:
             params = constrained(max_tokens=20, json=schema)
             outputs = [out async for out in aengine.generate(prompt, params, "good")]
+            bad = constrained(regex="(unclosed, not compiled before")
             with pytest.raises(RequestRejected, match="invalid regex") as info:
-                async for _ in aengine.generate(prompt, constrained(regex="b{1000000}"), "bad"):
+                async for _ in aengine.generate(prompt, bad, "bad"):
                     pass
             return outputs, info.value
         finally:

@@ -96,7 +96,7 @@ async def test_response_format_and_guided_fields_constrain_the_output(engine):
         ({"guided_json": {"type": "array", "uniqueItems": True}}, "does not support"),
         ({"guided_regex": "(unclosed"}, "invalid regex"),
         ({"guided_grammar": "start: nowhere"}, "invalid grammar"),
-        ({"guided_regex": "a{1000000}"}, "invalid regex: lexer error: too many expressions"),
+        ({"guided_regex": "a{1000000}"}, "expands to about 1,000,000 nodes"),
         ({"guided_choice": [f"option {i}" for i in range(10_000)]}, "at most 1000 are served"),
     ],
 )  # fmt: skip
