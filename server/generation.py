@@ -154,7 +154,7 @@ async def _stream(
 
     async def send(output: RequestOutput) -> None:
         for choice in output.outputs:
-            chunk = builder.delta_chunk(choice, cursors[choice.index])
+            chunk = builder.delta_chunk(choice, cursors[choice.index], output)
             if chunk is not None:
                 if include_usage:
                     chunk["usage"] = None
@@ -217,9 +217,17 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
         state.metrics.rejected(RejectReason.INVALID, parsed.lane, tenant)
         raise
     request_id = f"{'cmpl' if kind is Endpoint.COMPLETION else 'chatcmpl'}-{uuid.uuid4().hex}"
+    echo = None
+    if parsed.echo:
+        echo = (
+            parsed.prompt
+            if isinstance(parsed.prompt, str)
+            else engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
+        )
     builder = ResponseBuilder(
-        kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools
-    )
+        kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools,
+        echo,
+    )  # fmt: skip
     gen = _Generation(engine, parsed, prompt_ids, request_id, state.metrics, tenant)
     state.in_flight.add(request_id)
     try:

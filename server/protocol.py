@@ -2,10 +2,11 @@
 
 The bodies' shapes and types are the Structs of server/protocol_types.py (decoded by
 server/decoding.py); here are the checks that need more than one field or jserve's own rules,
-each a 400 naming the field: the prompt's forms, fields jserve cannot honour (echo, suffix,
-logit_bias, best_of != n, functions, tools on completions), tools against tool_choice, at most
-one output constraint (server/structured_outputs.py), and the value ranges SamplingParams
-checks (jserve/sampling_params.py). An explicit null is the field's default.
+each a 400 naming the field: the prompt's forms, fields jserve cannot honour (echo on chat,
+suffix, logit_bias, best_of != n, functions, tools on completions), tools against
+tool_choice, at most one output constraint (server/structured_outputs.py), and the value
+ranges SamplingParams checks (jserve/sampling_params.py). An explicit null is the field's
+default.
 
 jserve's own fields: `lane` (default "interactive") picks the scheduling lane, and `timeout`
 (seconds) sets the request's deadline (jserve.core.deadlines; a deadline the engine estimates
@@ -64,11 +65,10 @@ class ParsedRequest:
     timeout: float | None
     top_logprobs: int = 0  # chat: how many alternatives to list per token
     tools: ToolRequest | None = None  # chat: the tools it may call (server/tools.py)
+    echo: bool = False  # completions: the prompt leads the text (and the logprobs)
 
 
 def _refuse_unsupported(body: GenerationRequest) -> None:
-    if body.echo:
-        raise APIError(400, "'echo' is not supported; send echo=false", param="echo")
     if body.suffix:
         raise APIError(400, "'suffix' is not supported", param="suffix")
     if body.logit_bias:
@@ -87,6 +87,7 @@ def _sampling_params(
     logprobs: int | None,
     constraint: StructuredOutputsParams | None,
     renamed: dict[str, str],
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams of the request: fields it leaves out (or null) keep their defaults,
     except max_tokens, whose None means "fill the context". A value out of range is a 400
@@ -94,6 +95,7 @@ def _sampling_params(
     kwargs: dict[str, Any] = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     kwargs.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint)
+    kwargs.update(prompt_logprobs=prompt_logprobs)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
@@ -168,9 +170,17 @@ def parse_completion(body: CompletionRequest) -> ParsedRequest:
         raise APIError(400, "'tools' is only supported on /v1/chat/completions", param="tools")
     prompt = _prompt(body.prompt)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
-    params = _sampling_params(body, max_tokens, body.logprobs, output_constraint(body), {})
+    echo = bool(body.echo)
+    prompt_logprobs = body.prompt_logprobs
+    if echo and body.logprobs is not None:  # the prompt's tokens lead the logprobs (vLLM's)
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+    params = _sampling_params(
+        body, max_tokens, body.logprobs, output_constraint(body), {}, prompt_logprobs
+    )
     stream, include_usage, lane, timeout = _request_options(body)
-    return ParsedRequest(prompt, None, params, body.model, stream, include_usage, lane, timeout)
+    return ParsedRequest(
+        prompt, None, params, body.model, stream, include_usage, lane, timeout, echo=echo
+    )
 
 
 def chat_messages(messages: list[Message]) -> list[dict[str, str]]:
@@ -261,6 +271,9 @@ def _chat_logprobs(body: ChatRequest) -> tuple[int | None, int]:
 def parse_chat(body: ChatRequest) -> ParsedRequest:
     """Parse a chat request; encode_prompt renders and tokenizes its messages."""
     _refuse_unsupported(body)
+    for name in ("echo", "prompt_logprobs"):
+        if getattr(body, name) is not None and getattr(body, name) is not False:
+            raise APIError(400, f"'{name}' is supported on /v1/completions only", param=name)
     messages = chat_messages(body.messages)
     # None (OpenAI's default for chat): as much as the context window leaves; the engine
     # resolves it per prompt.

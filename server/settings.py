@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from jserve.config.settings import Bounds, check_settings, documented, setting
 from jserve.config.validation import INT32_MAX
+from jserve.sampling_params import PoolingType
 
 _SECONDS = Bounds(0.0, 86_400.0, lo_open=True)  # a timeout: more than 0, at most a day
 
@@ -85,6 +86,14 @@ class ServerSettings:
         "connections that have not yet sent a complete request head; a new one past this "
         "closes the oldest",
         bounds=Bounds(1, 1_000_000),
+    )
+
+    pooling_type: PoolingType = setting(
+        PoolingType.LAST,
+        "how /v1/embeddings pools the prompt's final hidden states before L2-normalizing: the "
+        "last token's, or their mean (vLLM: --override-pooler-config "
+        '\'{"pooling_type": "MEAN"}\')',
+        choices=PoolingType,
     )
 
     def __post_init__(self) -> None:
