@@ -91,8 +91,8 @@ class ServerSettings:
     pooling_type: PoolingType = setting(
         PoolingType.LAST,
         "how /v1/embeddings pools the prompt's final hidden states before L2-normalizing: the "
-        "last token's, or their mean (vLLM: --override-pooler-config "
-        '\'{"pooling_type": "MEAN"}\')',
+        "last token's, or their mean (the pooling_type of vLLM's pooler config)",
+        vllm="--override-pooler-config",
         choices=PoolingType,
     )
 
