@@ -4,9 +4,9 @@
 `import jserve.core` (the pure-Python scheduler) never pulls in JAX.
 """
 
-from jserve.sampling_params import SamplingParams, StructuredOutputsParams
+from jserve.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "PoolingParams", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

@@ -137,10 +137,12 @@ class _TextField:
 
 @dataclass
 class Logprob:
-    """Log-probability of one token, with its decoded text."""
+    """Log-probability of one token, with its decoded text and, for prompt logprobs, its
+    rank (1 + the tokens more likely at that position; vLLM's Logprob)."""
 
     logprob: float
     decoded_token: str | None = None
+    rank: int | None = None
 
 
 @dataclass
@@ -186,6 +188,9 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     num_cached_tokens: int = 0
     error: str | None = None  # why the engine failed this request (finish_reason "error")
+    # SamplingParams.prompt_logprobs: one entry a prompt token, None for the first (vLLM's)
+    prompt_logprobs: Sequence[dict[int, Logprob] | None] | None = None
+    embedding: list[float] | None = None  # an embedding request's (PoolingParams) once finished
 
 
 @dataclass

@@ -117,6 +117,7 @@ class SamplingParams:
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -156,6 +157,8 @@ class SamplingParams:
             check_int(f"stop_token_ids[{i}]", token, 0)
         if self.logprobs is not None:
             check_int("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            check_int("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
@@ -182,3 +185,29 @@ class SamplingParams:
             f"stop strings must be at most {MAX_STOP_TOTAL_LENGTH} characters long in all, got "
             f"{total}",
         )
+
+
+class PoolingType(StrEnum):
+    """How an embedding request pools its prompt's final hidden states (vLLM's pooler
+    `pooling_type`, lower case): the last token's, or the mean over every prompt token."""
+
+    LAST = "last"
+    MEAN = "mean"
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """An embedding request (vLLM's PoolingParams, embed task): its prompt is prefilled, its
+    final hidden states (after the final norm) pooled by `pooling_type` and L2-normalized,
+    and nothing is generated."""
+
+    pooling_type: PoolingType = PoolingType.LAST
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "pooling_type", PoolingType(self.pooling_type))
+        except ValueError:
+            names = [str(t) for t in PoolingType]
+            raise ValueError(
+                f"pooling_type must be one of {names}, got {show(self.pooling_type)}"
+            ) from None

@@ -26,6 +26,7 @@ from jserve.core.tenants import TenantLabels
 from jserve.errors import EngineDeadError
 from jserve.server.admin import add_admin_routes
 from jserve.server.api_errors import APIError
+from jserve.server.embeddings import add_embedding_routes
 from jserve.server.engine_client import EngineClient
 from jserve.server.generation import chat_completions, completions
 from jserve.server.metrics import ServerMetrics
@@ -142,6 +143,7 @@ def create_app(
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     add_tokenization_routes(app)
+    add_embedding_routes(app)
     add_worker_routes(app)
     add_admin_routes(app)
     add_responses_routes(app)

@@ -12,7 +12,7 @@ from typing import Any, Protocol
 from jserve.config.scheduler import Lane
 from jserve.core.tenants import DEFAULT_TENANT
 from jserve.outputs import EngineState, EngineStats, RequestOutput
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import PoolingParams, SamplingParams
 
 
 class TokenizerLike(Protocol):
@@ -38,6 +38,8 @@ class EngineClient(Protocol):
     and `jserve.errors.EngineDeadError` when the engine dies. A request not finished `timeout`
     seconds after `generate` was called, waiting or running, finishes with finish_reason
     "timeout" and keeps the tokens it generated (jserve.core.deadlines states the rule).
+    With `pooling` it is an embedding request: `params` are not used, nothing is generated,
+    and its one finished output carries the `embedding` (`hidden_size` floats).
     `abort` frees the request's KV blocks at once and ends its stream (finish_reason "abort");
     aborting an unknown or finished request is a no-op. `stats` returns a snapshot;
     `iteration_tokens` is drained by each call.
@@ -47,6 +49,7 @@ class EngineClient(Protocol):
     quantization: str  # the weights as served: "none", or "gguf:" and their block formats
     max_model_len: int
     vocab_size: int  # token ids are in [0, vocab_size)
+    hidden_size: int  # an embedding's length
     tokenizer: TokenizerLike
     state: EngineState
     dead_reason: str | None
@@ -67,6 +70,7 @@ class EngineClient(Protocol):
         lane: Lane = Lane.INTERACTIVE,
         timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]: ...
 
     async def abort(self, request_id: str) -> None: ...

@@ -171,7 +171,7 @@ async def _stream(
 
     async def send(output: RequestOutput) -> None:
         for choice in output.outputs:
-            chunk = builder.delta_chunk(choice, cursors[choice.index])
+            chunk = builder.delta_chunk(choice, cursors[choice.index], output)
             if chunk is not None:
                 if include_usage:
                     chunk["usage"] = None
@@ -245,13 +245,23 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
             parsed.lane, tenant, parsed.params,
         )  # fmt: skip
     builder = ResponseBuilder(
-        kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools
-    )
+        kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools,
+        _echo_text(parsed, engine, prompt_ids),
+    )  # fmt: skip
     gen = Generation(engine, parsed, prompt_ids, request_id, state.metrics, tenant)
     async with tracked(state, gen):
         if parsed.stream:
             return await _stream(request, gen, builder, parsed.include_usage)
         return await _respond_once(request, gen, builder)
+
+
+def _echo_text(parsed: ParsedRequest, engine: EngineClient, prompt_ids: list[int]) -> str | None:
+    """The prompt as `echo` puts it before the output (completions), or None without echo."""
+    if not parsed.echo:
+        return None
+    if isinstance(parsed.prompt, str):
+        return parsed.prompt
+    return engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 
 
 async def completions(request: web.Request) -> web.StreamResponse:

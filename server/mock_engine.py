@@ -9,7 +9,12 @@
 - Stopping: the engine's own rules (jserve.core.stopping: stop ids, max_tokens, stop strings from
   min_tokens on, held-back text); there is no EOS.
 - Logprobs: the sampled token has -0.5; with logprobs=k the alternatives are the next k-1 ids
-  after it, with -1.5, -2.5, ...
+  after it, with -1.5, -2.5, ... Prompt logprobs (prompt_logprobs=k): None for the first
+  prompt token; prompt token t has -0.25 and rank 1, and the next k-1 ids after it -1.25,
+  -2.25, ... with ranks 2, 3, ...
+- Embeddings (`pooling`): `hidden_size` (8) values, value d being the last prompt id plus d
+  (last pooling) or the mean of the prompt ids plus d (mean pooling), L2-normalized; one
+  output at once, finished, with no tokens.
 - A step loop emits one token per running choice every `token_delay` seconds; at most
   `max_num_seqs` requests run, at most `max_waiting` wait (more -> RequestRejected
   "queue_full"); n above `max_n` is refused ("invalid"), as the engine's --max-n does. Fake
@@ -43,7 +48,7 @@ from jserve.outputs import (
     RequestMetrics,
     RequestOutput,
 )
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import PoolingParams, PoolingType, SamplingParams
 
 
 def _is_scalar_value(code_point: int) -> bool:
@@ -82,6 +87,7 @@ class _Request:
     stop_searches: list[StopStringSearch]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     done: bool = False
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + sum(len(c.token_ids) for c in self.choices)
@@ -105,6 +111,7 @@ class MockEngine:
         self.quantization = quantization
         self.max_model_len = max_model_len
         self.vocab_size = 0x110000
+        self.hidden_size = 8
         self.tokenizer = CharTokenizer()
         self.state = EngineState.READY
         self.dead_reason: str | None = None
@@ -137,6 +144,7 @@ class MockEngine:
         lane: Lane = Lane.INTERACTIVE,
         timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         self.tenants[request_id] = tenant
         if self.state is EngineState.DEAD:
@@ -148,7 +156,7 @@ class MockEngine:
                 RejectReason.INVALID, f"n must be at most {self.max_n}, got {params.n}", param="n"
             )
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        max_tokens = params.max_tokens or self.max_model_len - len(ids)
+        max_tokens = 1 if pooling else params.max_tokens or self.max_model_len - len(ids)
         if max_tokens < 1 or len(ids) + max_tokens > self.max_model_len:
             raise RequestRejected(
                 RejectReason.TOO_LONG,
@@ -159,6 +167,10 @@ class MockEngine:
             raise RequestRejected(
                 RejectReason.QUEUE_FULL, f"{len(self._waiting)} requests are waiting; retry later"
             )
+        if pooling is not None:
+            self._stats.prompt_tokens += len(ids)
+            yield self._embedded(request_id, ids, pooling)
+            return
         now = time.monotonic()
         stop = StopConditions.from_params(params, (), max_tokens)
         request = _Request(
@@ -167,6 +179,7 @@ class MockEngine:
             [CompletionOutput(index=j, logprobs=None if params.logprobs is None else [])
              for j in range(params.n)],
             [stop.stop_string_search() for _ in range(params.n)],
+            prompt_logprobs=self._prompt_logprobs(ids, params.prompt_logprobs),
         )  # fmt: skip
         self._waiting.append(request)
         if self._loop_task is None or self._loop_task.done():
@@ -180,6 +193,28 @@ class MockEngine:
             yield item
             if item.finished:
                 return
+
+    def _prompt_logprobs(
+        self, ids: list[int], k: int | None
+    ) -> list[dict[int, Logprob] | None] | None:
+        if k is None:
+            return None
+        decode = self.tokenizer.decode
+        return [None] + [
+            {t + r: Logprob(-0.25 - r, decode([t + r]), r + 1) for r in range(max(1, k))}
+            for t in ids[1:]
+        ]
+
+    def _embedded(self, request_id: str, ids: list[int], pooling: PoolingParams) -> RequestOutput:
+        last = pooling.pooling_type is PoolingType.LAST
+        base = ids[-1] if last else sum(ids) / len(ids)
+        vector = [base + d for d in range(self.hidden_size)]
+        norm = math.sqrt(sum(v * v for v in vector))
+        now = time.monotonic()
+        return RequestOutput(
+            request_id, None, ids, [CompletionOutput(0, finish_reason=FinishReason.STOP)], True,
+            RequestMetrics(now, now, now, now, now), embedding=[v / norm for v in vector],
+        )  # fmt: skip
 
     async def control(self, changes: dict[str, Any]) -> dict[str, Any]:
         if not changes:
@@ -294,5 +329,5 @@ class MockEngine:
         metrics = RequestMetrics(**vars(request.metrics))
         request.queue.put_nowait(
             RequestOutput(request.request_id, None, list(request.prompt_ids), choices, finished,
-                          metrics)
+                          metrics, prompt_logprobs=request.prompt_logprobs)
         )  # fmt: skip

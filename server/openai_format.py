@@ -7,11 +7,18 @@ where a block may start, the calls come in the choice's last chunk, and no call 
 ever content, whether the output finished or was cut. finish_reason is "length" for a cut
 output (with the calls completed before the cut), else "tool_calls" when calls were made
 ("stop" for a named function).
+
+Completions with `echo` lead each choice's text with the prompt's and, with `logprobs`, its
+logprobs arrays with the prompt's tokens (the first one's logprob null), as OpenAI's legacy
+completions did; a stream sends them in the choice's first chunk. vLLM's `prompt_logprobs`
+come as each choice's `prompt_logprobs` list (null for the first token; token id -> logprob,
+rank, decoded_token), in the first chunk of a stream.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -50,6 +57,7 @@ class ChoiceCursor:
     num_tokens: int = 0
     text_offset: int = 0  # legacy completions logprobs: characters of token text sent so far
     finished: bool = False
+    started: bool = False  # its first chunk (the echo, prompt logprobs) was sent
 
 
 def completion_logprobs(
@@ -75,6 +83,52 @@ def completion_logprobs(
     return result
 
 
+PromptLogprobs = Sequence[dict[int, Logprob] | None]
+
+
+def prompt_logprobs_json(scored: PromptLogprobs) -> list[dict[int, dict] | None]:
+    """vLLM's `prompt_logprobs` of a choice: per prompt token None (the first) or token id
+    -> {logprob, rank, decoded_token}."""
+    return [
+        None
+        if entry is None
+        else {
+            tid: {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for tid, lp in entry.items()
+        }
+        for entry in scored
+    ]
+
+
+def echo_logprobs(
+    tokenizer: TokenizerLike,
+    prompt_ids: Sequence[int],
+    scored: PromptLogprobs,
+    cursor: ChoiceCursor,
+) -> dict[str, list]:
+    """Legacy completions logprobs of the prompt's tokens (the first's logprob and
+    alternatives null); advances text_offset."""
+    result: dict[str, list] = {
+        "tokens": [],
+        "token_logprobs": [],
+        "top_logprobs": [],
+        "text_offset": [],
+    }
+    for token_id, entry in zip(prompt_ids, scored, strict=True):
+        if entry is None:
+            token = tokenizer.decode([token_id], skip_special_tokens=False)
+            result["token_logprobs"].append(None)
+            result["top_logprobs"].append(None)
+        else:
+            token = _token_text(tokenizer, token_id, entry[token_id])
+            result["token_logprobs"].append(entry[token_id].logprob)
+            result["top_logprobs"].append(dict(_ranked(tokenizer, entry)))
+        result["tokens"].append(token)
+        result["text_offset"].append(cursor.text_offset)
+        cursor.text_offset += len(token)
+    return result
+
+
 def chat_logprobs(
     tokenizer: TokenizerLike, out: CompletionOutput, start: int, end: int, top_n: int
 ) -> dict[str, list] | None:
@@ -95,6 +149,13 @@ def chat_logprobs(
     return {"content": content}
 
 
+def _joined(first: dict | None, then: dict | None) -> dict | None:
+    """Two runs of legacy logprobs arrays, one after the other."""
+    if first is None or then is None:
+        return then if first is None else first
+    return {key: first[key] + then[key] for key in first}
+
+
 class Endpoint(StrEnum):
     """The two generation endpoints a response is shaped for."""
 
@@ -113,8 +174,11 @@ class ResponseBuilder:
         tokenizer: TokenizerLike,
         top_logprobs: int = 0,
         tools: ToolRequest | None = None,
+        echo: str | None = None,
     ) -> None:
+        """`echo`: the prompt's text, which leads each choice's (completions' `echo`)."""
         self.kind = kind
+        self.echo = echo
         self.request_id = request_id
         self.model = model
         self.tokenizer = tokenizer
@@ -136,6 +200,20 @@ class ResponseBuilder:
             return completion_logprobs(self.tokenizer, out, cursor, end)
         return chat_logprobs(self.tokenizer, out, cursor.num_tokens, end, self.top_logprobs)
 
+    def _lead(
+        self, request: RequestOutput, out: CompletionOutput, cursor: ChoiceCursor
+    ) -> tuple[str, dict | None, dict[str, Any]]:
+        """What leads a choice's first chunk: the echoed prompt's text and logprobs, and the
+        choice's extra fields (`prompt_logprobs`)."""
+        scored = request.prompt_logprobs
+        fields = {} if scored is None else {"prompt_logprobs": prompt_logprobs_json(scored)}
+        if self.echo is None:
+            return "", None, fields
+        logprobs = None
+        if out.logprobs is not None and scored is not None:
+            logprobs = echo_logprobs(self.tokenizer, request.prompt_token_ids, scored, cursor)
+        return self.echo, logprobs, fields
+
     def _content(self, out: CompletionOutput) -> tuple[int, list[dict[str, Any]]]:
         """(end, calls): `out.text[:end]` is the content to show so far, `calls` the tool
         calls of a finished output."""
@@ -154,11 +232,13 @@ class ResponseBuilder:
     def full_response(self, final: RequestOutput) -> dict[str, Any]:
         choices = []
         for out in final.outputs:
-            logprobs = self._logprobs(out, ChoiceCursor(), len(out.token_ids))
+            cursor = ChoiceCursor()
+            lead, lead_logprobs, fields = self._lead(final, out, cursor)
+            logprobs = _joined(lead_logprobs, self._logprobs(out, cursor, len(out.token_ids)))
             choice: dict[str, Any] = {"index": out.index}
             end, calls = self._content(out)
             if self.kind == Endpoint.COMPLETION:
-                choice["text"] = out.text
+                choice["text"] = lead + out.text
             else:
                 choice["message"] = {"role": "assistant", "content": out.text[:end]}
                 if calls:
@@ -167,6 +247,7 @@ class ResponseBuilder:
                 logprobs=logprobs,
                 finish_reason=self._finish_reason(out, calls),
                 stop_reason=out.stop_reason,
+                **fields,
             )
             choices.append(choice)
         name = "text_completion" if self.kind == Endpoint.COMPLETION else "chat.completion"
@@ -174,8 +255,12 @@ class ResponseBuilder:
         response["usage"] = usage(final)
         return response
 
-    def delta_chunk(self, out: CompletionOutput, cursor: ChoiceCursor) -> dict[str, Any] | None:
-        """The chunk carrying what is new in `out` since `cursor`, or None if nothing is."""
+    def delta_chunk(
+        self, out: CompletionOutput, cursor: ChoiceCursor, request: RequestOutput | None = None
+    ) -> dict[str, Any] | None:
+        """The chunk carrying what is new in `out` since `cursor`, or None if nothing is.
+        `request` (the output `out` is a choice of) gives the first chunk its echo and prompt
+        logprobs."""
         if cursor.finished:
             return None
         text_end, calls = self._content(out)
@@ -183,10 +268,15 @@ class ResponseBuilder:
         end = len(out.token_ids)
         if not text and end == cursor.num_tokens and not out.finished:
             return None
+        lead, lead_logprobs, fields = "", None, {}
+        if not cursor.started and request is not None:
+            lead, lead_logprobs, fields = self._lead(request, out, cursor)
+        cursor.started = True
         logprobs = self._logprobs(out, cursor, end) if end > cursor.num_tokens else None
-        choice: dict[str, Any] = {"index": out.index}
+        logprobs = _joined(lead_logprobs, logprobs)
+        choice: dict[str, Any] = {"index": out.index, **fields}
         if self.kind == Endpoint.COMPLETION:
-            choice["text"] = text
+            choice["text"] = lead + text
         else:
             delta: dict[str, Any] = {"role": "assistant"} if cursor.num_tokens == 0 else {}
             if text or not out.finished:

@@ -2,10 +2,11 @@
 
 The bodies' shapes and types are the Structs of server/protocol_types.py (decoded by
 server/decoding.py); here are the checks that need more than one field or jserve's own rules,
-each a 400 naming the field: the prompt's forms, fields jserve cannot honour (echo, suffix,
-logit_bias, best_of != n, functions, tools on completions), tools against tool_choice, at most
-one output constraint (server/structured_outputs.py), and the value ranges SamplingParams
-checks (jserve/sampling_params.py). An explicit null is the field's default.
+each a 400 naming the field: the prompt's forms, fields jserve cannot honour (echo on chat,
+suffix, logit_bias, best_of != n, functions, tools on completions), tools against
+tool_choice, at most one output constraint (server/structured_outputs.py), and the value
+ranges SamplingParams checks (jserve/sampling_params.py). An explicit null is the field's
+default.
 
 jserve's own fields: `lane` (default "interactive") picks the scheduling lane, and `timeout`
 (seconds) sets the request's deadline (jserve.core.deadlines; a deadline the engine estimates
@@ -81,11 +82,10 @@ class ParsedRequest:
     tools: ToolRequest | None = None  # chat: the tools it may call (server/tools.py)
     # The request's field for each SamplingParams name where they differ (for errors).
     fields: dict[str, str] = dataclasses.field(default_factory=dict)
+    echo: bool = False  # completions: the prompt leads the text (and the logprobs)
 
 
 def _refuse_unsupported(body: GenerationRequest) -> None:
-    if body.echo:
-        raise APIError(400, "'echo' is not supported; send echo=false", param="echo")
     if body.suffix:
         raise APIError(400, "'suffix' is not supported", param="suffix")
     if body.logit_bias:
@@ -105,6 +105,7 @@ def _sampling_params(
     constraint: StructuredOutputsParams | None,
     renamed: dict[str, str],
     defaults: Mapping[str, Any],
+    prompt_logprobs: int | None = None,
 ) -> SamplingParams:
     """SamplingParams of the request: fields it leaves out (or null) take `defaults`, else
     SamplingParams' own, except max_tokens, whose None means "fill the context". A value out
@@ -113,6 +114,7 @@ def _sampling_params(
     given = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
     kwargs: dict[str, Any] = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     kwargs.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint)
+    kwargs.update(prompt_logprobs=prompt_logprobs)
     try:
         return SamplingParams(**kwargs)
     except ValueError as exc:
@@ -200,14 +202,20 @@ def parse_completion(
         raise APIError(400, "'tools' is only supported on /v1/chat/completions", param="tools")
     prompt = _prompt(body.prompt)
     _check_logprobs("logprobs", body.logprobs, policy)
+    _check_logprobs("prompt_logprobs", body.prompt_logprobs, policy)
     max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if body.max_tokens is None else body.max_tokens
+    echo = bool(body.echo)
+    prompt_logprobs = body.prompt_logprobs
+    if echo and body.logprobs is not None:  # the prompt's tokens lead the logprobs (vLLM's)
+        prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
     params = _sampling_params(
-        body, max_tokens, body.logprobs, output_constraint(body), {}, policy.sampling_defaults
-    )
+        body, max_tokens, body.logprobs, output_constraint(body), {}, policy.sampling_defaults,
+        prompt_logprobs,
+    )  # fmt: skip
     stream, include_usage, lane, timeout = _request_options(body)
     return ParsedRequest(
         prompt, None, params, body.model, stream, include_usage, lane, timeout,
-        fields=_constraint_fields(constraint_field(body)),
+        fields=_constraint_fields(constraint_field(body)), echo=echo,
     )  # fmt: skip
 
 
@@ -328,6 +336,9 @@ def _forced_constraint(tools: ToolRequest | None) -> StructuredOutputsParams | N
 def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> ParsedRequest:
     """Parse a chat request; encode_prompt renders and tokenizes its messages."""
     _refuse_unsupported(body)
+    for name in ("echo", "prompt_logprobs"):
+        if getattr(body, name) is not None and getattr(body, name) is not False:
+            raise APIError(400, f"'{name}' is supported on /v1/completions only", param=name)
     messages = chat_messages(body.messages)
     # None (OpenAI's default for chat): as much as the context window leaves; the engine
     # resolves it per prompt.

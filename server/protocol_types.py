@@ -9,7 +9,7 @@ Value ranges are not declared here: SamplingParams checks them (jserve/sampling_
 for the offline API too.
 
 jserve's own fields: `lane` (the scheduling lane) and `timeout` (seconds: the request's
-deadline). The fields jserve cannot honour (echo, suffix, logit_bias, best_of != n,
+deadline). The fields jserve cannot honour (echo on chat, suffix, logit_bias, best_of != n,
 functions, tools on completions) are typed so that server/protocol.py can refuse them with a
 400 rather than ignore them.
 """
@@ -193,8 +193,9 @@ class GenerationRequest(_Body):
     priority: int | None = None  # vLLM's; only its default 0 is accepted
     timeout: float | None = None
     user: str | None = None
+    echo: bool | None = None  # completions: the prompt first in text and logprobs
+    prompt_logprobs: int | None = None  # vLLM's, completions: every prompt token's top-k
     # Refused when set: jserve cannot honour them.
-    echo: bool | None = None
     suffix: str | None = None
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
@@ -221,6 +222,24 @@ class ChatRequest(GenerationRequest, kw_only=True):
     tools: Annotated[list[Tool], msgspec.Meta(min_length=1)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+
+
+class EncodingFormat(StrEnum):
+    """How /v1/embeddings writes each vector: a list of floats, or base64 of float32 bytes."""
+
+    FLOAT = "float"
+    BASE64 = "base64"
+
+
+class EmbeddingRequest(_Body):
+    """POST /v1/embeddings. `input` is a string, a list of strings, token ids, or a list of
+    token-id lists (one embedding each)."""
+
+    input: str | list[str | int | list[int]]
+    model: str | None = None
+    encoding_format: EncodingFormat | None = None
+    dimensions: int | None = None  # only the model's hidden size
+    user: str | None = None
 
 
 class TokenizeRequest(_Body):

@@ -13,7 +13,7 @@ from enum import StrEnum
 
 from jserve.config.settings import Bounds, check_settings, documented, setting
 from jserve.config.validation import INT32_MAX
-from jserve.sampling_params import MAX_LOGPROBS
+from jserve.sampling_params import MAX_LOGPROBS, PoolingType
 
 _SECONDS = Bounds(0.0, 86_400.0, lo_open=True)  # a timeout: more than 0, at most a day
 
@@ -143,6 +143,14 @@ class ServerSettings:
         "level of the server's log (trace logs as debug)",
         vllm="--uvicorn-log-level",
         choices=LogLevel,
+    )
+
+    pooling_type: PoolingType = setting(
+        PoolingType.LAST,
+        "how /v1/embeddings pools the prompt's final hidden states before L2-normalizing: the "
+        "last token's, or their mean (the pooling_type of vLLM's pooler config)",
+        vllm="--override-pooler-config",
+        choices=PoolingType,
     )
 
     def __post_init__(self) -> None:

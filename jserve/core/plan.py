@@ -32,6 +32,10 @@ class ScheduledSeq:
     `num_drafts + 1` positions, and `Scheduler.update_from_output` keeps the drafts the
     engine accepted. Drafts are never among the request's tokens until accepted.
 
+    A prefill chunk with `every_row` (its request has `Request.prompt_rows`: prompt logprobs,
+    mean pooling) has the step compute a row of logits and hidden state at each of its
+    positions, not only its last.
+
     `prompt_token_ids` and `output_token_ids` are what the engine needs to sample without
     asking the scheduler (penalties, the seed's step): `output_token_ids` is the request's own
     array, so read it before `update_from_output` appends this step's token.
@@ -45,10 +49,21 @@ class ScheduledSeq:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: array
     num_drafts: int = 0
+    every_row: bool = False
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of logits (and hidden states) the step computes for it, its last positions'."""
+        return len(self.token_ids) if self.every_row else self.num_drafts + 1
+
+    @property
+    def sample_row(self) -> int:
+        """Which of its rows (0-based, of `num_rows`) the next token is sampled from."""
+        return len(self.token_ids) - 1 if self.every_row else 0
 
 
 @dataclass(slots=True)
@@ -56,7 +71,8 @@ class StepPlan:
     """Everything one iteration computes, plus what changed since the previous plan.
 
     `seqs` holds the `num_decodes` decodes first (one token each, plus any drafts), then
-    prefill chunks. `num_drafts` counts the drafts of all its decodes.
+    prefill chunks. `num_drafts` counts the drafts of all its decodes, `num_prompt_rows` the
+    rows its `every_row` chunks take beyond one each.
     `preempted_ids` lost their KV this step and wait to recompute (their tokens are kept).
     `finished` lists requests the scheduler ended by itself before planning (deadline expiry)
     with the reason; those the sampled tokens end come from `Scheduler.update_from_output`,
@@ -67,8 +83,15 @@ class StepPlan:
     num_decodes: int = 0
     num_batched_tokens: int = 0
     num_drafts: int = 0
+    num_prompt_rows: int = 0
     preempted_ids: list[str] = field(default_factory=list)
     finished: dict[str, FinishReason] = field(default_factory=dict)
+
+    @property
+    def num_rows(self) -> int:
+        """Rows of logits the step computes: one a seq, plus drafts and prompt rows; at most
+        the largest sequence bucket (max_num_seqs), which the planner keeps to."""
+        return len(self.seqs) + self.num_drafts + self.num_prompt_rows
 
     @property
     def is_empty(self) -> bool:

@@ -21,6 +21,9 @@ d. with speculative decoding, draft tokens (jserve.core.drafting's proposer) aft
    second under the measured step costs (jserve.core.drafting.num_drafts_that_pay), none
    while `disable_by_batch_size` sequences or more run. Drafts never preempt, defer or
    displace other work.
+A request with `prompt_rows` (prompt logprobs, mean pooling) takes a row of logits per
+prompt token it computes: its chunk is bounded by the rows left (each running request keeps
+one), and it is admitted without its cached prefix.
 When a running request cannot get a block, a request of the lowest running lane is preempted:
 the most-served tenant's latest one (fcfs: the latest arrival). Its blocks are freed and it
 goes back to the front of its lane with every token kept, to recompute them (cheaply, with
@@ -173,6 +176,7 @@ class _Planner:
         self._long_cap: int | None = None
         self.decodes: list[ScheduledSeq] = []
         self.prefills: list[ScheduledSeq] = []
+        self.extra_rows = 0  # rows of `every_row` chunks beyond one each (plan.num_prompt_rows)
         self.unfinished_prefills: list[Request] = []  # running, short of their known tokens
         # Decodes that may take drafts in pass (d), with their seqs, in rank order.
         self.draftable: list[tuple[Request, ScheduledSeq]] = []
@@ -206,6 +210,7 @@ class _Planner:
                 plan.num_drafts = self.add_drafts(spec, self.drafting)
         plan.seqs = self.decodes + self.prefills
         plan.num_decodes = len(self.decodes)
+        plan.num_prompt_rows = self.extra_rows
         plan.num_batched_tokens = self.step_budget - self.budget
         plan.preempted_ids = [request.request_id for request in self.outcome.preempted]
         return self.outcome
@@ -267,7 +272,7 @@ class _Planner:
 
     def add_drafts(self, spec: SpeculativeConfig, drafting: Drafting) -> int:
         """(d) Drafts for the decodes that may take them; returns how many were added."""
-        rows = len(self.decodes) + len(self.prefills)
+        rows = len(self.decodes) + len(self.prefills) + self.extra_rows
         rows_left = self.config.max_num_seqs - rows
         added = 0
         for request, seq in self.draftable:
@@ -341,7 +346,7 @@ class _Planner:
         return _Verdict.NEXT_LANE
 
     def _room(self) -> bool:
-        if len(self.running) >= self.config.max_num_seqs:
+        if len(self.running) + self.extra_rows >= self.config.max_num_seqs:
             self.outcome.deferred = Deferral.MAX_NUM_SEQS
             return False
         if self.budget <= 0:
@@ -416,7 +421,7 @@ class _Planner:
                     break
                 if self._capped(request):
                     continue
-                hits = block_manager.lookup_prefix(request)
+                hits = [] if request.prompt_rows else block_manager.lookup_prefix(request)
                 needed = -(-request.num_tokens // self.block_size) - len(hits)
                 free_after = (
                     block_manager.num_free_blocks - block_manager.num_reused_free(hits) - needed
@@ -445,6 +450,8 @@ class _Planner:
             # Full prompt blocks only: the leader never writes them again, while the block
             # holding the prompt's tail also receives the leader's output tokens.
             hits = leader.block_ids[: (request.num_prompt_tokens - 1) // self.block_size]
+        elif request.prompt_rows:
+            hits = []  # every prompt position's row is wanted: compute them all
         else:
             hits = block_manager.lookup_prefix(request)
             if self._prefix_in_flight(request, len(hits)):
@@ -518,11 +525,21 @@ class _Planner:
         limit = self.budget
         if config.long_prefill_token_threshold:
             limit = min(limit, config.long_prefill_token_threshold)
+        if request.prompt_rows:
+            limit = min(limit, self._rows_left(request))
         if not config.enable_chunked_prefill:
             return remaining if remaining <= limit else 0
         if request.lane is Lane.LONG:
             limit = min(limit, self._long_lane_cap() - self.long_used)
         return min(remaining, limit)
+
+    def _rows_left(self, request: Request) -> int:
+        """Rows of logits a `prompt_rows` request's chunk may take: what running requests
+        (one each, `request` counted) and other chunks' extra rows leave of max_num_seqs."""
+        running = self.running
+        index = bisect_left(running, request.rank, key=_rank)
+        own = index < len(running) and running[index] is request  # its row is counted
+        return max(0, self.config.max_num_seqs - len(running) - self.extra_rows + own)
 
     def _long_lane_cap(self) -> int:
         """Long-lane prefill tokens allowed this step: a share of the budget while other work
@@ -542,6 +559,7 @@ class _Planner:
     def _add_chunk(self, request: Request, num_new: int) -> None:
         start = request.num_computed_tokens
         end = start + num_new
+        every_row = request.prompt_rows
         self.prefills.append(
             ScheduledSeq(
                 request.request_id,
@@ -551,8 +569,11 @@ class _Planner:
                 end == request.num_tokens,
                 request.prompt_token_ids,
                 request.output_token_ids,
+                every_row=every_row,
             )
         )
+        if every_row:
+            self.extra_rows += num_new - 1
         self.budget -= num_new
         if request.lane is Lane.LONG:
             self.long_used += num_new
@@ -629,6 +650,7 @@ class _Planner:
         if index is not None:
             seq = seqs.pop(index)
             self.budget += len(seq.token_ids)
+            self.extra_rows -= seq.num_rows - 1 - seq.num_drafts
             if victim.lane is Lane.LONG and not decoding:
                 self.long_used -= len(seq.token_ids)
             if self._pending is not None:

@@ -41,7 +41,11 @@ class Request:
     one. `tenant` names who
     it is served for (fair share and caps: `jserve.core.fairness`). With `can_speculate` (and
     speculation configured) its decodes carry draft tokens (jserve.core.planner). Siblings
-    of an `n > 1` request share a `group_id` and the same prompt. Request ids must be unique among
+    of an `n > 1` request share a `group_id` and the same prompt. With `prompt_rows` (prompt
+    logprobs, mean pooling) each step computes a row of logits and hidden state at every
+    prompt position it computes, so its chunks are bounded by the step's free rows
+    (max_num_seqs in all) and its admission takes no cached prefix (whose rows nobody
+    computes); the scheduler clears it once the prompt is computed. Request ids must be unique among
     unfinished requests: the engine checks that once, for its users' ids, and derives these
     ids from them (jserve.engine.llm_engine.child_ids).
     """
@@ -66,6 +70,7 @@ class Request:
         "num_prompt_served",
         "num_prompt_tokens",
         "output_token_ids",
+        "prompt_rows",
         "prompt_token_ids",
         "rank",
         "request_id",
@@ -86,8 +91,10 @@ class Request:
         group_id: str | None = None,
         tenant: str = DEFAULT_TENANT,
         can_speculate: bool = False,
+        prompt_rows: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.prompt_rows = prompt_rows
         # Whether drafts may be verified for it (the engine's call: unconstrained).
         self.can_speculate = can_speculate
         # Its drafts' recent acceptance (jserve.core.ngram.DraftThrottle): drafts stop while low.

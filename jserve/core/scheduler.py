@@ -273,7 +273,8 @@ class Scheduler:
         """Count the planned chunks as computed and their sampled tokens as pending (the next
         plan builds on this step, which runs first), and index the full blocks of known tokens
         it computes (see BlockManager.cache_full_blocks): a block ending in a pending token is
-        indexed by a later plan, once the token is known."""
+        indexed by a later plan, once the token is known. A request's `prompt_rows` ends with
+        its prompt: a recompute after preemption needs no rows."""
         if plan.seqs:
             self._plans_in_flight += 1
         requests, block_manager, block_size = self._requests, self.block_manager, self.block_size
@@ -283,6 +284,7 @@ class Scheduler:
             end = request.num_computed_tokens = seq.start_pos + len(seq.token_ids)
             if seq.sample:
                 request.num_pending += 1
+                request.prompt_rows = False  # its prompt's rows are all planned
             if caching:  # drafts are not known tokens: only accepted ones are ever hashed
                 known = min(end, len(request.all_token_ids))
                 if known // block_size > request.num_hashed_blocks:

@@ -52,7 +52,7 @@ from jserve.core.tenants import DEFAULT_TENANT
 from jserve.engine.llm_engine import LLMEngine
 from jserve.errors import EngineDeadError, RejectReason, RequestRejected, invalid_param
 from jserve.outputs import EngineState, EngineStats, RequestOutput
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import PoolingParams, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class AsyncLLMEngine:
         self.quantization = engine.quantization
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
+        self.hidden_size = engine.model_config.hidden_size
         self.tokenizer = engine.tokenizer
         self.max_num_seqs = engine.scheduler.config.max_num_seqs
         self.block_size = engine.args.block_size
@@ -107,6 +108,7 @@ class AsyncLLMEngine:
         lane: Lane | str = Lane.INTERACTIVE,
         timeout: float | None = None,
         tenant: str = DEFAULT_TENANT,
+        pooling: PoolingParams | None = None,
     ) -> AsyncIterator[RequestOutput]:
         if self.state is not EngineState.READY:
             raise EngineDeadError(self.dead_reason or f"engine is {self.state}")
@@ -124,7 +126,8 @@ class AsyncLLMEngine:
         finished = added = False
         try:
             grammar = await self._compile_grammar(params)
-            self._send(_Command.ADD, (request_id, prompt, params, lane, deadline, tenant, grammar))
+            add = (request_id, prompt, params, lane, deadline, tenant, grammar, pooling)
+            self._send(_Command.ADD, add)
             added = True
             while not finished:
                 item = await queue.get()
@@ -200,11 +203,11 @@ class AsyncLLMEngine:
             if kind is _Command.CONTROL:
                 self._control(*payload)
                 continue
-            request_id, prompt, params, lane, deadline, tenant, grammar = payload
+            request_id, prompt, params, lane, deadline, tenant, grammar, pooling = payload
             try:
                 engine.add_request(
                     request_id, prompt, params, lane=lane, deadline=deadline, tenant=tenant,
-                    grammar=grammar,
+                    grammar=grammar, pooling=pooling,
                 )  # fmt: skip
             except Exception as e:  # a bad request fails alone, never the step loop
                 if isinstance(e, ValueError) and not isinstance(e, RequestRejected):

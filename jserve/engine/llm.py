@@ -18,7 +18,7 @@ from tqdm import tqdm
 from jserve.config.engine_args import EngineArgs
 from jserve.engine.llm_engine import LLMEngine, Prompt
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import PoolingParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -69,6 +69,25 @@ class LLM:
             request_id = str(self._counter)
             self._counter += 1
             self.engine.add_request(request_id, prompt, params)
+            ids.append(request_id)
+        return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Each prompt's embedding (`RequestOutput.embedding`: its final hidden states pooled
+        by `pooling_params`, last token by default, L2-normalized), in prompt order."""
+        if isinstance(prompts, str | dict):
+            prompts = [prompts]
+        pooling = pooling_params or PoolingParams()
+        ids = []
+        for prompt in prompts:
+            request_id = str(self._counter)
+            self._counter += 1
+            self.engine.add_request(request_id, prompt, pooling=pooling)
             ids.append(request_id)
         return self._run(ids, use_tqdm)
 

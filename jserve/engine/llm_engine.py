@@ -58,15 +58,19 @@ from jserve.runtime.compilation import (
     mark_serving,
     serving_compilation_count,
 )
-from jserve.runtime.sampler import NEUTRAL_ROW
+from jserve.runtime.model_runner import StepOutput
+from jserve.runtime.sampler import NEUTRAL_ROW, SampledTokens
 from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.runtime.step_inputs import StepInputBuilder, StepInputs
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import PoolingParams, SamplingParams
 from jserve.structured.decoding import SequenceMatcher, StructuredDecoding
 
 log = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict
+# An embedding request's sampling: its one sampled token (from its last prompt row) ends it
+# and is dropped; the embedding is its output.
+_POOLING_PARAMS = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
 
 def child_ids(request_id: str, n: int) -> list[str]:
@@ -90,7 +94,7 @@ class _InFlight:
     """A dispatched step whose tokens have not reached the host yet (async scheduling)."""
 
     plan: StepPlan
-    logits: jax.Array
+    output: StepOutput
     started: float  # time.perf_counter() at its dispatch
     builder: StepInputBuilder  # whose buffers its inputs are views of
 
@@ -98,10 +102,18 @@ class _InFlight:
 def _sampling_rows(
     seq: ScheduledSeq, child: _Child, allowed_tokens: np.ndarray | None
 ) -> list[SamplingRow]:
-    """The sampler's rows of one seq: one, or for a decode with drafts one per draft plus
-    one, each with the drafts before it in its output (penalties, min_tokens see them)."""
+    """The sampler's rows of one seq: one; for a decode with drafts one per draft plus
+    one, each with the drafts before it in its output (penalties, min_tokens see them); for
+    an `every_row` chunk its prompt rows (`_prompt_rows`), then the sampled one if it ends
+    the prompt."""
     params, stop, prompt = child.state.params, child.state.stop, seq.prompt_token_ids
     output = seq.output_token_ids
+    if seq.every_row:
+        rows = _prompt_rows(seq, child)
+        if seq.sample:
+            banned = stop.banned_ids(len(output))
+            rows.append(SamplingRow(params, child.seed, prompt, output, banned, allowed_tokens))
+        return rows
     if not seq.num_drafts:
         return [
             SamplingRow(
@@ -114,6 +126,17 @@ def _sampling_rows(
         SamplingRow(params, child.seed, prompt, history, stop.banned_ids(len(history)))
         for history in histories
     ]
+
+
+def _prompt_rows(seq: ScheduledSeq, child: _Child) -> list[SamplingRow]:
+    """An `every_row` chunk's rows before its sampled one: with prompt logprobs, each scores
+    the prompt's next token (the sampler's forced token); otherwise (mean pooling) neutral."""
+    num = len(seq.token_ids) - seq.sample
+    params = child.state.prompt_row_params
+    if params is None:
+        return [NEUTRAL_ROW] * num
+    prompt, start = seq.prompt_token_ids, seq.start_pos
+    return [SamplingRow(params, 0, (), (), forced_token=prompt[start + j + 1]) for j in range(num)]
 
 
 class LLMEngine:
@@ -202,6 +225,7 @@ class LLMEngine:
         arrival_time: float | None = None,
         tenant: str = DEFAULT_TENANT,
         grammar: llguidance.LLMatcher | None = None,
+        pooling: PoolingParams | None = None,
     ) -> None:
         """Queue a request; raises RequestRejected (reason + message) if it cannot be served.
 
@@ -210,32 +234,31 @@ class LLMEngine:
         is who it is served for (jserve.core.fairness). `grammar` is the request's output
         constraint already compiled (`self.structured.grammars.submit`, off this thread);
         without it a constrained request's grammar is compiled here, through the same cache.
+        With `pooling` it is an embedding request: `params` are not used, its prompt is
+        prefilled and pooled (jserve.engine.pooling), and its output's `embedding` is set.
         """
-        params = params or SamplingParams()
+        params = _POOLING_PARAMS if pooling is not None else params or SamplingParams()
         if request_id in self._states:
             raise RequestRejected(
                 RejectReason.INVALID,
                 f"request id {request_id!r} is already in use; use a unique id",
             )
         text, ids = self._prompt_ids(prompt)
-        max_tokens = params.max_tokens or max(1, self.max_model_len - len(ids))
-        with invalid_param("n"):
-            check_int("n", params.n, 1, self.args.max_n)  # --max-n
-        with invalid_param("stop_token_ids"):
-            check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
-            stop = StopConditions.from_params(params, self.tokenizer.stop_token_ids, max_tokens)
-            self.sampler.check_banned_ids(stop.banned_ids(0))
+        stop = self._stop_conditions(params, len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         matchers = self._matchers(params, grammar)
-        state = RequestState.create(request_id, text, ids, params, stop, self.tokenizer, arrival)
+        state = RequestState.create(
+            request_id, text, ids, params, stop, self.tokenizer, arrival, pooling
+        )
+        self._check_prompt_rows(state)
         base_seed = params.seed if params.seed is not None else self._rng.getrandbits(31)
-        speculate = may_speculate(params)
+        speculate = may_speculate(params) and pooling is None  # its rows are its prompt's
         children = []
         for i, child_id in enumerate(child_ids(request_id, params.n)):
             req = Request(
                 child_id, ids, stop=stop, arrival_time=arrival, lane=lane, deadline=deadline,
                 group_id=request_id if params.n > 1 else None, tenant=tenant,
-                can_speculate=speculate,
+                can_speculate=speculate, prompt_rows=state.wants_prompt_rows,
             )  # fmt: skip
             try:
                 self.scheduler.add_request(req, now=arrival)
@@ -249,6 +272,31 @@ class LLMEngine:
             self._children[child_id] = _Child(state, i, seed, matchers[i])
         self._states[request_id] = state
         self._num_prompt_tokens += len(ids)
+
+    def _stop_conditions(self, params: SamplingParams, num_prompt_tokens: int) -> StopConditions:
+        """The request's stop rules, its params checked against this engine."""
+        max_tokens = params.max_tokens or max(1, self.max_model_len - num_prompt_tokens)
+        with invalid_param("n"):
+            check_int("n", params.n, 1, self.args.max_n)  # --max-n
+        with invalid_param("stop_token_ids"):
+            check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
+            stop = StopConditions.from_params(params, self.tokenizer.stop_token_ids, max_tokens)
+            self.sampler.check_banned_ids(stop.banned_ids(0))
+        return stop
+
+    def _check_prompt_rows(self, state: RequestState) -> None:
+        """A request with a row at every prompt position (prompt logprobs, mean pooling)
+        takes at most max_num_seqs rows a step: without chunked prefill, its whole prompt
+        must fit in them."""
+        num, config = len(state.prompt_token_ids), self.scheduler.config
+        chunked = config.enable_chunked_prefill
+        if state.wants_prompt_rows and not chunked and num > config.max_num_seqs:
+            raise RequestRejected(
+                RejectReason.INVALID,
+                f"prompt_logprobs and mean pooling compute a row of logits per prompt "
+                f"token, at most max_num_seqs ({config.max_num_seqs}) a step; this "
+                f"prompt has {num} tokens: enable chunked prefill or send a shorter one",
+            )
 
     def _matchers(
         self, params: SamplingParams, grammar: llguidance.LLMatcher | None
@@ -305,8 +353,8 @@ class LLMEngine:
             plan = self._schedule(changed)
             if not plan.is_empty:
                 started = self._dispatching()
-                logits = self._run(plan, self.inputs_builder.build(plan))
-                sampled = self._sample(plan, logits, changed)
+                output = self._run(plan, self.inputs_builder.build(plan))
+                sampled = self._sample(plan, output, changed)
                 self._sampled(plan, started)
                 self._postprocess(plan, sampled, changed)
         outputs = [state.to_output() for state in changed.values()]
@@ -340,7 +388,7 @@ class LLMEngine:
             inputs = builder.build(plan)
         sampled: dict[str, list[tuple[int, list | None]]] = {}
         if previous is not None:
-            sampled = self._sample(previous.plan, previous.logits, changed)
+            sampled = self._sample(previous.plan, previous.output, changed)
             self._sampled(previous.plan, previous.started)
         if inputs is not None and builder is not None:
             _write_pending_tokens(plan, inputs, sampled)
@@ -371,13 +419,13 @@ class LLMEngine:
     def _sampled(self, plan: StepPlan, started: float) -> None:
         """The sampler brought `plan`'s tokens to the host: its device work is done."""
         self._last_step_end = time.perf_counter()
-        # A draft's row of logits counts as a sequence: the step ran in that bucket.
-        num_rows = len(plan.seqs) + plan.num_drafts
+        # A draft's (or prompt token's) row of logits counts as a sequence: the step ran in
+        # that bucket.
         self.scheduler.step_costs.observe(
-            plan.num_batched_tokens, num_rows, self._last_step_end - started
+            plan.num_batched_tokens, plan.num_rows, self._last_step_end - started
         )
 
-    def _run(self, plan: StepPlan, inputs: StepInputs) -> jax.Array:
+    def _run(self, plan: StepPlan, inputs: StepInputs) -> StepOutput:
         if self._step_observers:
             return self._run_observed(plan, inputs)
         return self.runner.run(inputs)
@@ -395,54 +443,61 @@ class LLMEngine:
             raise ValueError(f"{observer!r} is not a step observer of this engine")
         self._step_observers = kept
 
-    def _run_observed(self, plan: StepPlan, inputs: StepInputs) -> jax.Array:
+    def _run_observed(self, plan: StepPlan, inputs: StepInputs) -> StepOutput:
         started = time.perf_counter()
-        logits = self.runner.run(inputs)
+        output = self.runner.run(inputs)
         runner_s = None
         if any(timed for _, timed in self._step_observers):
-            jax.block_until_ready(logits)
+            jax.block_until_ready(output.logits)
             runner_s = time.perf_counter() - started
         step = ModelStep.of(plan, inputs, runner_s)
         for observer, _ in self._step_observers:
             observer(step)
-        return logits
+        return output
 
     def _sample(
-        self, plan: StepPlan, logits: jax.Array, changed: dict
+        self, plan: StepPlan, output: StepOutput, changed: dict
     ) -> dict[str, list[tuple[int, list | None]]]:
         """Each sampled seq's new tokens with their logprobs: one, or for a decode with
-        drafts its accepted drafts and the target's next token."""
+        drafts its accepted drafts and the target's next token. Records the prompt rows'
+        logprobs and pools embedding requests' hidden states on the way."""
         # None: the request ended while its step ran (async scheduling); its rows are not wanted.
         children = [self._children.get(seq.request_id) for seq in plan.seqs]
-        firsts = []  # each seq's first row of logits (a decode with drafts has several)
+        firsts = []  # each seq's first row of logits (drafts and prompt rows make several)
         num_rows = 0
         for seq in plan.seqs:
             firsts.append(num_rows)
-            num_rows += 1 + seq.num_drafts
+            num_rows += seq.num_rows
         # Computed while the model step dispatched above runs (see jserve.structured.decoding).
         masks, mask_failed = self.structured.fill_masks(
             [
-                (firsts[i], child.matcher, seq.output_token_ids)
+                (firsts[i] + seq.sample_row, child.matcher, seq.output_token_ids)
                 for i, (seq, child) in enumerate(zip(plan.seqs, children, strict=True))
                 if child is not None and child.matcher is not None and seq.sample
             ]
         )
         rows = []
+        kept = []  # seqs whose rows serve more than sampling: prompt logprobs, pooling
         for i, (seq, child) in enumerate(zip(plan.seqs, children, strict=True)):
             if child is None:
-                rows.extend([NEUTRAL_ROW] * (1 + seq.num_drafts))
+                rows.extend([NEUTRAL_ROW] * seq.num_rows)
                 continue
-            rows.extend(_sampling_rows(seq, child, masks.get(firsts[i])))
-        result = self.sampler.sample(logits, rows)
+            rows.extend(_sampling_rows(seq, child, masks.get(firsts[i] + seq.sample_row)))
+            if seq.every_row or child.state.pooler is not None:
+                kept.append((i, firsts[i], child))
+        result = self.sampler.sample(output.logits, rows)
         row_failed = {**mask_failed, **result.failed}
         failed = {bisect_right(firsts, r) - 1: e for r, e in row_failed.items()}
         for i, error in failed.items():
             self._fail(plan.seqs[i].request_id, error, changed)
+        if kept:
+            self._keep_rows(plan, kept, result, output)
         sampled = {}
         for i, seq in enumerate(plan.seqs):
             if not seq.sample or children[i] is None or i in failed:
                 continue
-            targets = [result.row(firsts[i] + j) for j in range(1 + seq.num_drafts)]
+            first = firsts[i] + seq.sample_row
+            targets = [result.row(first + j) for j in range(1 + seq.num_drafts)]
             if seq.num_drafts:
                 drafts = seq.token_ids[1:]
                 accepted = num_accepted(drafts, [token for token, _ in targets])
@@ -450,6 +505,29 @@ class LLMEngine:
                 del targets[accepted + 1 :]
             sampled[seq.request_id] = targets
         return sampled
+
+    def _keep_rows(
+        self,
+        plan: StepPlan,
+        kept: list[tuple[int, int, _Child]],
+        result: SampledTokens,
+        output: StepOutput,
+    ) -> None:
+        """Record the prompt rows' scored tokens (row j of a chunk starting at position p
+        scores the prompt token at p + j + 1), and add embedding requests' rows of final
+        hidden states to their pools (which brings the hidden states to the host)."""
+        hidden = None
+        for i, first, child in kept:
+            seq, state = plan.seqs[i], child.state
+            if seq.every_row and state.prompt_row_params is not None:
+                for j in range(len(seq.token_ids) - seq.sample):
+                    _, logprob, rank, top = result.scored(first + j)
+                    state.add_prompt_logprob(seq.start_pos + j + 1, logprob, rank, top)
+            if state.pooler is not None:
+                if hidden is None:
+                    hidden = np.asarray(jax.device_get(output.hidden))
+                start = seq.start_pos + len(seq.token_ids) - seq.num_rows
+                state.pooler.add(start, hidden[first : first + seq.num_rows])
 
     def _postprocess(self, plan: StepPlan, sampled: dict, changed: dict) -> None:
         now = time.monotonic()
@@ -473,6 +551,9 @@ class LLMEngine:
             if child is None:
                 continue
             changed[child.state.request_id] = child.state
+            if child.state.pooler is not None:
+                self._finish_pooled(rid, child, rid in finished, changed)
+                continue
             request = finished.get(rid)
             if request is not None and rid in before:  # the stop rules may end it early
                 del toks[request.num_output_tokens - before[rid] :]
@@ -508,6 +589,17 @@ class LLMEngine:
                 self.scheduler.finish_request(rid, decision.reason)
             self._finish_child(rid, decision.reason, decision.stop_reason, changed)
             return
+
+    def _finish_pooled(self, rid: str, child: _Child, finished: bool, changed: dict) -> None:
+        """End an embedding request whose prompt is computed; its sampled token is dropped."""
+        if not finished:  # its one token ends it (max_tokens=1): this is a safety net
+            self.scheduler.finish_request(rid, FinishReason.STOP)
+        try:
+            child.state.finish_pooled()
+        except ValueError as e:
+            self._fail(rid, str(e), changed)
+            return
+        self._children.pop(rid, None)
 
     def _fail(self, child_id: str, error: str, changed: dict) -> None:
         """End the request owning `child_id` with finish reason "error": a host-side part of

@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, field
 
 from jserve.core.stopping import StopConditions, StopStringSearch
+from jserve.engine.pooling import Pooler
 from jserve.loaders.detokenizer import IncrementalDetokenizer
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.outputs import (
@@ -22,7 +23,7 @@ from jserve.outputs import (
     SequencePrefix,
     TextPrefix,
 )
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import PoolingParams, PoolingType, SamplingParams
 
 
 @dataclass
@@ -70,6 +71,11 @@ class RequestState:
     samples: list[SampleState] = field(default_factory=list)
     num_cached_tokens: int = 0
     error: str | None = None  # set when the engine fails the request (finish_reason "error")
+    # params.prompt_logprobs: an entry per prompt token scored so far, None for the first
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    prompt_row_params: SamplingParams | None = None  # the sampler's params of a prompt row
+    pooler: Pooler | None = None  # an embedding request's (no sampled token is kept)
+    embedding: list[float] | None = None
 
     @classmethod
     def create(
@@ -81,11 +87,19 @@ class RequestState:
         stop: StopConditions,
         tokenizer: Tokenizer,
         arrival_time: float,
+        pooling: PoolingParams | None = None,
     ) -> RequestState:
         state = cls(
             request_id, prompt, prompt_token_ids, params, stop, tokenizer,
             RequestMetrics(arrival_time),
         )  # fmt: skip
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None]
+            state.prompt_row_params = SamplingParams(
+                temperature=0.0, logprobs=params.prompt_logprobs
+            )
+        if pooling is not None:
+            state.pooler = Pooler(pooling.pooling_type, len(prompt_token_ids))
         for i in range(params.n):
             detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
             logprobs = [] if params.logprobs is not None else None
@@ -127,6 +141,37 @@ class RequestState:
         sample.text_end = check.end
         return check.stop
 
+    @property
+    def wants_prompt_rows(self) -> bool:
+        """Whether its steps compute a row at every prompt position (prompt logprobs, mean
+        pooling): jserve.core.request.Request.prompt_rows."""
+        pooler = self.pooler
+        mean = pooler is not None and pooler.pooling_type is PoolingType.MEAN
+        return mean or (self.prompt_logprobs is not None and len(self.prompt_token_ids) > 1)
+
+    def add_prompt_logprob(
+        self, position: int, logprob: float, rank: int, top: list[tuple[int, float]]
+    ) -> None:
+        """Record the prompt token at `position`'s logprob and rank and the top n (id,
+        logprob) pairs there, unless recorded already (a chunk recomputed after preemption,
+        or another sample's rows)."""
+        scored = self.prompt_logprobs
+        if scored is None or position != len(scored):
+            return
+        decode = self.tokenizer.decode
+        token = self.prompt_token_ids[position]
+        entry = {token: Logprob(logprob, decode([token], skip_special_tokens=False), rank)}
+        for i, (tid, lp) in enumerate(top):
+            if tid not in entry:
+                entry[tid] = Logprob(lp, decode([tid], skip_special_tokens=False), i + 1)
+        scored.append(entry)
+
+    def finish_pooled(self) -> None:
+        """End an embedding request: its prompt is pooled (ValueError if a row is missing)."""
+        assert self.pooler is not None
+        self.embedding = self.pooler.embedding()
+        self.finish_sample(0, FinishReason.STOP)
+
     def finish_sample(
         self, index: int, reason: FinishReason, stop_reason: int | str | None = None
     ) -> None:
@@ -143,6 +188,7 @@ class RequestState:
 
     def to_output(self) -> RequestOutput:
         """A snapshot: later tokens do not change what was handed out."""
+        scored = self.prompt_logprobs
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
@@ -152,4 +198,6 @@ class RequestState:
             metrics=self.metrics,
             num_cached_tokens=self.num_cached_tokens,
             error=self.error,
+            prompt_logprobs=None if scored is None else SequencePrefix(scored, len(scored)),
+            embedding=self.embedding,
         )

@@ -94,8 +94,9 @@ class LlamaModel(nnx.Module):
         logits_indices: jax.Array,  # [S] int32, rows of T whose next-token logits are wanted
         matmul_impl: MatmulImpl | str = MatmulImpl.XLA,  # how the projections run
         real_rows: tuple[jax.Array, jax.Array] | None = None,  # (tokens, logit rows) not padding
-    ) -> tuple[jax.Array, Any]:
-        """Returns (logits [S, V] float32, updated kv_cache).
+    ) -> tuple[jax.Array, jax.Array, Any]:
+        """Returns (logits [S, V] float32, the final hidden states [S, D] float32 they are
+        computed from (after the final norm: what pooling reads), updated kv_cache).
 
         With `real_rows`, the first `tokens` rows of T and `logit rows` rows of S are the step's
         real ones and the rest its bucket's padding, which the projections may skip: a padding
@@ -114,7 +115,8 @@ class LlamaModel(nnx.Module):
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (weights, layer_ids))
         h = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps)  # [S, D]
-        return self._logits(h, matmul_impl, real_logits).astype(jnp.float32), kv_cache
+        logits = self._logits(h, matmul_impl, real_logits).astype(jnp.float32)
+        return logits, h.astype(jnp.float32), kv_cache
 
     def _layer_weights(
         self, matmul_impl: MatmulImpl | str, real_tokens: jax.Array | None

@@ -16,7 +16,7 @@ import logging
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +62,15 @@ def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any, attn_impl: str
     return 2 * one_block_one_pool * jnp.dtype(dtype).itemsize
 
 
+class StepOutput(NamedTuple):
+    """A model step's rows (`StepInputs.logits_indices`), on one device: the logits the
+    sampler reads, and the final hidden states (after the final norm) pooling reads. The
+    hidden states stay on the device unless a step has pooling rows."""
+
+    logits: jax.Array  # [S, V] float32
+    hidden: jax.Array  # [S, D] float32
+
+
 def _model_step(
     graphdef: nnx.GraphDef,  # static: the model's structure
     state: nnx.State,  # parameters
@@ -71,9 +80,10 @@ def _model_step(
     heads: HeadSharding | None,  # static: how heads split over the mesh (None: one device)
     matmul_impl: str,  # static: how the layers' projections run (jserve.pallas.layer_matmul)
     platform: str,  # static: the platform compiled for (kernels run natively there)
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Returns (logits [S, V] float32 of the rows `inputs.logits_indices` names: each
-    sequence's last token, and a decode's drafts; the new kv_cache)."""
+) -> tuple[StepOutput, tuple[jax.Array, jax.Array]]:
+    """Returns (the logits [S, V] and final hidden states [S, D], float32, of the rows
+    `inputs.logits_indices` names: each sequence's last token, a decode's drafts, an
+    `every_row` chunk's tokens; the new kv_cache)."""
     model = nnx.merge(graphdef, state)
     meta = PagedAttentionMetadata(
         slot_mapping=inputs.slot_mapping,
@@ -87,7 +97,7 @@ def _model_step(
     )
     # Padding follows the real rows on both axes (cu_q_lens's pads hold the real token count).
     real_rows = (inputs.cu_q_lens[-1], inputs.num_logits[0])
-    logits, kv_cache = model(
+    logits, hidden, kv_cache = model(
         inputs.token_ids,
         inputs.positions,
         kv_cache,
@@ -98,7 +108,9 @@ def _model_step(
     )
     if heads is not None:
         logits = _gathered_logits(logits, heads)
-    return logits, kv_cache
+        replicated = jax.sharding.NamedSharding(heads.mesh, jax.sharding.PartitionSpec())
+        hidden = jax.lax.with_sharding_constraint(hidden, replicated)
+    return StepOutput(logits, hidden), kv_cache
 
 
 def _gathered_logits(logits: jax.Array, heads: HeadSharding) -> jax.Array:
@@ -240,13 +252,14 @@ class ModelRunner:
         """The optimized HLO of a bucket's executable: what a profile's op names refer to."""
         return self._executables[(tokens, seqs)].as_text()
 
-    def run(self, inputs: StepInputs) -> jax.Array:
-        """Run one step; returns logits [S, V] (on one device) and keeps the new KV pool."""
+    def run(self, inputs: StepInputs) -> StepOutput:
+        """Run one step; returns its rows' logits [S, V] and hidden states [S, D] (on one
+        device) and keeps the new KV pool."""
         exe = self._executables.get((inputs.num_tokens, inputs.max_seqs))
         if exe is None:
             raise RuntimeError(
                 f"no executable for bucket (tokens={inputs.num_tokens}, seqs={inputs.max_seqs}); "
                 f"precompiled: {sorted(self._executables)}"
             )
-        logits, self.kv_cache = exe(self.state, self.kv_cache, inputs)
-        return logits.addressable_data(0)
+        out, self.kv_cache = exe(self.state, self.kv_cache, inputs)
+        return StepOutput(out.logits.addressable_data(0), out.hidden.addressable_data(0))

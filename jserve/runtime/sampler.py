@@ -49,7 +49,8 @@ _ARGMAX_BLOCK = 128  # vocabulary block of the greedy argmax
 
 class SamplerOutput(NamedTuple):
     tokens: jax.Array  # [S] int32
-    sampled_logprob: jax.Array  # [S] float32 raw logprob of the sampled token
+    sampled_logprob: jax.Array  # [S] float32 raw logprob of the sampled (or forced) token
+    sampled_rank: jax.Array  # [S] int32 its rank: 1 + tokens of larger logprob (0: not asked)
     top_ids: jax.Array  # [S, MAX_LOGPROBS] int32 by descending logprob (0 when no row asked)
     top_logprobs: jax.Array  # [S, MAX_LOGPROBS] float32 (0 when no row asked)
 
@@ -313,12 +314,16 @@ def _logprobs(logits: jax.Array, tokens: jax.Array, t: SamplingTensors) -> Sampl
     def wanted() -> tuple[jax.Array, ...]:
         logprobs = logits - jax.nn.logsumexp(logits, -1, keepdims=True)
         sampled = jnp.take_along_axis(logprobs, tokens[:, None], 1)
+        rank = 1 + jnp.sum(logprobs > sampled, -1, dtype=jnp.int32)
         top_logprobs, top_ids = jax.lax.top_k(logprobs, MAX_LOGPROBS)
-        return sampled[:, 0], top_ids.astype(jnp.int32), top_logprobs
+        return sampled[:, 0], rank, top_ids.astype(jnp.int32), top_logprobs
 
     def unwanted() -> tuple[jax.Array, ...]:
         top = (s, MAX_LOGPROBS)
-        return jnp.zeros(s, jnp.float32), jnp.zeros(top, jnp.int32), jnp.zeros(top, jnp.float32)
+        return (
+            jnp.zeros(s, jnp.float32), jnp.zeros(s, jnp.int32), jnp.zeros(top, jnp.int32),
+            jnp.zeros(top, jnp.float32),
+        )  # fmt: skip
 
     return SamplerOutput(tokens, *jax.lax.cond(jnp.any(t.want_logprobs), wanted, unwanted))
 
@@ -370,6 +375,8 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
             lambda: _tokens(apply_token_bitmask(apply_penalties(logits, t), t.token_bitmask), t),
         ],
     )
+    # A prompt row scores its prompt's next token (prompt logprobs) instead of its sample.
+    tokens = jnp.where(t.forced_token >= 0, t.forced_token, tokens)
     return _logprobs(logits, tokens, t)
 
 
@@ -382,6 +389,7 @@ class SampledTokens(NamedTuple):
 
     tokens: np.ndarray  # [S] int32
     sampled_logprob: np.ndarray  # [S] float32
+    sampled_rank: np.ndarray  # [S] int32
     top_ids: np.ndarray  # [S, MAX_LOGPROBS] int32
     top_logprobs: np.ndarray  # [S, MAX_LOGPROBS] float32
     num_logprobs: list[int | None]  # per real row, SamplingParams.logprobs
@@ -395,6 +403,14 @@ class SampledTokens(NamedTuple):
             return token, None
         top = zip(self.top_ids[i, :n].tolist(), self.top_logprobs[i, :n].tolist(), strict=True)
         return token, [(token, float(self.sampled_logprob[i])), *top]
+
+    def scored(self, i: int) -> tuple[int, float, int, list[tuple[int, float]]]:
+        """A row that asked for logprobs: (its token, its logprob, its rank, the top n
+        (id, logprob) pairs by rank)."""
+        n = self.num_logprobs[i] or 0
+        top = zip(self.top_ids[i, :n].tolist(), self.top_logprobs[i, :n].tolist(), strict=True)
+        rank = int(self.sampled_rank[i])
+        return int(self.tokens[i]), float(self.sampled_logprob[i]), rank, list(top)
 
 
 class Sampler:

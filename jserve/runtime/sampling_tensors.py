@@ -6,10 +6,10 @@ largest bucket once; `build` fills a prefix and hands out views, valid until the
 (the engine reads the sampled tokens, which ends the device's use of them, before that).
 
 Neutral values, also used for pad rows: temperature 0 (greedy), top_k 0, top_p 1, min_p 0,
-repetition 1, presence and frequency 0, no logprobs, banned ids all `vocab_size` (an id the
-device's scatters drop), a token bitmask of all ones (every token allowed). A row without
-penalties keeps whatever history its slot last held: neutral penalties make that history a
-no-op, and skipping it saves copying whole prompts.
+repetition 1, presence and frequency 0, no logprobs, no forced token, banned ids all
+`vocab_size` (an id the device's scatters drop), a token bitmask of all ones (every token
+allowed). A row without penalties keeps whatever history its slot last held: neutral
+penalties make that history a no-op, and skipping it saves copying whole prompts.
 
 Randomness is drawn here, not on the device: each row gets two uniforms hashed from its seed
 and its number of output tokens alone, so a seeded request's draws cannot depend on its batch
@@ -51,6 +51,9 @@ class SamplingTensors:
     banned_ids: np.ndarray  # [S, B] int32 ids forced to -inf (min_tokens), pads = vocab_size
     want_logprobs: np.ndarray  # [S] bool the row asked for logprobs (rank and top 20)
     token_bitmask: np.ndarray  # [S, W] int32 bit j of word i allows token 32 i + j; -1 = all
+    # [S] int32 a prompt row's next prompt token, whose logprob (and rank) the row scores in
+    # place of a sampled one; -1 = sample
+    forced_token: np.ndarray
 
 
 class SamplingRow(NamedTuple):
@@ -63,6 +66,8 @@ class SamplingRow(NamedTuple):
     banned_ids: Sequence[int] = ()  # forced to -inf this step (jserve.core.stopping: min_tokens)
     # [W] int32 packed mask of the tokens a grammar allows next (jserve.structured); None: all
     allowed_tokens: np.ndarray | None = None
+    # A prompt logprobs row: the prompt's next token, scored instead of sampling (-1: sample)
+    forced_token: int = -1
 
 
 _MASK64 = (1 << 64) - 1
@@ -135,6 +140,7 @@ class SamplingTensorBuilder:
         self._banned = np.full((s, max_banned_ids), v, np.int32)
         self._want_logprobs = np.zeros(s, np.bool_)
         self._bitmask = np.full((s, bitmask_width(v)), -1, np.int32)
+        self._forced = np.full(s, -1, np.int32)
 
     def check_banned_ids(self, banned_ids: Sequence[int]) -> None:
         """Raise ValueError if a row could not hold `banned_ids` (call it at admission)."""
@@ -165,6 +171,7 @@ class SamplingTensorBuilder:
         self._presence[:n] = [p.presence_penalty for p in params]
         self._frequency[:n] = [p.frequency_penalty for p in params]
         self._want_logprobs[:n] = [p.logprobs is not None for p in params]
+        self._forced[:n] = [row.forced_token for row in rows]
         self._fill_neutral(n, s)
         self._fill_uniforms(rows)
         self._banned[:s] = v
@@ -191,6 +198,7 @@ class SamplingTensorBuilder:
             banned_ids=self._banned[:s],
             want_logprobs=self._want_logprobs[:s],
             token_bitmask=self._bitmask[:s],
+            forced_token=self._forced[:s],
         )
 
     def _fill_neutral(self, start: int, stop: int) -> None:
@@ -202,6 +210,7 @@ class SamplingTensorBuilder:
         self._presence[start:stop] = 0.0
         self._frequency[start:stop] = 0.0
         self._want_logprobs[start:stop] = False
+        self._forced[start:stop] = -1
 
     def _fill_uniforms(self, rows: Sequence[SamplingRow]) -> None:
         seeds = np.array(

@@ -31,10 +31,11 @@ class StepInputs:
     cu_q_lens: np.ndarray  # [S + 1] int32 start of each sequence's tokens (pads: T_real)
     kv_lens: np.ndarray  # [S] int32 context after this step (pads: 0)
     num_seqs: np.ndarray  # [1] int32 real sequences
-    # [S] int32 token rows whose next-token logits are wanted: each sequence's last, or a
-    # decode with drafts its last num_drafts + 1 (pads: 0)
+    # [S] int32 token rows whose next-token logits (and final hidden states) are wanted: each
+    # sequence's last, a decode with drafts its last num_drafts + 1, an `every_row` chunk all
+    # of its tokens (pads: 0)
     logits_indices: np.ndarray
-    num_logits: np.ndarray  # [1] int32 real rows of logits_indices (the sequences + drafts)
+    num_logits: np.ndarray  # [1] int32 real rows of logits_indices (ScheduledSeq.num_rows)
     num_tokens: int = dataclasses.field(metadata={"static": True})  # T
     max_seqs: int = dataclasses.field(metadata={"static": True})  # S
 
@@ -89,7 +90,7 @@ class StepInputBuilder:
     def build(self, plan: StepPlan) -> StepInputs:
         n_seqs = len(plan.seqs)
         n_tokens = plan.num_batched_tokens
-        n_logits = n_seqs + plan.num_drafts  # a draft's row of logits verifies it
+        n_logits = plan.num_rows  # a draft's row of logits verifies it
         t, s = pick_step_bucket(self.token_buckets, self.seq_buckets, n_tokens, n_logits)
         bs = self.block_size
         tok, pos, slots = self._token_ids, self._positions, self._slots
@@ -110,8 +111,8 @@ class StepInputBuilder:
             tables[i, : len(blocks)] = blocks
             cu[i] = offset
             kv_lens[i] = start + n
-            if seq.num_drafts:
-                rows = seq.num_drafts + 1
+            rows = seq.num_rows
+            if rows > 1:
                 logits_idx[row : row + rows] = np.arange(end - rows, end, dtype=np.int32)
                 row += rows
             else:

@@ -131,6 +131,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.shadow: dict[int, list] = {}  # block id -> per-slot prefix key
         self.now = 0.0
         self.num_added = 0
+        self.rows_pending: set[str] = set()  # prompt_rows requests whose prompt is unplanned
 
     # ---- rules -----------------------------------------------------------------------------
 
@@ -152,6 +153,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         tail = data.draw(st.lists(st.integers(3, 12), min_size=tail_len, max_size=tail_len))
         prompt = list(prefix) + tail
         group_id = f"g{self.num_added}" if n > 1 else None
+        # A row at every prompt position (as the engine asks for prompt logprobs); without
+        # chunked prefill the engine refuses prompts longer than max_num_seqs.
+        fits = self.config.enable_chunked_prefill or prompt_len <= self.config.max_num_seqs
+        prompt_rows = fits and data.draw(st.booleans(), label="prompt_rows")
         members = []
         for _ in range(n):
             self.num_added += 1
@@ -167,6 +172,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 group_id=group_id,
                 tenant=tenant,
                 can_speculate=data.draw(st.booleans()),
+                prompt_rows=prompt_rows,
             )
             too_long = prompt_len + max_tokens > self.config.max_model_len
             queue_full = len(self.scheduler.waiting) >= self.config.max_waiting_requests
@@ -181,6 +187,8 @@ class SchedulerMachine(RuleBasedStateMachine):
                 return
             assert not too_long and not queue_full
             self.live[request.request_id] = request
+            if prompt_rows:
+                self.rows_pending.add(request.request_id)
             members.append(request.request_id)
 
     @rule(
@@ -288,8 +296,10 @@ class SchedulerMachine(RuleBasedStateMachine):
         seqs = plan.seqs
         assert plan.num_batched_tokens == sum(s.num_tokens for s in seqs)
         assert plan.num_batched_tokens <= self.config.max_num_batched_tokens
-        assert len(seqs) + plan.num_drafts <= self.config.max_num_seqs  # rows of logits
+        assert plan.num_rows <= self.config.max_num_seqs  # rows of logits
+        assert plan.num_rows == sum(s.num_rows for s in seqs)
         assert plan.num_drafts == sum(s.num_drafts for s in seqs)
+        assert plan.num_prompt_rows == sum(s.num_tokens - 1 for s in seqs if s.every_row)
         assert len({s.request_id for s in seqs}) == len(seqs)
         assert all(s.num_tokens == 1 + s.num_drafts and s.sample for s in seqs[: plan.num_decodes])
         assert not any(s.num_drafts for s in seqs[plan.num_decodes :])
@@ -314,6 +324,15 @@ class SchedulerMachine(RuleBasedStateMachine):
                 request.all_token_ids[seq.start_pos : known]
             )
             assert seq.sample == (known == request.num_tokens)
+            # Every chunk of a prompt_rows request's prompt has its rows (but the last prompt
+            # token alone, decoded in pass (a), which needs none), from position 0 (no cached
+            # prefix: nobody computed its rows) unless forked from its group.
+            pending = seq.request_id in self.rows_pending
+            last_alone = seq.sample and seq.num_tokens - seq.num_drafts == 1
+            assert pending if seq.every_row else not pending or last_alone
+            assert not seq.every_row or request.group_id or request.num_cached_tokens == 0
+            if seq.sample:
+                self.rows_pending.discard(seq.request_id)
             assert seq.block_ids is request.block_ids
             assert len(seq.block_ids) == -(-end // self.block_size)
             assert SINK_BLOCK_ID not in seq.block_ids

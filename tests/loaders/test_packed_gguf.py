@@ -93,7 +93,7 @@ def _logits(loaded, ids: np.ndarray) -> np.ndarray:
     graphdef, state = place_model(loaded.config, loaded.params, jnp.float32, make_mesh())
     model = nnx.merge(graphdef, lay_out_weights(state, "native"))
     t = len(ids)
-    logits, _ = model(
+    logits, _, _ = model(
         jnp.asarray(ids), jnp.arange(t, dtype=jnp.int32), None, DenseCausal(), jnp.arange(t),
         "native",
     )  # fmt: skip

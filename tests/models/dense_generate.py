@@ -30,7 +30,7 @@ def logits_at(
     """Logits [N, V] float32 of the token after each position in `indices`."""
     model = nnx.merge(graphdef, state)
     positions = jnp.arange(token_ids.shape[0], dtype=jnp.int32)
-    logits, _ = model(token_ids, positions, None, DenseCausal(), indices)
+    logits, _, _ = model(token_ids, positions, None, DenseCausal(), indices)
     return logits
 
 

@@ -72,7 +72,7 @@ def _jserve_logits(path, ids: np.ndarray, matmul_impl: str = "xla") -> np.ndarra
 
     model = nnx.merge(graphdef, lay_out_weights(state, matmul_impl))
     t = len(ids)
-    logits, _ = model(
+    logits, _, _ = model(
         jnp.asarray(ids), jnp.arange(t, dtype=jnp.int32), None, DenseCausal(), jnp.arange(t),
         matmul_impl,
     )  # fmt: skip

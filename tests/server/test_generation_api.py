@@ -261,3 +261,49 @@ async def test_tokenize_and_detokenize():
     assert tokens == {"count": 2, "max_model_len": 256, "tokens": [72, 105]}
     assert chat["tokens"] == [ord(c) for c in chat_prompt(USER_HI)]
     assert text == {"prompt": "Hi"}
+
+
+ECHO_LOGPROBS = {
+    "tokens": ["H", "i", "!", "H", "i"],
+    "token_logprobs": [None, -0.25, -0.25, -0.5, -0.5],
+    "top_logprobs": [
+        None, {"i": -0.25, "j": -1.25}, {"!": -0.25, '"': -1.25}, {"H": -0.5, "I": -1.5},
+        {"i": -0.5, "j": -1.5},
+    ],
+    "text_offset": [0, 1, 2, 3, 4],
+}  # fmt: skip
+
+
+async def test_completion_echo_leads_text_and_logprobs_with_the_prompt():
+    body = {"prompt": "Hi!", "max_tokens": 2, "logprobs": 2, "echo": True}
+    async with serve(_fast_mock()) as client:
+        full = await (await client.post("/v1/completions", json=body)).json()
+        events = await stream_events(client, "/v1/completions", body)
+        plain = await (await client.post("/v1/completions", json={**body, "logprobs": None})).json()
+    choice = full["choices"][0]
+    assert choice["text"] == "Hi!Hi" == "".join(choice["logprobs"]["tokens"])
+    assert choice["logprobs"] == ECHO_LOGPROBS
+    assert plain["choices"][0]["text"] == "Hi!Hi" and plain["choices"][0]["logprobs"] is None
+    chunks = [event["choices"][0] for event in events[:-1]]
+    assert "".join(c["text"] for c in chunks) == "Hi!Hi"
+    merged = {key: [] for key in ECHO_LOGPROBS}
+    for c in chunks:
+        for key in merged:
+            merged[key] += c["logprobs"][key]
+    assert merged == ECHO_LOGPROBS  # the prompt's in the first chunk, offsets keep counting
+
+
+async def test_completion_prompt_logprobs_vllm_shape():
+    body = {"prompt": "Hi!", "max_tokens": 1, "prompt_logprobs": 1}
+    expected = [
+        None,
+        {"105": {"logprob": -0.25, "rank": 1, "decoded_token": "i"}},
+        {"33": {"logprob": -0.25, "rank": 1, "decoded_token": "!"}},
+    ]
+    async with serve(_fast_mock()) as client:
+        full = await (await client.post("/v1/completions", json=body)).json()
+        events = await stream_events(client, "/v1/completions", body)
+    assert full["choices"][0]["prompt_logprobs"] == expected
+    assert full["choices"][0]["text"] == "H" and full["choices"][0]["logprobs"] is None
+    firsts = [e["choices"][0].get("prompt_logprobs") for e in events[:-1]]
+    assert firsts[0] == expected and all(p is None for p in firsts[1:])
