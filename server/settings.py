@@ -149,7 +149,7 @@ class ServerSettings:
         PoolingType.LAST,
         "how /v1/embeddings pools the prompt's final hidden states before L2-normalizing: the "
         "last token's, or their mean (the pooling_type of vLLM's pooler config)",
-        vllm="--override-pooler-config",
+        vllm="--override-pooler-config '{\"pooling_type\": ...}'",
         choices=PoolingType,
     )
 

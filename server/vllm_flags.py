@@ -169,6 +169,11 @@ VLLM_SERVE_FLAGS: tuple[VllmFlag, ...] = (
     _no("--lora-modules", _LORA, "name=path"),
     _no("--max-lora-rank", _LORA, "16"),
     _no("--max-loras", _LORA, "4"),
+    _no(
+        "--override-pooler-config",
+        "/v1/embeddings pools by --pooling-type (last or mean)",
+        '{"pooling_type": "MEAN"}',
+    ),
     _no("--limit-mm-per-prompt", "jserve serves text-only models", '{"image": 1}'),
     _no(
         "--reasoning-parser",
