@@ -138,6 +138,29 @@ async def grammar_bombs(client: Client, tally: Tally, opts: argparse.Namespace) 
     return [await _checked(client, tally, "/v1/completions", {**base, **b}) for b in bombs]
 
 
+async def count_bombs(client: Client, tally: Tally, opts: argparse.Namespace) -> list[str]:
+    """Counted repetition that unrolls to millions of states, in every place a regex reaches
+    llguidance: refused before any compile (jserve.config.regex_size), so the probe should not
+    notice them."""
+    base = {"prompt": "Answer:", "max_tokens": 4}
+    patterned = {"type": "object", "properties": {"a": {"type": "string", "pattern": "a{1000000}"}}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": patterned}}
+    bombs = [
+        {"structured_outputs": {"regex": "a{1000000}"}},
+        {"structured_outputs": {"regex": "(a{1000}){1000}"}},
+        {"structured_outputs": {"regex": "(a{100}){100}{100}"}},
+        {"structured_outputs": {"json": patterned}},
+        {"structured_outputs": {"grammar": "start: /a{1000000}/"}},
+    ]
+    outcomes = [await _checked(client, tally, "/v1/completions", {**base, **b}) for b in bombs]
+    forced = {
+        "messages": [{"role": "user", "content": "Call f."}], "max_tokens": 4,
+        "tools": [tool], "tool_choice": "required",
+    }  # fmt: skip
+    outcomes.append(await _checked(client, tally, "/v1/chat/completions", forced))
+    return outcomes
+
+
 async def stop_flood(client: Client, tally: Tally, opts: argparse.Namespace) -> list[str]:
     """The 3.8 MB stop list with n=16 that stalled other tenants: refused (SamplingParams caps
     the list; the matching cost at the caps is tests/core/test_stopping.py's)."""
@@ -240,6 +263,7 @@ PHASES = [
     ("lone surrogates (case 2)", lone_surrogates),
     ("tool_choice shapes (case 3)", tool_choice_shapes),
     ("grammar bombs (case 4)", grammar_bombs),
+    ("count bombs (case 4, refused before compiling)", count_bombs),
     ("stop flood, n=16 (case 5)", stop_flood),
     ("32 large schemas (case 6)", schema_storm),
     ("32 plain, case 6's twin", plain_storm),

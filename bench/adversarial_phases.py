@@ -54,7 +54,8 @@ _BAD_VALUES = {
     "priority": ["vip", 3],
     "timeout": [0, -1, "soon"],
     "stream_options": [{"include_usage": True}],
-    "echo": [True],
+    "echo": ["yes"],
+    "prompt_logprobs": [-1, 10**6],
     "best_of": [3],
 }
 _RAW_BAD = [
