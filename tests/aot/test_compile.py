@@ -111,6 +111,20 @@ def test_smollm2_steps_compile_with_no_pool_copy(smollm2, which, request):
     assert json.loads(json.dumps(report.to_json()))["memory"]["fits"] is True
 
 
+def test_an_int8_kv_pool_compiles_for_a_tpu_with_its_blocks_and_bytes(smollm2, v5e_report):
+    """--kv-cache-dtype int8 on a v5e: attention through XLA (Mosaic does not read int8 pools
+    yet), the same HBM share holding 2 x 64 / 68 times the bfloat16 pool's blocks."""
+    name, cfg = smollm2
+    args = dataclasses.replace(ARGS, kv_cache_dtype="int8")
+    report = compile_engine(args, cfg, name, tpu_target("v5e:1x1"), 0.5, steps=STEPS[:1])
+    assert report.errors == []
+    assert report.kv_cache_dtype == "int8" and report.attention_impl == "xla"
+    assert "--kv-cache-dtype int8" in report.serve_flags
+    assert report.num_blocks / v5e_report.num_blocks == pytest.approx(2 * 64 / 68, rel=1e-3)
+    pool = report.memory.kv_pool_bytes  # int8 K and V, and their float32 scales
+    assert pool == report.num_blocks * 2 * cfg.num_layers * cfg.num_kv_heads * 16 * (64 + 4)
+
+
 def test_tensor_parallel_refusals_name_what_fits(smollm2):
     name, cfg = smollm2
     target = tpu_target("v5e:2x2")
