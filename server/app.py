@@ -99,7 +99,10 @@ async def _metrics(request: web.Request) -> web.Response:
     if state.engine is not None:
         try:
             state.metrics.refresh(state.engine.stats())
-            state.metrics.model_info.labels(state.model_name, state.engine.quantization).set(1)
+            engine = state.engine
+            state.metrics.model_info.labels(state.model_name, engine.quantization).set(1)
+            pool = (engine.block_size, engine.kv_cache_dtype, engine.num_kv_blocks)
+            state.metrics.cache_config_info.labels(*map(str, pool)).set(1)
         except Exception:  # a dead engine still lets operators read the server-side series
             logger.exception("engine.stats() failed; serving the last snapshot")
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

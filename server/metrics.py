@@ -5,7 +5,8 @@ Two sources:
    counters, compilations, per-iteration token counts, speculative decoding's drafts and
    acceptance, per draft position too) come from one `engine.stats()` snapshot
    taken when /metrics is scraped; cumulative engine counters are exported as counters. The
-   served model's name and quantization are `jserve:model_info`'s labels.
+   served model's name and quantization are `jserve:model_info`'s labels; the KV pool's
+   block size, element dtype and block count `jserve:cache_config_info`'s (vLLM's names).
 2. Per-request latencies and outcomes are observed by the server while it streams, from the
    engine's RequestMetrics timestamps when given (else the server's own clock). Each is also
    split by lane and tenant in `jserve:tenant_*` series (TTFT, ITL, queue time, finished
@@ -143,6 +144,11 @@ class ServerMetrics:
             "jserve:model_info", "The served model and its weights as served (always 1): "
             'quantization "none" or "gguf:" and its packed block formats.',
             ["model_name", "quantization"], registry=reg,
+        )  # fmt: skip
+        self.cache_config_info = Gauge(
+            "jserve:cache_config_info", "The KV pool (always 1): tokens per block, its elements "
+            '("float32", ... or "int8") and its blocks, the padding sink included.',
+            ["block_size", "cache_dtype", "num_gpu_blocks"], registry=reg,
         )  # fmt: skip
 
     def _declare_tenant_series(self, reg: CollectorRegistry) -> None:
