@@ -103,9 +103,8 @@ def ragged_paged_attention(
 
     Args:
       q: [T, Hq, D] queries of all scheduled tokens, T padded to a bucket.
-      k_pool, v_pool: keys and values of all layers, laid out as `kv_cache_shape(...,
-        impl=<the implementation>)` gives ([L, num_blocks, Hkv, block_size, D] but for
-        Mosaic with head_dim < 128).
+      k_pool, v_pool: keys and values of all layers in `kv_cache_shape`'s layout for the
+        implementation ([L, num_blocks, Hkv, block_size, D] but for Mosaic, head_dim < 128).
       block_tables: [S, max_blocks] int32 pool block of each sequence's i-th block; S padded.
       cu_q_lens: [S + 1] int32 cumulative query lengths; only [:num_seqs + 1] is read.
       kv_lens: [S] int32 context length of each sequence including this step's tokens.
@@ -115,19 +114,17 @@ def ragged_paged_attention(
       sliding_window: None, or the number of most recent positions each query may see.
       soft_cap: None, or c for scores -> c * tanh(scores / c).
       impl: an AttentionImpl (or its name); AUTO picks by `platform` (`choose_impl`).
-      interpret: for "triton" / "mosaic": None runs natively on their backend and interprets
-        elsewhere; True forces the interpreter. "interpret" always interprets (False is an
-        error); the others take None only.
+      interpret: for "triton" / "mosaic": None runs natively on their backend, else interprets;
+        True forces the interpreter ("interpret" always interprets; the others take None only).
       platform: the platform the call is compiled for, which AUTO and `interpret=None`
         follow (default: jax.default_backend(); jserve.aot names a chip this process lacks).
-      kv_scales: for int8 pools, (k_scales, v_scales) [L, num_blocks, Hkv, block_size] float32,
-        each token's scale (kv_cache.quantize_kv); None for pools of q's dtype.
+      kv_scales: int8 pools' (k_scales, v_scales) (kv_cache.kv_scales_shape); else None.
 
     Returns [T, Hq, D] attention outputs in q's dtype.
     """
     platform = platform or jax.default_backend()
     kv_dtype = KVCacheDtype.AUTO if kv_scales is None else KVCacheDtype.INT8
-    chosen = choose_impl(platform, q.dtype, kv_dtype) if impl == AttentionImpl.AUTO else impl
+    chosen = impl if impl != AttentionImpl.AUTO else choose_impl(platform, q.dtype, kv_dtype)
     if chosen not in _IMPL_TABLE:
         names = tuple(str(name) for name in IMPLS)
         raise ValueError(f"impl must be 'auto' or one of {names}; got {impl!r}")
