@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jserve.config.engine_args import AttentionImpl, KVCacheDtype
 from jserve.pallas import choose_impl, ragged_paged_attention, write_kv_cache
+from jserve.pallas.kv_cache import rotate_heads
 
 
 @jax.tree_util.register_static
@@ -104,10 +105,13 @@ def _paged_attention(
     impl: AttentionImpl,
     platform: str | None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    quantized = len(kv_cache) == 4  # int8 pools and their scales
     # The pools' layout is the resolved implementation's.
     if impl == AttentionImpl.AUTO:
-        kv_dtype = KVCacheDtype.INT8 if len(kv_cache) == 4 else KVCacheDtype.AUTO
+        kv_dtype = KVCacheDtype.INT8 if quantized else KVCacheDtype.AUTO
         impl = choose_impl(platform, q.dtype, kv_dtype)
+    if quantized:  # int8 pools hold K and V rotated (dot products unchanged), and so is out
+        q, k, v = rotate_heads(q), rotate_heads(k), rotate_heads(v)
     kv_cache = write_kv_cache(kv_cache, k, v, slot_mapping, layer, impl=impl)
     k_pool, v_pool, *scales = kv_cache
     out = ragged_paged_attention(
@@ -115,7 +119,7 @@ def _paged_attention(
         sm_scale=sm_scale, sliding_window=sliding_window, impl=impl, platform=platform,
         kv_scales=tuple(scales) or None,
     )  # fmt: skip
-    return out, kv_cache
+    return (rotate_heads(out) if quantized else out), kv_cache
 
 
 def _per_head_shard(paged: Any, heads: HeadSharding, kv_cache: tuple[jax.Array, ...]) -> Any:
