@@ -36,7 +36,9 @@ def _jserve(args: argparse.Namespace):
     settings = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
     if args.max_num_batched_tokens:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
-    llm = LLM(args.model, quantization=args.quantization, **settings)
+    llm = LLM(
+        args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, **settings
+    )
 
     def params(n: int) -> SamplingParams:
         return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
@@ -126,6 +128,7 @@ def main() -> None:
         "--model", default=None, help="jserve: default SmolLM2; vllm: HF dir; llamacpp: GGUF"
     )
     parser.add_argument("--quantization", default="auto", help="jserve's --quantization")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="jserve's --kv-cache-dtype")
     parser.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     parser.add_argument("--workloads", nargs="+", required=True, help="JSON files from peer.py")
     parser.add_argument("--out", required=True, help="JSON result file")
@@ -145,6 +148,7 @@ def main() -> None:
     runs = [run_workload(llm, params, token_ids, w, args) for w in workloads]
     settings = {k: v for k, v in vars(args).items() if k.startswith("max_num")}
     settings["quantization"] = args.quantization if args.engine == "jserve" else None
+    settings["kv_cache_dtype"] = args.kv_cache_dtype if args.engine == "jserve" else None
     result = {"engine": args.engine, "startup_s": startup_s, "settings": settings, "runs": runs,
               **_resident(llm, args.engine, args)}  # fmt: skip
     Path(args.out).write_text(json.dumps(result))

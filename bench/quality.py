@@ -5,6 +5,7 @@ agreement and perplexity on a fixed text, and greedy agreement.
     python -m bench.quality --model F.gguf        # another GGUF
     python -m bench.quality --reference HF_DIR    # against other weights (same tokenizer)
     python -m bench.quality --smoke               # a short text and few tokens (CI)
+    python -m bench.quality --kv-cache-dtype int8 # + the candidate's K/V through an int8 pool
 
 The candidate is the GGUF as `--quantization auto` serves it (its blocks packed, on the native
 CPU kernel); the reference is `--reference` (default: the same file dequantized to float32, as
@@ -21,6 +22,13 @@ bench/results/quality.json and a markdown table (docs/quantization.md has the fi
 rounded to int8 per block of 32 (scale max|x| / 127) before the product with the same weights,
 which is what integer dot products over the blocks give up to float rounding. It is emulated
 (the rows are rounded, then the float kernel runs), to measure its agreement, not its speed.
+
+`--kv-cache-dtype int8` runs the candidate's attention as the engine serves it with that pool:
+each window is one prefill through the paged attention, its K/V written to an int8 pool
+(jserve.pallas.kv_cache) and every position's query reading them back from it, so each score
+sees the quantized keys and values of the positions before it, as a decode step does. The
+reference keeps its float32 attention: the gap is the KV quantization's (packed weights give
+the dequantized file's logits bit for bit).
 """
 
 from __future__ import annotations
@@ -37,15 +45,18 @@ import numpy as np
 from flax import nnx
 
 from bench.report_writer import RESULTS_DIR, markdown_table, write_json
-from jserve.layers.attention import DenseCausal
+from jserve.config.engine_args import KVCacheDtype
+from jserve.layers.attention import DenseCausal, PagedAttentionMetadata
 from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.models import llama
 from jserve.models.llama import lay_out_weights
 from jserve.pallas.layer_matmul import layer_matmul
+from jserve.runtime.model_runner import ModelStep
 from jserve.runtime.params import make_mesh, place_model
 
 TEXT = Path(__file__).with_name("texts") / "quality.txt"
 GREEDY_PROMPT = 16  # tokens of the text that start a greedy continuation
+BLOCK_SIZE = 16  # the paged pool's, with --kv-cache-dtype
 
 
 def int8_rows(x: jax.Array) -> jax.Array:
@@ -63,18 +74,42 @@ def int8_activations():
     )
 
 
-def forward(loaded: LoadedModel, length: int, int8: bool = False):
+def paged_prefill(
+    loaded: LoadedModel, graphdef: nnx.GraphDef, length: int, kv_cache_dtype: str
+) -> tuple[tuple[jax.ShapeDtypeStruct, ...], PagedAttentionMetadata]:
+    """The KV cache and metadata of one sequence of `length` tokens prefilled at once into
+    blocks 1.. of a pool of `kv_cache_dtype` (block 0 is the sink), as the engine lays it out."""
+    blocks = -(-length // BLOCK_SIZE)
+    step = ModelStep.make(loaded.config, graphdef, make_mesh(), jnp.float32, "auto", kv_cache_dtype)
+    meta = PagedAttentionMetadata(
+        slot_mapping=BLOCK_SIZE + jnp.arange(length, dtype=jnp.int32),
+        block_tables=jnp.arange(1, blocks + 1, dtype=jnp.int32)[None],
+        cu_q_lens=jnp.array([0, length], jnp.int32),
+        kv_lens=jnp.array([length], jnp.int32),
+        num_seqs=jnp.array([1], jnp.int32),
+        impl=step.attn_impl,
+    )
+    return step.kv_cache_spec(blocks + 1, BLOCK_SIZE), meta
+
+
+def forward(
+    loaded: LoadedModel, length: int, int8: bool = False, kv_cache_dtype: str = KVCacheDtype.AUTO
+):
     """fn(ids [length] int32) -> logits [length, V] float32: one causal pass, every position
-    (with `int8`, int8-rounded matmul inputs)."""
+    (with `int8`, int8-rounded matmul inputs; with an int8 `kv_cache_dtype`, attention over an
+    int8 KV pool, `paged_prefill`)."""
     graphdef, state = place_model(loaded.config, loaded.params, jnp.float32, make_mesh())
     state = lay_out_weights(state, "native")
     positions, rows = jnp.arange(length, dtype=jnp.int32), jnp.arange(length, dtype=jnp.int32)
+    paged = kv_cache_dtype != KVCacheDtype.AUTO
+    spec, meta = paged_prefill(loaded, graphdef, length, kv_cache_dtype) if paged else (None, None)
 
     @jax.jit
     def run(state, ids):
         model = nnx.merge(graphdef, state)
+        cache = tuple(jnp.zeros(x.shape, x.dtype) for x in spec) if paged else None
         with int8_activations() if int8 else contextlib.nullcontext():
-            return model(ids, positions, None, DenseCausal(), rows, "native")[0]
+            return model(ids, positions, cache, meta if paged else DenseCausal(), rows, "native")[0]
 
     return lambda ids: np.asarray(run(state, jnp.asarray(ids, jnp.int32)), np.float64)
 
@@ -141,6 +176,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--window", type=int, default=128, help="tokens per forward pass")
     parser.add_argument("--int8-activations", action="store_true",
                         help="score the candidate with int8-rounded matmul inputs")  # fmt: skip
+    parser.add_argument("--kv-cache-dtype", choices=list(KVCacheDtype), default="auto",
+                        help="the candidate's KV pool (auto: no pool)")  # fmt: skip
     parser.add_argument("--greedy-tokens", type=int, default=48)
     parser.add_argument("--smoke", action="store_true", help="one short window, 4 tokens")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="default: %(default)s")
@@ -157,10 +194,11 @@ def main(argv: list[str] | None = None) -> int:
     ids = np.asarray(candidate_model.tokenizer.encode(TEXT.read_text()), np.int32)
     windows = [ids[i : i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
     windows = windows[:1] if args.smoke else windows
-    int8 = args.int8_activations
+    int8, kv_dtype = args.int8_activations, args.kv_cache_dtype
 
     def models(length: int):
-        return forward(candidate_model, length, int8), forward(reference_model, length)
+        candidate = forward(candidate_model, length, int8, kv_dtype)
+        return candidate, forward(reference_model, length)
 
     candidate, reference = models(args.window)
     scores = teacher_forced(candidate, reference, windows)
@@ -171,7 +209,9 @@ def main(argv: list[str] | None = None) -> int:
         candidate, reference = models(length)
     agreement = greedy_agreement(candidate, reference, prompts, length - GREEDY_PROMPT, length)
     report = {
-        "candidate": candidate_model.quantization + (" int8 activations" if int8 else ""),
+        "candidate": candidate_model.quantization
+        + (" int8 activations" if int8 else "")
+        + (f" {kv_dtype} KV cache" if kv_dtype != KVCacheDtype.AUTO else ""),
         "reference": args.reference or f"{reference_model.quantization} (the same file)",
         "teacher_forced": scores,
         "greedy": agreement,

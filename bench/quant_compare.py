@@ -4,13 +4,16 @@ against llama.cpp on the same file, offline, on the same CPU, workloads and prot
     python -m bench.quant_compare --llamacpp-python /tmp/llamacpp/bin/python
     python -m bench.quant_compare --llamacpp-python ... --rounds 3  # sides alternate per round
     python -m bench.quant_compare --smoke                          # jserve only, seconds (CI)
+    python -m bench.quant_compare --kv-cache-dtype int8            # + packed with an int8 pool
 
 Three sides, each in its own interpreter through bench.peer_driver: jserve with
 `--quantization auto` (the packed blocks), jserve with `--quantization none` (float32), and
 llama.cpp through llama-cpp-python on 2 threads. The workloads are bench.workloads'
 `quant_workloads`: batch-1 (one 32-token prompt, 128 output tokens: ms per output token) for
 all three, 32-seqs (32 such requests at once: output tokens per second) for jserve's two, since
-llama-cpp-python runs one request at a time. Greedy, EOS ignored; the first 16 greedy ids are
+llama-cpp-python runs one request at a time. `--kv-cache-dtype int8` adds a fourth side,
+"packed-int8-kv": the packed blocks with an int8 KV pool (jserve.pallas.kv_cache), on jserve's
+two workloads like the others. Greedy, EOS ignored; the first 16 greedy ids are
 compared with the float32 side's. Each side also reports its weights' bytes as served (jserve's
 parameters; llama.cpp's mapped GGUF) and its process's resident memory. A figure taken while
 the machine was busy (bench.quiet: load before above --max-load, or other processes over 10%
@@ -34,6 +37,13 @@ from bench.report_writer import RESULTS_DIR, markdown_table, write_json
 from bench.workloads import quant_workloads
 
 SIDES = ("packed", "float32", "llama.cpp")
+INT8_KV = "packed-int8-kv"  # the side --kv-cache-dtype int8 adds
+# jserve's sides' flags
+JSERVE_FLAGS = {
+    "packed": ("--quantization", "auto"),
+    "float32": ("--quantization", "none"),
+    INT8_KV: ("--quantization", "auto", "--kv-cache-dtype", "int8"),
+}
 BATCH_1 = "batch-1"
 
 
@@ -43,7 +53,8 @@ def run_round(args, paths: dict[str, Path], index: int) -> dict[str, dict]:
 
     gguf = str(Path(args.model).resolve() if args.model else default_model_path())
     runs = {}
-    order = SIDES[index % 3 :] + SIDES[: index % 3]
+    sides = SIDES + ((INT8_KV,) if args.kv_cache_dtype == "int8" else ())
+    order = sides[index % len(sides) :] + sides[: index % len(sides)]
     for side in order:
         suffix = f"_{side.replace('.', '')}_round{index + 1}"
         if side == "llama.cpp":
@@ -52,9 +63,8 @@ def run_round(args, paths: dict[str, Path], index: int) -> dict[str, dict]:
                 runs[side] = run_driver("llamacpp", args.llamacpp_python, gguf,
                                         [paths[BATCH_1]], args, suffix, threads)  # fmt: skip
             continue
-        quantization = ("--quantization", "auto" if side == "packed" else "none")
         runs[side] = run_driver("jserve", sys.executable, args.model, list(paths.values()), args,
-                                suffix, quantization)  # fmt: skip
+                                suffix, JSERVE_FLAGS[side])  # fmt: skip
     return runs
 
 
@@ -100,6 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "machine 2 threads can be far slower than 1)")  # fmt: skip
     parser.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2's)")
     parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
+                        help="int8: add the packed side with an int8 KV pool")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="jserve only, tiny workloads")
     parser.add_argument("--max-num-seqs", type=int, default=32)
     parser.add_argument("--max-load", type=float, default=1.0)

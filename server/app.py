@@ -106,7 +106,7 @@ async def _metrics(request: web.Request) -> web.Response:
             state.metrics.refresh(engine.stats())
             state.metrics.describe_engine(
                 state.model_name, engine.quantization, engine.block_size,
-                engine.kv_cache_tokens // engine.block_size,
+                engine.kv_cache_dtype, engine.num_kv_blocks,
             )  # fmt: skip
         except Exception:  # a dead engine still lets operators read the server-side series
             logger.exception("engine.stats() failed; serving the last snapshot")

@@ -5,8 +5,8 @@ Two sources:
    counters, compilations, per-iteration token counts, speculative decoding's drafts and
    acceptance, per draft position too) come from one `engine.stats()` snapshot
    taken when /metrics is scraped; cumulative engine counters are exported as counters. The
-   served model's name and quantization are `jserve:model_info`'s labels, the KV cache's
-   layout `jserve:cache_config_info`'s.
+   served model's name and quantization are `jserve:model_info`'s labels; the KV pool's
+   block size, element dtype and block count `jserve:cache_config_info`'s (vLLM's names).
 2. Per-request latencies (TTFT, ITL, end to end, queued, running, prefill, decode), sizes and
    outcomes are observed by the server while it streams, from the engine's RequestMetrics
    timestamps when given (else the server's own clock). Some are also split by lane and
@@ -158,9 +158,9 @@ class ServerMetrics:
             ["model_name", "quantization"], registry=reg,
         )  # fmt: skip
         self.cache_config_info = Gauge(
-            "jserve:cache_config_info", "The KV cache's layout (always 1): tokens per block and "
-            "blocks (num_gpu_blocks, as vLLM names it, whatever the device).",
-            ["block_size", "num_gpu_blocks"], registry=reg,
+            "jserve:cache_config_info", "The KV pool (always 1): tokens per block, its elements "
+            '("float32", ... or "int8") and its blocks, the padding sink included.',
+            ["block_size", "cache_dtype", "num_gpu_blocks"], registry=reg,
         )  # fmt: skip
 
     def _declare_latency_series(self, reg: CollectorRegistry) -> None:
@@ -245,11 +245,16 @@ class ServerMetrics:
             self.iteration_tokens.observe(tokens)
 
     def describe_engine(
-        self, model_name: str, quantization: str, block_size: int, num_blocks: int
+        self,
+        model_name: str,
+        quantization: str,
+        block_size: int,
+        cache_dtype: str,
+        num_blocks: int,
     ) -> None:
         """Set the info series: the served model and the KV cache's layout."""
         self.model_info.labels(model_name, quantization).set(1)
-        self.cache_config_info.labels(str(block_size), str(num_blocks)).set(1)
+        self.cache_config_info.labels(str(block_size), cache_dtype, str(num_blocks)).set(1)
 
     def render(self, model_name: str) -> bytes:
         """The exposition: jserve's series, then vLLM's names of them (labelled with

@@ -106,9 +106,11 @@ class MockEngine:
         num_kv_blocks: int = 1024,
         block_size: int = 16,
         quantization: str = "none",
+        kv_cache_dtype: str = "float32",
     ) -> None:
         self.model_name = model_name
         self.quantization = quantization
+        self.kv_cache_dtype = kv_cache_dtype
         self.max_model_len = max_model_len
         self.vocab_size = 0x110000
         self.hidden_size = 8

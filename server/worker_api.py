@@ -143,6 +143,8 @@ async def _server_info(request: web.Request) -> web.Response:
         "version": VERSION,
         "page_size": engine.block_size,
         "max_total_num_tokens": engine.kv_cache_tokens,
+        "kv_cache_dtype": engine.kv_cache_dtype,
+        "num_kv_blocks": engine.num_kv_blocks,
         "max_running_requests": engine.max_num_seqs,
         "tp_size": engine.tensor_parallel_size,
         "dp_size": 1,

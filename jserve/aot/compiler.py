@@ -108,10 +108,10 @@ class _Job:
                 total.bytes / (chip.hbm_bandwidth * per_device),
             )
 
-    def pool(self) -> jax.ShapeDtypeStruct:
-        """One of the K and V pools, as the engine allocates it on the mesh."""
-        shape = self.step.kv_cache_shape(self.shapes.num_blocks, self.args.block_size)
-        return jax.ShapeDtypeStruct(shape, self.step.dtype, sharding=self.step.kv_cache_sharding())
+    def kv_cache(self) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The KV cache (the K and V pools, and int8 pools' scales) as the engine allocates it
+        on the mesh."""
+        return self.step.kv_cache_spec(self.shapes.num_blocks, self.args.block_size)
 
 
 def _laid_out_state(job: _Job) -> tuple[Any, list[ExecutableReport]]:
@@ -140,17 +140,15 @@ def _compile_steps(job: _Job, state: Any, pairs: list[tuple[int, int]]) -> list[
     """The model step of each (tokens, seqs) bucket in `pairs`, as ModelRunner.precompile
     compiles it."""
     step, shapes, args = job.step, job.shapes, job.args
-    cfg, pool = step.cfg, job.pool()
+    cfg, kv_cache = step.cfg, job.kv_cache()
     builder = shapes.input_builder(args.block_size)
-    itemsize = jax.numpy.dtype(step.dtype).itemsize
+    itemsize = jax.numpy.dtype(kv_cache[0].dtype).itemsize  # of a pool's elements
     rows = []
     for tokens, seqs in pairs:
         kind = "decode" if tokens == seqs else "mixed"
         compiled, row = job.measure(
             f"{kind} step",
-            lambda t=tokens, s=seqs: step.lower(
-                state, (pool, pool), builder.example(t, s)
-            ).compile(),
+            lambda t=tokens, s=seqs: step.lower(state, kv_cache, builder.example(t, s)).compile(),
         )
         row.tokens, row.seqs = tokens, seqs
         if compiled is not None:
@@ -159,7 +157,8 @@ def _compile_steps(job: _Job, state: Any, pairs: list[tuple[int, int]]) -> list[
                 shards = args.tensor_parallel_size
                 context = shapes.max_model_len
                 kernel = attention_cost(cfg, tokens, seqs, context, itemsize, shards)
-            job.with_cost(row, loop_corrected_cost(compiled, cfg.num_layers, pool), kernel)
+            cost = loop_corrected_cost(compiled, cfg.num_layers, kv_cache[0])
+            job.with_cost(row, cost, kernel)
         rows.append(row)
     return rows
 
@@ -209,7 +208,7 @@ def compile_engine(
     if unknown:
         raise ValueError(f"no step bucket {unknown} in this engine's buckets {shapes.pairs}")
     graphdef, _ = abstract_model(cfg, shapes.dtype, mesh)
-    step = ModelStep.make(cfg, graphdef, mesh, shapes.dtype, shapes.attn_impl)
+    step = ModelStep.make(cfg, graphdef, mesh, shapes.dtype, shapes.attn_impl, args.kv_cache_dtype)
     cache = None if cache_dir is None else CompilationCache(cache_dir)
     job = _Job(step, shapes, args, target, cache)
     # No context mesh, as in the engine: the steps carry their shardings, the sampler runs on one
@@ -219,7 +218,8 @@ def compile_engine(
     if steps is None:
         rows += _compile_rest(job)
     weights = sum(_shard_bytes(x) for x in jax.tree.leaves(state))
-    memory = memory_per_chip(rows, weights, 2 * _shard_bytes(job.pool()), target, args, shapes, cfg)
+    pool_bytes = sum(_shard_bytes(x) for x in job.kv_cache())
+    memory = memory_per_chip(rows, weights, pool_bytes, target, args, shapes, cfg)
     return _report(job, model_name, rows, memory)
 
 
@@ -233,12 +233,14 @@ def _report(job: _Job, model_name: str, rows: list[ExecutableReport], memory: Me
         f"{args.tensor_parallel_size} --max-num-seqs {args.max_num_seqs} "
         f"--max-num-batched-tokens {args.max_num_batched_tokens} --max-model-len "
         f"{shapes.max_model_len} --block-size {args.block_size} --num-kv-blocks {shapes.num_blocks}"
+        f" --kv-cache-dtype {args.kv_cache_dtype}"
     )
     return Report(
         model=model_name,
         target=job.target.name,
         chip=job.target.chip,
         dtype=dtype,
+        kv_cache_dtype=str(args.kv_cache_dtype),
         attention_impl=shapes.attn_impl,
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=shapes.max_model_len,

@@ -88,7 +88,7 @@ def _as_entry(text: str, body: str) -> str:
     return "\n".join(lines)
 
 
-_HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}
+_HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "s8"}
 
 
 def _pool_fusions(

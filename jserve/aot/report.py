@@ -132,6 +132,7 @@ class Report:
     target: str
     chip: Chip | None
     dtype: str
+    kv_cache_dtype: str  # the KV pool's elements: "auto" (dtype) or "int8" (with scales)
     attention_impl: str
     tensor_parallel_size: int
     max_model_len: int
@@ -182,7 +183,8 @@ class Report:
         lines = [
             f"{self.model} on {self.target} ({chip}), {self.dtype}, attention "
             f"{self.attention_impl}, TP {self.tensor_parallel_size}, max_model_len "
-            f"{self.max_model_len}, {self.num_blocks} KV blocks of {self.block_size} tokens",
+            f"{self.max_model_len}, {self.num_blocks} KV blocks of {self.block_size} tokens "
+            f"(KV cache {self.kv_cache_dtype})",
             "",
             "| executable | tokens | seqs | compile s | GFLOP | MB | attn GFLOP | attn MB "
             "| roofline ms | scratch MiB | code MiB |",

@@ -74,6 +74,8 @@ class AsyncLLMEngine:
         self.engine = engine
         self.model_name = engine.model_name
         self.quantization = engine.quantization
+        self.kv_cache_dtype = engine.kv_cache_dtype
+        self.num_kv_blocks = engine.scheduler.cache_config.num_blocks
         self.max_model_len = engine.max_model_len
         self.vocab_size = engine.vocab_size
         self.hidden_size = engine.model_config.hidden_size

@@ -148,6 +148,7 @@ class LLMEngine:
         parts = build_engine_parts(args, loaded)
         self.model_name = parts.model_name
         self.quantization = parts.quantization
+        self.kv_cache_dtype = parts.kv_cache_dtype
         self.tokenizer = parts.tokenizer
         self.model_config = parts.model_config
         self.vocab_size = parts.model_config.vocab_size

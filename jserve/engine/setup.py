@@ -18,7 +18,7 @@ from typing import Any
 import jax
 
 from jserve.config.cache_dir import default_cache_dir
-from jserve.config.engine_args import EngineArgs, Quantization
+from jserve.config.engine_args import EngineArgs, KVCacheDtype, Quantization
 from jserve.config.scheduler import CacheConfig
 from jserve.core.buckets import engine_buckets, step_buckets
 from jserve.core.scheduler import Scheduler
@@ -28,8 +28,10 @@ from jserve.loaders.chat_template import load_chat_template
 from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
+from jserve.pallas.kv_cache import kv_pool_dtype
 from jserve.pallas.layer_matmul import MatmulImpl
 from jserve.pallas.native_build import load as load_native_kernels
+from jserve.pallas.ragged_common import QUANTIZED_KV_IMPLS
 from jserve.runtime import multihost
 from jserve.runtime.compilation import enable_persistent_cache
 from jserve.runtime.model_runner import (
@@ -80,9 +82,10 @@ def step_shapes(args: EngineArgs, cfg: ModelConfig, platform: str) -> StepShapes
     `cfg` on a mesh of `platform` devices; raises ValueError for a split the model refuses."""
     dtype = resolve_dtype(args.dtype, platform)
     check_tensor_parallel(cfg, args.tensor_parallel_size)
-    attn_impl = resolve_attn_impl(args.attention_impl, platform, dtype)
+    attn_impl = resolve_attn_impl(args.attention_impl, platform, dtype, args.kv_cache_dtype)
+    check_kv_cache_dtype(args.kv_cache_dtype, attn_impl)
     max_model_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-    block_bytes = kv_block_bytes(cfg, args.block_size, dtype, attn_impl)
+    block_bytes = kv_block_bytes(cfg, args.block_size, dtype, attn_impl, args.kv_cache_dtype)
     num_blocks = args.num_kv_blocks or args.kv_cache_memory // block_bytes
     # On CPU a step's cost grows with its tokens from about 16 on, so decode sizes get midpoints.
     token_buckets, seq_buckets = engine_buckets(
@@ -91,6 +94,17 @@ def step_shapes(args: EngineArgs, cfg: ModelConfig, platform: str) -> StepShapes
     return StepShapes(
         dtype, attn_impl, max_model_len, block_bytes, num_blocks, token_buckets, seq_buckets
     )
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, attn_impl: str) -> None:
+    """int8 pools need an attention implementation that reads them: a ValueError naming the
+    ones that do otherwise (AUTO picks one of them)."""
+    if kv_cache_dtype != KVCacheDtype.AUTO and attn_impl not in QUANTIZED_KV_IMPLS:
+        names = ", ".join(QUANTIZED_KV_IMPLS)
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype} is read by --attention-impl {names} (auto picks "
+            f"one); {attn_impl} reads pools of the model's dtype only"
+        )
 
 
 def compilation_cache_dir(args: EngineArgs) -> str:
@@ -112,6 +126,7 @@ def packs_quantized_blocks(args: EngineArgs, platform: str) -> bool:
 class EngineParts:
     model_name: str
     quantization: str  # the weights as served: "none", or "gguf:" and their block formats
+    kv_cache_dtype: str  # the KV pool's elements: the model's dtype's name, or "int8"
     tokenizer: Tokenizer
     model_config: ModelConfig
     max_model_len: int
@@ -162,18 +177,18 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
     leads = args.num_processes > 1 and args.process_id == 0
     runner = (multihost.LeaderRunner if leads else ModelRunner)(
         cfg, graphdef, state, mesh, num_blocks=num_blocks, block_size=args.block_size,
-        dtype=shapes.dtype, attn_impl=shapes.attn_impl,
+        dtype=shapes.dtype, attn_impl=shapes.attn_impl, kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     sampler = shapes.sampler(cfg.vocab_size)
     log.info(
-        "model %s: weights %s (%.0f MiB), %d KV blocks of %d tokens (%.0f MiB), token buckets "
-        "%s, seq buckets %s", loaded.name, loaded.quantization, weight_bytes(runner.state) / 2**20,
-        num_blocks, args.block_size, num_blocks * shapes.block_bytes / 2**20, token_buckets,
-        seq_buckets,
+        "model %s: weights %s (%.0f MiB), %d KV blocks of %d tokens, kv_cache_dtype %s (%.0f "
+        "MiB), token buckets %s, seq buckets %s", loaded.name, loaded.quantization,
+        weight_bytes(runner.state) / 2**20, num_blocks, args.block_size, args.kv_cache_dtype,
+        num_blocks * shapes.block_bytes / 2**20, token_buckets, seq_buckets,
     )  # fmt: skip
     return EngineParts(
-        loaded.name, loaded.quantization, tokenizer, cfg, max_model_len, scheduler, pairs,
-        inputs_builder, runner, sampler,
+        loaded.name, loaded.quantization, kv_pool_dtype(args.kv_cache_dtype, shapes.dtype).name,
+        tokenizer, cfg, max_model_len, scheduler, pairs, inputs_builder, runner, sampler,
     )  # fmt: skip
 
 

@@ -23,8 +23,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jserve.config.engine_args import AttentionImpl
-from jserve.pallas import choose_impl, ragged_paged_attention, write_kv
+from jserve.config.engine_args import AttentionImpl, KVCacheDtype
+from jserve.pallas import choose_impl, ragged_paged_attention, write_kv_cache
+from jserve.pallas.kv_cache import rotate_heads
 
 
 @jax.tree_util.register_static
@@ -81,7 +82,7 @@ def attention(
             platform=meta.platform,
         )  # fmt: skip
         if meta.heads is not None:
-            paged = _per_head_shard(paged, meta.heads)
+            paged = _per_head_shard(paged, meta.heads, kv_cache)
         tables = (meta.slot_mapping, meta.block_tables, meta.cu_q_lens, meta.kv_lens)
         return paged(q, k, v, kv_cache, *tables, meta.num_seqs, layer)
     raise TypeError(f"no attention implementation for metadata of type {type(meta).__name__}")
@@ -91,7 +92,7 @@ def _paged_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    kv_cache: tuple[jax.Array, jax.Array],
+    kv_cache: tuple[jax.Array, ...],  # (k_pool, v_pool), and int8 pools' (k_scales, v_scales)
     slot_mapping: jax.Array,
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
@@ -103,29 +104,38 @@ def _paged_attention(
     sliding_window: int | None,
     impl: AttentionImpl,
     platform: str | None,
-) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+) -> tuple[jax.Array, tuple[jax.Array, ...]]:
+    quantized = len(kv_cache) == 4  # int8 pools and their scales
     # The pools' layout is the resolved implementation's.
-    impl = choose_impl(platform, q.dtype) if impl == AttentionImpl.AUTO else impl
-    k_pool, v_pool = write_kv(*kv_cache, k, v, slot_mapping, layer, impl=impl)
+    if impl == AttentionImpl.AUTO:
+        kv_dtype = KVCacheDtype.INT8 if quantized else KVCacheDtype.AUTO
+        impl = choose_impl(platform, q.dtype, kv_dtype)
+    if quantized:  # int8 pools hold K and V rotated (dot products unchanged), and so is out
+        q, k, v = rotate_heads(q), rotate_heads(k), rotate_heads(v)
+    kv_cache = write_kv_cache(kv_cache, k, v, slot_mapping, layer, impl=impl)
+    k_pool, v_pool, *scales = kv_cache
     out = ragged_paged_attention(
         q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
         sm_scale=sm_scale, sliding_window=sliding_window, impl=impl, platform=platform,
+        kv_scales=tuple(scales) or None,
     )  # fmt: skip
-    return out, (k_pool, v_pool)
+    return (rotate_heads(out) if quantized else out), kv_cache
 
 
-def _per_head_shard(paged: Any, heads: HeadSharding) -> Any:
-    """`paged` run on each device's heads: q/k/v and the pools split on their head axis, the
-    step's tables replicated. check_vma is off: kernels (pallas_call) carry no varying-axis
-    types, and every output is split, so there is no replication claim to check."""
+def _per_head_shard(paged: Any, heads: HeadSharding, kv_cache: tuple[jax.Array, ...]) -> Any:
+    """`paged` run on each device's heads: q/k/v and the KV cache (pools, and scales) split on
+    their head axis, the step's tables replicated. check_vma is off: kernels (pallas_call)
+    carry no varying-axis types, and every output is split, so there is no replication claim
+    to check."""
     tokens_heads = P(None, heads.axis, None)  # q [T, Hq, D], k and v [T, Hkv, D]
-    pool = P(None, None, heads.axis, None, None)  # kv_cache_shape's head axis, in every layout
+    # kv_cache_shape's (and kv_scales_shape's) head axis, in every layout
+    cache = tuple(P(None, None, heads.axis, *[None] * (x.ndim - 3)) for x in kv_cache)
     replicated = P()
     return jax.shard_map(
         paged,
         mesh=heads.mesh,
-        in_specs=(tokens_heads, tokens_heads, tokens_heads, (pool, pool), *[replicated] * 6),
-        out_specs=(tokens_heads, (pool, pool)),
+        in_specs=(tokens_heads, tokens_heads, tokens_heads, cache, *[replicated] * 6),
+        out_specs=(tokens_heads, cache),
         check_vma=False,
     )
 

@@ -8,13 +8,13 @@ kernel built by native_build at the ISA level native_isa picks: the CPU serving 
 float32), ragged_interpret (coarse-grid Pallas, CPU interpret mode, for checking kernel
 semantics), ragged_triton (GPU) and ragged_mosaic (TPU). ragged_common holds the one call
 contract they all take (`RaggedCall`), the validators and the masking; kv_cache the pool
-layout and the KV write.
+layout, the KV write and the int8 pools' quantization (--kv-cache-dtype int8).
 layer_matmul is `x @ w[layer]` for stacked weights, on CPU through a native kernel on weights
 packed in column panels at load time. Validators are not re-exported here: import them from
 their modules.
 """
 
-from jserve.pallas.kv_cache import kv_cache_shape, write_kv
+from jserve.pallas.kv_cache import kv_cache_shape, write_kv, write_kv_cache
 from jserve.pallas.ragged_attention import IMPLS, choose_impl, ragged_paged_attention
 
 __all__ = [
@@ -23,4 +23,5 @@ __all__ = [
     "kv_cache_shape",
     "ragged_paged_attention",
     "write_kv",
+    "write_kv_cache",
 ]

@@ -66,6 +66,7 @@ FLAGS = (
 # name of the kernel -> symbol of its handler in the library
 TARGETS = {
     "jserve_ragged_attention_f32": "JserveRaggedAttentionF32",
+    "jserve_ragged_attention_int8": "JserveRaggedAttentionInt8",
     "jserve_packed_matmul_f32": "JservePackedMatmulF32",
     "jserve_quant_matmul_f32": "JserveQuantMatmulF32",
     "jserve_quant_columns_f32": "JserveQuantColumnsF32",

@@ -3,8 +3,9 @@
 cpu -> ragged_native (a native C++ kernel, decode and prefill rows alike) for float32 where the
 kernel builds, else the plain-XLA loops of ragged_xla (Pallas only interprets on CPU; the
 interpret kernel stays for checking the kernel's semantics in tests). gpu -> the Triton kernel,
-tpu -> the Mosaic kernel; any other backend -> the jnp reference. bench.kernel_timings times
-them side by side.
+tpu -> the Mosaic kernel; any other backend -> the jnp reference. int8 pools (with their
+scales, kv_cache) are read by ragged_native on CPU and ragged_xla elsewhere: the Triton and
+Mosaic kernels do not read them yet. bench.kernel_timings times them side by side.
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ from enum import StrEnum
 import jax
 import jax.numpy as jnp
 
-from jserve.config.engine_args import AttentionImpl
-from jserve.pallas.ragged_common import RaggedCall
+from jserve.config.engine_args import AttentionImpl, KVCacheDtype
+from jserve.pallas.ragged_common import QUANTIZED_KV_IMPLS, RaggedCall
 from jserve.pallas.ragged_interpret import ragged_paged_attention_interpret
 from jserve.pallas.ragged_mosaic import ragged_paged_attention_mosaic
 from jserve.pallas.ragged_native import native_supports, ragged_paged_attention_native
@@ -54,12 +55,19 @@ _BY_BACKEND = {
 }
 
 
-def choose_impl(backend: str | None = None, dtype: jnp.dtype = jnp.float32) -> AttentionImpl:
-    """The implementation AUTO means on `backend` (default: jax.default_backend()) for pools
-    of `dtype`: on CPU the native kernel where it supports the dtype and builds, else XLA;
-    Triton on GPU, Mosaic on TPU, the reference elsewhere."""
+def choose_impl(
+    backend: str | None = None,
+    dtype: jnp.dtype = jnp.float32,
+    kv_cache_dtype: str = KVCacheDtype.AUTO,
+) -> AttentionImpl:
+    """The implementation AUTO means on `backend` (default: jax.default_backend()) for queries
+    of `dtype` and pools of `kv_cache_dtype`: on CPU the native kernel where it supports the
+    dtype and builds, else XLA; Triton on GPU, Mosaic on TPU, the reference elsewhere; for int8
+    pools XLA wherever the native kernel does not run."""
     chosen = _BY_BACKEND.get(backend or jax.default_backend(), AttentionImpl.REFERENCE)
     if chosen is AttentionImpl.NATIVE and not native_supports(dtype):
+        return AttentionImpl.XLA
+    if kv_cache_dtype != KVCacheDtype.AUTO and chosen not in QUANTIZED_KV_IMPLS:
         return AttentionImpl.XLA
     return chosen
 
@@ -80,6 +88,7 @@ def ragged_paged_attention(
     impl: AttentionImpl | str = AttentionImpl.AUTO,
     interpret: bool | None = None,
     platform: str | None = None,
+    kv_scales: tuple[jax.Array, jax.Array] | None = None,
 ) -> jax.Array:
     """Attention of a ragged batch of queries over a paged KV pool, for one layer.
 
@@ -94,9 +103,8 @@ def ragged_paged_attention(
 
     Args:
       q: [T, Hq, D] queries of all scheduled tokens, T padded to a bucket.
-      k_pool, v_pool: keys and values of all layers, laid out as `kv_cache_shape(...,
-        impl=<the implementation>)` gives ([L, num_blocks, Hkv, block_size, D] but for
-        Mosaic with head_dim < 128).
+      k_pool, v_pool: keys and values of all layers in `kv_cache_shape`'s layout for the
+        implementation ([L, num_blocks, Hkv, block_size, D] but for Mosaic, head_dim < 128).
       block_tables: [S, max_blocks] int32 pool block of each sequence's i-th block; S padded.
       cu_q_lens: [S + 1] int32 cumulative query lengths; only [:num_seqs + 1] is read.
       kv_lens: [S] int32 context length of each sequence including this step's tokens.
@@ -106,22 +114,24 @@ def ragged_paged_attention(
       sliding_window: None, or the number of most recent positions each query may see.
       soft_cap: None, or c for scores -> c * tanh(scores / c).
       impl: an AttentionImpl (or its name); AUTO picks by `platform` (`choose_impl`).
-      interpret: for "triton" / "mosaic": None runs natively on their backend and interprets
-        elsewhere; True forces the interpreter. "interpret" always interprets (False is an
-        error); the others take None only.
+      interpret: for "triton" / "mosaic": None runs natively on their backend, else interprets;
+        True forces the interpreter ("interpret" always interprets; the others take None only).
       platform: the platform the call is compiled for, which AUTO and `interpret=None`
         follow (default: jax.default_backend(); jserve.aot names a chip this process lacks).
+      kv_scales: int8 pools' (k_scales, v_scales) (kv_cache.kv_scales_shape); else None.
 
     Returns [T, Hq, D] attention outputs in q's dtype.
     """
     platform = platform or jax.default_backend()
-    chosen = choose_impl(platform, q.dtype) if impl == AttentionImpl.AUTO else impl
+    kv_dtype = KVCacheDtype.AUTO if kv_scales is None else KVCacheDtype.INT8
+    chosen = impl if impl != AttentionImpl.AUTO else choose_impl(platform, q.dtype, kv_dtype)
     if chosen not in _IMPL_TABLE:
         names = tuple(str(name) for name in IMPLS)
         raise ValueError(f"impl must be 'auto' or one of {names}; got {impl!r}")
     call = RaggedCall.make(
         q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=chosen,
+        kv_scales=kv_scales,
     )  # fmt: skip
     return _run(AttentionImpl(chosen), call, interpret, platform)
 

@@ -25,11 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jserve.pallas.kv_cache import kv_cache_shape
+from jserve.config.engine_args import AttentionImpl
+from jserve.pallas.kv_cache import QUANT_DTYPE, SCALE_DTYPE, kv_cache_shape, kv_scales_shape
 
 # Finite so that `m_prev - m_new` is 0 (not NaN) while a row has seen nothing yet.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The implementations that read int8 pools and their scales (kv_cache: --kv-cache-dtype int8).
+QUANTIZED_KV_IMPLS = (AttentionImpl.REFERENCE, AttentionImpl.XLA, AttentionImpl.NATIVE)
 
 
 class RaggedDims(NamedTuple):
@@ -95,9 +98,10 @@ def validate_attention_shapes(
     sliding_window: int | None,
     soft_cap: float | None,
     impl: str,
+    kv_scales: tuple[jax.Array, jax.Array] | None = None,
 ) -> RaggedDims:
-    """Static checks (shapes, dtypes, options, the pools' layout for implementation `impl`);
-    returns the sizes. Raises ValueError."""
+    """Static checks (shapes, dtypes, options, the pools' layout for implementation `impl`,
+    an int8 pool's scales); returns the sizes. Raises ValueError."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim]; got shape {list(q.shape)}")
     if k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
@@ -113,12 +117,10 @@ def validate_attention_shapes(
         raise ValueError(
             f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
         )
-    dtypes = {q.dtype, k_pool.dtype, v_pool.dtype}
-    if len(dtypes) != 1 or q.dtype not in SUPPORTED_DTYPES:
-        raise ValueError(
-            f"q, k_pool and v_pool must share one of {[str(d) for d in SUPPORTED_DTYPES]}; "
-            f"got q {q.dtype}, k_pool {k_pool.dtype}, v_pool {v_pool.dtype}"
-        )
+    if kv_scales is None:
+        _check_dtypes(q, k_pool, v_pool)
+    else:
+        _check_quantized(q, k_pool, v_pool, kv_scales, block_size, impl)
     if block_tables.ndim != 2 or block_tables.dtype != jnp.int32:
         raise ValueError(
             "block_tables must be int32 [max_seqs, max_blocks]; "
@@ -138,6 +140,46 @@ def validate_attention_shapes(
         num_tokens, num_q_heads, head_dim, num_layers, num_blocks, num_kv_heads, block_size,
         max_seqs, max_blocks, tokens_per_row,
     )  # fmt: skip
+
+
+def _check_dtypes(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> None:
+    dtypes = {q.dtype, k_pool.dtype, v_pool.dtype}
+    if len(dtypes) != 1 or q.dtype not in SUPPORTED_DTYPES:
+        raise ValueError(
+            f"q, k_pool and v_pool must share one of {[str(d) for d in SUPPORTED_DTYPES]} "
+            f"(or the pools be int8 with kv_scales); got q {q.dtype}, k_pool {k_pool.dtype}, "
+            f"v_pool {v_pool.dtype}"
+        )
+
+
+def _check_quantized(
+    q: jax.Array,
+    k_pool: jax.Array,
+    v_pool: jax.Array,
+    kv_scales: tuple[jax.Array, jax.Array],
+    block_size: int,
+    impl: str,
+) -> None:
+    """An int8 pool's checks: q a float dtype, both pools int8, both scales float32 in the
+    pools' layout without head_dim (kv_cache.kv_scales_shape), an implementation that reads
+    them."""
+    if impl not in QUANTIZED_KV_IMPLS:
+        names = [str(name) for name in QUANTIZED_KV_IMPLS]
+        raise ValueError(f"int8 KV pools are read by impl {names}; got impl={impl!r}")
+    num_layers, num_blocks, num_kv_heads = k_pool.shape[:3]
+    want = kv_scales_shape(num_layers, num_blocks, block_size, num_kv_heads)
+    scales = [(tuple(s.shape), s.dtype) for s in kv_scales]
+    if (
+        q.dtype not in SUPPORTED_DTYPES
+        or {k_pool.dtype, v_pool.dtype} != {QUANT_DTYPE}
+        or len(scales) != 2
+        or set(scales) != {(want, SCALE_DTYPE)}
+    ):
+        raise ValueError(
+            f"quantized pools are int8 with two float32 kv_scales {list(want)} and q one of "
+            f"{[str(d) for d in SUPPORTED_DTYPES]}; got q {q.dtype}, pools {k_pool.dtype} and "
+            f"{v_pool.dtype}, kv_scales {scales}"
+        )
 
 
 def _check_options(sm_scale: float, sliding_window: int | None, soft_cap: float | None) -> None:
@@ -168,6 +210,8 @@ class RaggedCall:
     kv_lens: jax.Array  # [S] int32
     num_seqs: jax.Array  # [] or [1] int32
     layer: jax.Array  # [] int32
+    # int8 pools: (k_scales, v_scales) [L, num_blocks, Hkv, block_size] float32; else None
+    kv_scales: tuple[jax.Array, jax.Array] | None
     sm_scale: float = dataclasses.field(metadata={"static": True})
     sliding_window: int | None = dataclasses.field(metadata={"static": True})
     soft_cap: float | None = dataclasses.field(metadata={"static": True})
@@ -189,13 +233,16 @@ class RaggedCall:
         sliding_window: int | None = None,
         soft_cap: float | None = None,
         impl: str,
+        kv_scales: tuple[jax.Array, jax.Array] | None = None,
     ) -> RaggedCall:
         """Validate the arguments for implementation `impl` (ValueError naming the offender)
         and bundle them."""
         arrays = (q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer)
-        dims = validate_attention_shapes(*arrays, sm_scale, sliding_window, soft_cap, impl)
-        return cls(*arrays, sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                   dims=dims)  # fmt: skip
+        dims = validate_attention_shapes(
+            *arrays, sm_scale, sliding_window, soft_cap, impl, kv_scales
+        )
+        return cls(*arrays, kv_scales, sm_scale=sm_scale, sliding_window=sliding_window,
+                   soft_cap=soft_cap, dims=dims)  # fmt: skip
 
 
 def cap_scores(scores: jax.Array, soft_cap: float | None) -> jax.Array:

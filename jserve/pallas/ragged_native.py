@@ -1,4 +1,5 @@
-"""Ragged paged attention in a native CPU kernel: the CPU serving path (float32).
+"""Ragged paged attention in a native CPU kernel: the CPU serving path (float32 queries, over
+float32 pools or int8 pools with their scales).
 
 The kernel (`native/ragged_attention_cpu.cc`, built by `native_build`) follows ragged_common's
 contract for every row, decode and prefill alike: it reads each page straight from the pool,
@@ -21,6 +22,7 @@ from jserve.pallas.native_build import load as load_native_kernels
 from jserve.pallas.ragged_common import RaggedCall
 
 TARGET = "jserve_ragged_attention_f32"
+INT8_TARGET = "jserve_ragged_attention_int8"  # int8 pools and their scales
 
 
 def native_supports(dtype: jnp.dtype) -> bool:
@@ -36,7 +38,7 @@ def ragged_paged_attention_native(call: RaggedCall) -> jax.Array:
             f"impl='native' needs float32 and a native kernel built on this machine (see the "
             f"log); got {call.q.dtype}"
         )
-    return _attend(call, kernels.target(TARGET))
+    return _attend(call, kernels.target(INT8_TARGET if call.kv_scales else TARGET))
 
 
 @functools.partial(jax.jit, static_argnames="target")
@@ -44,8 +46,8 @@ def _attend(call: RaggedCall, target: str) -> jax.Array:
     """The kernel's call, jitted per FFI target: each ISA level's build has its own."""
     kernel = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct(call.q.shape, jnp.float32))
     return kernel(
-        call.q, call.k_pool, call.v_pool, call.block_tables, call.cu_q_lens, call.kv_lens,
-        call.num_seqs.reshape(1), call.layer,
+        call.q, call.k_pool, call.v_pool, *(call.kv_scales or ()), call.block_tables,
+        call.cu_q_lens, call.kv_lens, call.num_seqs.reshape(1), call.layer,
         sm_scale=np.float32(call.sm_scale),
         sliding_window=np.int64(call.sliding_window or 0),
         soft_cap=np.float32(call.soft_cap or 0.0),

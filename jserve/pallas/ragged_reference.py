@@ -2,7 +2,8 @@
 
 Every token gathers all `max_blocks` pages of its sequence, so memory grows as
 T * max_blocks * block_size * num_kv_heads * head_dim: right for decode (one token per sequence)
-and for tests, wasteful for long prefill chunks. Arithmetic is float32 at HIGHEST precision.
+and for tests, wasteful for long prefill chunks. Arithmetic is float32 at HIGHEST precision;
+int8 pools are dequantized as they are gathered (kv_cache.dequantize_kv).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jserve.pallas.kv_cache import dequantize_kv
 from jserve.pallas.ragged_common import (
     MASK_VALUE,
     RaggedCall,
@@ -37,12 +39,17 @@ def ragged_paged_attention_reference(
 
     tables = jnp.where(is_real[:, None], call.block_tables[seq], 0)  # padding reads only the sink
 
-    def gather(pool: jax.Array) -> jax.Array:  # -> [T, Hkv, max_blocks * block_size, D]
+    def gather(pool: jax.Array, scales: jax.Array | None) -> jax.Array:
         pages = pool[call.layer, tables]  # [T, max_blocks, Hkv, block_size, D]
-        pages = pages.astype(jnp.float32).transpose(0, 2, 1, 3, 4)
-        return pages.reshape(num_tokens, num_kv_heads, -1, head_dim)
+        if scales is None:
+            pages = pages.astype(jnp.float32)
+        else:  # int8 pools: each token's row times its scale
+            pages = dequantize_kv(pages, scales[call.layer, tables])
+        pages = pages.transpose(0, 2, 1, 3, 4)
+        return pages.reshape(num_tokens, num_kv_heads, -1, head_dim)  # [T, Hkv, positions, D]
 
-    k, v = gather(call.k_pool), gather(call.v_pool)
+    k_scales, v_scales = call.kv_scales or (None, None)
+    k, v = gather(call.k_pool, k_scales), gather(call.v_pool, v_scales)
     pos = jnp.arange(k.shape[2], dtype=jnp.int32)
     mask = allowed(pos, row_ctx[:, None], kv_len[:, None], call.sliding_window)  # [T, positions]
     mask = mask[:, None, None, :]  # [T, 1, 1, positions]

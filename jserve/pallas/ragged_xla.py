@@ -10,9 +10,10 @@ Each group loops over `chunk_pages`-page KV chunks, only from its first to its l
 position: trip counts follow the step's real context (and the causal diagonal), never the block
 table's width, and a loop over zero groups costs nothing, so a decode-only step pays nothing for
 the prefill loop and the reverse. A chunk is fetched as per-page dynamic slices concatenated on
-the token axis (a page of the pool layout is [Hkv, block_size, D], so no transpose); XLA fuses
-them into one copy that stays in cache, then two head-batched dots and an online-softmax update
-(the masking rules of ragged_common) finish the chunk. Results land on the token axis with a
+the token axis (a page of the pool layout is [Hkv, block_size, D], so no transpose; an int8
+pool's pages are dequantized with their scales' pages); XLA fuses them into one copy that stays
+in cache, then two head-batched dots and an online-softmax update (the masking rules of
+ragged_common) finish the chunk. Results land on the token axis with a
 dynamic update per group; rows no sequence owns stay exactly 0.
 
 Why not one big gather per step: materializing every sequence's K/V up to a shared bound
@@ -29,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jserve.pallas.kv_cache import dequantize_kv
 from jserve.pallas.ragged_common import (
     RaggedCall,
     RaggedDims,
@@ -55,7 +57,7 @@ def _attend_group(
     row_ctx: jax.Array,  # [M, 1] last position each row may see (-1: sees nothing)
     kv_len: jax.Array,  # [] the sequence's context length
     table: jax.Array,  # [max_blocks padded to a multiple of chunk_pages] the sequence's pages
-    pools: tuple[jax.Array, jax.Array],  # k_pool, v_pool
+    pools: tuple[jax.Array, ...],  # k_pool, v_pool (and k_scales, v_scales of int8 pools)
     layer: jax.Array,  # []
     lo: jax.Array,  # [] first position any row needs
     hi: jax.Array,  # [] one past the last position any row needs
@@ -67,19 +69,26 @@ def _attend_group(
 ) -> jax.Array:
     """Online-softmax attention of one sequence's row group; returns [Hkv, M, D] float32."""
     chunk = chunk_pages * dims.block_size
-    k_pool, v_pool = pools
+    k_pool, v_pool, *scales = pools
+    k_scales, v_scales = scales or (None, None)
 
-    def fetch(pool: jax.Array, pages: jax.Array) -> jax.Array:  # -> [Hkv, chunk, D] float32
+    def tiles(pool: jax.Array, pages: jax.Array) -> jax.Array:  # -> [Hkv, chunk, ...]
         pool_layer = lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)
         tiles = [
             lax.dynamic_index_in_dim(pool_layer, pages[j], 0, keepdims=False)
             for j in range(chunk_pages)
         ]
-        return jnp.concatenate(tiles, axis=1).astype(jnp.float32)
+        return jnp.concatenate(tiles, axis=1)
+
+    def fetch(pool: jax.Array, scale: jax.Array | None, pages: jax.Array) -> jax.Array:
+        """[Hkv, chunk, D] float32; an int8 pool's rows times their tokens' scales."""
+        if scale is None:
+            return tiles(pool, pages).astype(jnp.float32)
+        return dequantize_kv(tiles(pool, pages), tiles(scale, pages))
 
     def chunk_step(c, carry):
         pages = lax.dynamic_slice_in_dim(table, c * chunk_pages, chunk_pages)
-        k, v = fetch(k_pool, pages), fetch(v_pool, pages)
+        k, v = fetch(k_pool, k_scales, pages), fetch(v_pool, v_scales, pages)
         pos = c * chunk + lax.broadcasted_iota(jnp.int32, (1, chunk), 1)  # [1, C]
         v = jnp.where((pos < kv_len)[..., None], v, 0.0)  # stale slots may hold NaN
         scores = cap_scores(qk(q, k), soft_cap)  # [Hkv, M, C]
@@ -126,7 +135,8 @@ class _Step(NamedTuple):
     def attend(self, q, row_ctx, seq, lo, hi) -> jax.Array:
         call = self.call
         return _attend_group(
-            q, row_ctx, self.kv_len[seq], self.tables[seq], (call.k_pool, call.v_pool),
+            q, row_ctx, self.kv_len[seq], self.tables[seq],
+            (call.k_pool, call.v_pool, *(call.kv_scales or ())),
             call.layer, lo, hi, dims=call.dims, chunk_pages=self.chunk_pages,
             sliding_window=call.sliding_window, soft_cap=call.soft_cap,
         )  # fmt: skip

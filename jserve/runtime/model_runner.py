@@ -22,11 +22,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jserve.config.engine_args import AttentionImpl
+from jserve.config.engine_args import AttentionImpl, KVCacheDtype
 from jserve.layers.attention import HeadSharding, PagedAttentionMetadata
 from jserve.models.config import ModelConfig
 from jserve.models.llama import MODEL_AXIS, lay_out_weights
 from jserve.pallas import choose_impl, kv_cache_shape
+from jserve.pallas.kv_cache import SCALE_DTYPE, kv_pool_dtype, kv_scales_shape
 from jserve.pallas.layer_matmul import MatmulImpl, choose_matmul_impl
 from jserve.runtime.huge_pages import advise_huge_pages
 from jserve.runtime.startup import StartupPhase, describe_bucket
@@ -47,19 +48,33 @@ def projection_impl(platform: str, dtype: Any, tensor_parallel_size: int) -> Mat
     return MatmulImpl.XLA if tensor_parallel_size > 1 else choose_matmul_impl(platform, dtype)
 
 
-def resolve_attn_impl(attn_impl: str, platform: str, dtype: Any) -> str:
-    """The attention implementation `attn_impl` ("auto" or a name) means on `platform`."""
-    return choose_impl(platform, dtype) if attn_impl == AttentionImpl.AUTO else attn_impl
+def resolve_attn_impl(
+    attn_impl: str, platform: str, dtype: Any, kv_cache_dtype: str = KVCacheDtype.AUTO
+) -> str:
+    """The attention implementation `attn_impl` ("auto" or a name) means on `platform` for
+    pools of `kv_cache_dtype`."""
+    if attn_impl == AttentionImpl.AUTO:
+        return choose_impl(platform, dtype, kv_cache_dtype)
+    return attn_impl
 
 
-def kv_block_bytes(cfg: ModelConfig, block_size: int, dtype: Any, attn_impl: str) -> int:
-    """Bytes one block takes across all layers, K and V, in the layout implementation
-    `attn_impl` (resolved, not "auto") reads."""
+def kv_block_bytes(
+    cfg: ModelConfig,
+    block_size: int,
+    dtype: Any,
+    attn_impl: str,
+    kv_cache_dtype: str = KVCacheDtype.AUTO,
+) -> int:
+    """Bytes one block takes across all layers, K and V (and an int8 pool's scales), in the
+    layout implementation `attn_impl` (resolved, not "auto") reads."""
     two_blocks = kv_cache_shape(
         cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim, impl=attn_impl
     )  # fmt: skip
-    one_block_one_pool = math.prod(two_blocks) // 2
-    return 2 * one_block_one_pool * jnp.dtype(dtype).itemsize
+    one_block_one_pool = math.prod(two_blocks) // 2 * kv_pool_dtype(kv_cache_dtype, dtype).itemsize
+    if kv_cache_dtype != KVCacheDtype.AUTO:
+        scales = kv_scales_shape(cfg.num_layers, 1, block_size, cfg.num_kv_heads)
+        one_block_one_pool += math.prod(scales) * SCALE_DTYPE.itemsize
+    return 2 * one_block_one_pool
 
 
 class StepOutput(NamedTuple):
@@ -74,7 +89,7 @@ class StepOutput(NamedTuple):
 def _model_step(
     graphdef: nnx.GraphDef,  # static: the model's structure
     state: nnx.State,  # parameters
-    kv_cache: tuple[jax.Array, jax.Array],  # (k_pool, v_pool), donated
+    kv_cache: tuple[jax.Array, ...],  # (k_pool, v_pool[, k_scales, v_scales]), donated
     inputs: StepInputs,
     attn_impl: str,  # static: attention implementation name
     heads: HeadSharding | None,  # static: how heads split over the mesh (None: one device)
@@ -142,6 +157,7 @@ class ModelStep:
     dtype: Any
     attn_impl: str
     matmul_impl: str
+    kv_cache_dtype: str = KVCacheDtype.AUTO  # the pools' elements (jserve.pallas.kv_cache)
 
     @classmethod
     def make(
@@ -151,11 +167,12 @@ class ModelStep:
         mesh: jax.sharding.Mesh,
         dtype: Any,
         attn_impl: str = "auto",
+        kv_cache_dtype: str = KVCacheDtype.AUTO,
     ) -> ModelStep:
         platform = mesh_platform(mesh)
         matmul_impl = projection_impl(platform, dtype, mesh.shape[MODEL_AXIS])
-        impl = resolve_attn_impl(attn_impl, platform, dtype)
-        return cls(cfg, graphdef, mesh, dtype, impl, matmul_impl)
+        impl = resolve_attn_impl(attn_impl, platform, dtype, kv_cache_dtype)
+        return cls(cfg, graphdef, mesh, dtype, impl, matmul_impl, kv_cache_dtype)
 
     @property
     def platform(self) -> str:
@@ -172,18 +189,30 @@ class ModelStep:
             impl=self.attn_impl,
         )  # fmt: skip
 
-    def kv_cache_sharding(self) -> jax.sharding.NamedSharding:
-        """KV heads follow the attention heads' split over the mesh's model axis."""
-        spec = jax.sharding.PartitionSpec(None, None, MODEL_AXIS, None, None)
+    def kv_cache_spec(self, num_blocks: int, block_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
+        """The KV cache as the steps take it, placed on the mesh: (k_pool, v_pool), and for
+        int8 pools their (k_scales, v_scales). KV heads follow the attention heads' split over
+        the mesh's model axis."""
+        pool = self.kv_cache_shape(num_blocks, block_size)
+        parts = [(pool, kv_pool_dtype(self.kv_cache_dtype, self.dtype))] * 2
+        if self.kv_cache_dtype != KVCacheDtype.AUTO:
+            scales = kv_scales_shape(self.cfg.num_layers, num_blocks, block_size, pool[2])
+            parts += [(scales, SCALE_DTYPE)] * 2
+        return tuple(
+            jax.ShapeDtypeStruct(shape, dtype, sharding=self._head_split(len(shape)))
+            for shape, dtype in parts
+        )
+
+    def _head_split(self, ndim: int) -> jax.sharding.NamedSharding:
+        spec = jax.sharding.PartitionSpec(None, None, MODEL_AXIS, *[None] * (ndim - 3))
         return jax.sharding.NamedSharding(self.mesh, spec)
 
     def kv_cache_init(self, num_blocks: int, block_size: int) -> Any:
-        """The jitted function making a zero (k_pool, v_pool), placed on the mesh."""
-        shape = self.kv_cache_shape(num_blocks, block_size)
-        sharding = self.kv_cache_sharding()
+        """The jitted function making a zero KV cache (`kv_cache_spec`), placed on the mesh."""
+        spec = self.kv_cache_spec(num_blocks, block_size)
         return jax.jit(
-            lambda: (jnp.zeros(shape, self.dtype), jnp.zeros(shape, self.dtype)),
-            out_shardings=(sharding, sharding),
+            lambda: tuple(jnp.zeros(x.shape, x.dtype) for x in spec),
+            out_shardings=tuple(x.sharding for x in spec),
         )
 
     @property
@@ -212,9 +241,10 @@ class ModelRunner:
         block_size: int,
         dtype: Any,
         attn_impl: str = "auto",
+        kv_cache_dtype: str = KVCacheDtype.AUTO,
     ) -> None:
         self.cfg = cfg
-        self.step = ModelStep.make(cfg, graphdef, mesh, dtype, attn_impl)
+        self.step = ModelStep.make(cfg, graphdef, mesh, dtype, attn_impl, kv_cache_dtype)
         self.mesh = mesh
         self.state = lay_out_weights(state, self.step.matmul_impl)
         self._zeros = self.step.kv_cache_init(num_blocks, block_size)

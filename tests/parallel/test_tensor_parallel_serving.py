@@ -44,6 +44,16 @@ def test_a_pallas_kernel_runs_per_shard(three_devices):
     assert three["shard_bytes"] == [three["pool_bytes"] // 3]
 
 
+def test_an_int8_pool_and_its_scales_split_over_three_devices(three_devices):
+    """--kv-cache-dtype int8 over 3 devices: the pools and their scales split on the KV-head
+    axis, the int8 pool's tokens those of one device's int8 pool, nothing compiled."""
+    one, three = three_devices["tiny-int8/1"], three_devices["tiny-int8/3"]
+    assert one["cache_devices"] == [1] * 4 and three["cache_devices"] == [3] * 4
+    assert three["tokens"] == one["tokens"]
+    assert three["serving_compilations"] == one["serving_compilations"] == 0
+    assert three["shard_bytes"] == [one["pool_bytes"] // 3]
+
+
 @pytest.mark.parametrize("model", ["tiny", "smollm2"])
 def test_nothing_compiles_while_serving(three_devices, model):
     assert three_devices[f"{model}/1"]["serving_compilations"] == 0

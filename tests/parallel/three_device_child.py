@@ -7,7 +7,7 @@ It prints one JSON report after "REPORT":
   devices (the model's partition annotations alone shard it);
 - per serving run "MODEL/TP" (tests/parallel/workload.py's workload on an engine): greedy
   tokens, preemptions, prefix-cache hits, compiles while serving, and the KV pool's bytes and
-  devices.
+  devices (the devices of each of the KV cache's arrays: an int8 pool's scales too).
 """
 
 from __future__ import annotations
@@ -52,9 +52,11 @@ def logits_maxdiff(loaded: LoadedModel) -> float:
     return float(np.abs(logits[0] - logits[1]).max())
 
 
-def serve(loaded: LoadedModel, tp: int, impl: str) -> dict:
+def serve(loaded: LoadedModel, tp: int, impl: str, kv_cache_dtype: str = "auto") -> dict:
     """The workload on an engine over `tp` devices, and where its KV pool lives."""
-    args = EngineArgs(**ENGINE, tensor_parallel_size=tp, attention_impl=impl)
+    args = EngineArgs(
+        **ENGINE, tensor_parallel_size=tp, attention_impl=impl, kv_cache_dtype=kv_cache_dtype
+    )
     engine = LLMEngine(args, loaded=loaded)
     with forbid_compilation():
         result = run_workload(engine)
@@ -62,6 +64,7 @@ def serve(loaded: LoadedModel, tp: int, impl: str) -> dict:
     result["pool_bytes"] = k_pool.nbytes
     result["pool_devices"] = len(k_pool.sharding.device_set)
     result["shard_bytes"] = sorted({s.data.nbytes for s in k_pool.addressable_shards})
+    result["cache_devices"] = [len(x.sharding.device_set) for x in engine.runner.kv_cache]
     return result
 
 
@@ -74,6 +77,8 @@ def main() -> None:
             ("smollm2", smollm2, 3, "auto"), ("tiny-interpret", tiny, 3, "interpret")]  # fmt: skip
     for name, loaded, tp, impl in runs:
         report[f"{name}/{tp}"] = serve(loaded, tp, impl)
+    for tp in (1, 3):  # an int8 pool and its scales, split on their KV-head axis
+        report[f"tiny-int8/{tp}"] = serve(tiny, tp, "auto", kv_cache_dtype="int8")
     print("REPORT" + json.dumps(report))
 
 

@@ -75,3 +75,13 @@ async def test_the_quantization_served_is_reported_everywhere_a_client_looks():
     assert model["quantization"] == "gguf:Q4_1,Q8_0"
     labels = 'model_name="smol",quantization="gguf:Q4_1,Q8_0"'
     assert metric(metrics, "jserve:model_info", labels) == 1
+
+
+async def test_the_kv_pool_is_reported_in_server_info_and_metrics():
+    engine = MockEngine(kv_cache_dtype="int8", num_kv_blocks=300, block_size=16)
+    async with serve(engine) as client:
+        server = await (await client.get("/server_info")).json()
+        metrics = await (await client.get("/metrics")).text()
+    assert server["kv_cache_dtype"] == "int8" and server["num_kv_blocks"] == 300
+    labels = 'block_size="16",cache_dtype="int8",num_gpu_blocks="300"'
+    assert metric(metrics, "jserve:cache_config_info", labels) == 1

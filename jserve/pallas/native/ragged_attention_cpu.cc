@@ -1,4 +1,8 @@
-// Ragged paged attention for CPU, float32, as an XLA FFI custom call.
+// Ragged paged attention for CPU, float32, as an XLA FFI custom call: over float32 K/V pools,
+// or over int8 pools with one float32 scale per (layer, block, KV head, token) beside them
+// (--kv-cache-dtype int8, jserve/pallas/kv_cache.py). An int8 page's rows that some row of a
+// unit sees are dequantized once per unit into a per-thread float32 page (convert, times the
+// token's scale) and then scored and accumulated by the same float32 code as a float pool's.
 //
 // The operation and masking contract are ragged_common.py's: sequence s owns query rows
 // cu_q_lens[s]:cu_q_lens[s + 1] and kv_lens[s] cached positions reached through
@@ -40,7 +44,7 @@ namespace {
 constexpr int64_t kBlockRows = 32;    // query tokens of a prefill chunk per unit
 constexpr int64_t kPrefetchPages = 4;  // pages requested ahead of the one being computed
 constexpr int64_t kTilePages = 4;      // pages per online-softmax step
-constexpr int64_t kFloatsPerLine = 16; // 64-byte cache lines
+constexpr int64_t kLineBytes = 64;     // cache lines
 
 struct Unit {
   int64_t seq, head, r0, r1;  // query tokens [r0, r1) of the sequence
@@ -48,8 +52,11 @@ struct Unit {
 
 struct Problem {
   const float* q;      // [T, Hq, D]
-  const float* k;      // [L, NB, Hkv, B, D]
-  const float* v;      // [L, NB, Hkv, B, D]
+  const char* k;       // [L, NB, Hkv, B, D] float32, or int8
+  const char* v;       // [L, NB, Hkv, B, D] float32, or int8
+  const float* k_scale;  // [L, NB, Hkv, B] int8 pools' scales; null for float32 pools
+  const float* v_scale;
+  int64_t itemsize;      // bytes of one pool element: 4 or 1
   const int32_t* tables;  // [S, MB]
   const int32_t* cu;      // [S + 1]
   const int32_t* kv;      // [S]
@@ -213,10 +220,43 @@ inline void page_values(const float* sc, const float* vp, float* acc, int64_t gr
   }
 }
 
+// dst[i] = src[i] * scale for i < d: one int8 pool row dequantized.
+inline void dequantize_row(const int8_t* src, float scale, float* dst, int64_t d) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 s16 = _mm512_set1_ps(scale);
+  for (; i + 16 <= d; i += 16) {
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), s16));
+  }
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+  const __m256 s8 = _mm256_set1_ps(scale);
+  for (; i + 8 <= d; i += 8) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), s8));
+  }
+#endif
+  for (; i < d; ++i) dst[i] = static_cast<float>(src[i]) * scale;
+}
+
+// Rows [j0, j1) of one page of `pool` (element offset `at`, rows of d) as float32 rows indexed
+// from the page's start: a float32 pool's own rows, or an int8 pool's rows dequantized with
+// their tokens' scales (index at / d: the scales' layout is the pool's without D) into `buf`.
+inline const float* page_rows(const Problem& p, const char* pool, const float* scale,
+                              int64_t at, int64_t j0, int64_t j1, float* buf) {
+  if (scale == nullptr) return reinterpret_cast<const float*>(pool) + at;
+  const int8_t* rows = reinterpret_cast<const int8_t*>(pool) + at;
+  for (int64_t j = j0; j < j1; ++j) {
+    dequantize_row(rows + j * p.d, scale[at / p.d + j], buf + j * p.d, p.d);
+  }
+  return buf;
+}
+
 // One unit's working rows: scaled queries, accumulators, one tile's scores, running max and
-// softmax denominator.
+// softmax denominator, and one dequantized page (int8 pools).
 struct UnitScratch {
-  std::vector<float> qs, acc, sc, mx, den;
+  std::vector<float> qs, acc, sc, mx, den, page;
 };
 
 // One unit: query tokens [r0, r1) of sequence u.seq for the query heads of KV head u.head (one
@@ -239,8 +279,9 @@ void run_unit(const Problem& p, const Unit& u) {
   // Per-thread buffers, grown once and reused by every unit the thread runs: a step runs
   // hundreds of units per layer, most of them one decode row.
   thread_local UnitScratch scratch;
-  auto& [qs, acc, sc, mx, den] = scratch;
+  auto& [qs, acc, sc, mx, den, page_buf] = scratch;
   qs.resize(rows * d);
+  page_buf.resize(p.k_scale ? bs * d : 0);
   sc.resize(rows * kTilePages * bs);
   acc.assign(rows * d, 0.0f);
   mx.assign(rows, -std::numeric_limits<float>::infinity());
@@ -269,7 +310,7 @@ void run_unit(const Problem& p, const Unit& u) {
     // positions, then the weighted values page by page: a row's bookkeeping (max, rescale)
     // is paid once per tile rather than once per page.
     for (int64_t page = tile; page < tile_end; ++page) {
-      const float* kp = p.k + layer_offset + table[page] * page_stride;
+      const int64_t at = layer_offset + table[page] * page_stride;
       // Pages are scattered in the pool, so the hardware prefetcher cannot run ahead across
       // them: ask for the next pages' K and V while this one is computed. Each page is asked
       // for again at every page until it is reached: asking once per page (at 2-6 pages
@@ -279,13 +320,14 @@ void run_unit(const Problem& p, const Unit& u) {
       // ahead: 34-39 ms; 6: 35 ms). On a Zen 5, with a 48 KiB L1, into L1 was 1.2-1.3x faster
       // than into L2 at 2 pages ahead.
       for (int64_t ahead = 1; ahead <= kPrefetchPages && page + ahead <= last_page; ++ahead) {
-        const int64_t next = layer_offset + table[page + ahead] * page_stride;
-        for (int64_t b = 0; b < bs * d; b += kFloatsPerLine) {
+        const int64_t next = (layer_offset + table[page + ahead] * page_stride) * p.itemsize;
+        for (int64_t b = 0; b < bs * d * p.itemsize; b += kLineBytes) {
           __builtin_prefetch(p.k + next + b, 0, 2);
           __builtin_prefetch(p.v + next + b, 0, 2);
         }
       }
       const auto [j0, j1] = seen(page);
+      const float* kp = page_rows(p, p.k, p.k_scale, at, j0, j1, page_buf.data());
       page_scores(qs.data(), kp, sc.data() + (page - tile) * bs, rows, d, ts, j0, j1);
     }
     // The tile's positions some row sees, [t0, t1), relative to the tile's first position.
@@ -323,8 +365,9 @@ void run_unit(const Problem& p, const Unit& u) {
       den[m] += sum;
     }
     for (int64_t page = tile; page < tile_end; ++page) {
-      const float* vp = p.v + layer_offset + table[page] * page_stride;
       const auto [j0, j1] = seen(page);
+      const int64_t at = layer_offset + table[page] * page_stride;
+      const float* vp = page_rows(p, p.v, p.v_scale, at, j0, j1, page_buf.data());
       page_values(sc.data() + (page - tile) * bs, vp, acc.data(), rows, d, ts, j0, j1);
     }
   }
@@ -346,14 +389,15 @@ void run_unit_any(const Problem& p, const Unit& u) {
   }
 }
 
-ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                               ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
-                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
-                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> num_seqs,
-                               ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> out,
-                               float sm_scale, int64_t sliding_window, float soft_cap) {
+// The call's sizes and pointers (the pools' and scales' set by the caller), checked; then
+// every unit of the step over XLA's threads.
+ffi::Error Attend(ffi::ThreadPool pool, Problem& p, ffi::Buffer<ffi::F32> q,
+                  ffi::Span<const int64_t> pd, ffi::Buffer<ffi::S32> block_tables,
+                  ffi::Buffer<ffi::S32> cu_q_lens, ffi::Buffer<ffi::S32> kv_lens,
+                  ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
+                  ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, int64_t sliding_window,
+                  float soft_cap) {
   const auto qd = q.dimensions();
-  const auto pd = k_pool.dimensions();
   const auto td = block_tables.dimensions();
   if (qd.size() != 3 || pd.size() != 5 || td.size() != 2) {
     return ffi::Error::InvalidArgument("ragged attention: unexpected ranks");
@@ -362,10 +406,7 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument(
         "native ragged attention: query heads must be a multiple of KV heads");
   }
-  Problem p;
   p.q = q.typed_data();
-  p.k = k_pool.typed_data();
-  p.v = v_pool.typed_data();
   p.tables = block_tables.typed_data();
   p.cu = cu_q_lens.typed_data();
   p.kv = kv_lens.typed_data();
@@ -398,6 +439,43 @@ ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+ffi::Error RaggedAttentionImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
+                               ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                               ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+                               ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> num_seqs,
+                               ffi::Buffer<ffi::S32> layer, ffi::Result<ffi::Buffer<ffi::F32>> out,
+                               float sm_scale, int64_t sliding_window, float soft_cap) {
+  Problem p{};
+  p.k = reinterpret_cast<const char*>(k_pool.typed_data());
+  p.v = reinterpret_cast<const char*>(v_pool.typed_data());
+  p.itemsize = sizeof(float);
+  return Attend(pool, p, q, k_pool.dimensions(), block_tables, cu_q_lens, kv_lens, num_seqs,
+                layer, out, sm_scale, sliding_window, soft_cap);
+}
+
+ffi::Error RaggedAttentionInt8Impl(
+    ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k_pool,
+    ffi::Buffer<ffi::S8> v_pool, ffi::Buffer<ffi::F32> k_scales, ffi::Buffer<ffi::F32> v_scales,
+    ffi::Buffer<ffi::S32> block_tables, ffi::Buffer<ffi::S32> cu_q_lens,
+    ffi::Buffer<ffi::S32> kv_lens, ffi::Buffer<ffi::S32> num_seqs, ffi::Buffer<ffi::S32> layer,
+    ffi::Result<ffi::Buffer<ffi::F32>> out, float sm_scale, int64_t sliding_window,
+    float soft_cap) {
+  const auto pd = k_pool.dimensions();
+  if (k_scales.element_count() * pd.back() != k_pool.element_count() ||
+      v_scales.element_count() != k_scales.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "native ragged attention: int8 pools need one scale per (layer, block, head, token)");
+  }
+  Problem p{};
+  p.k = reinterpret_cast<const char*>(k_pool.typed_data());
+  p.v = reinterpret_cast<const char*>(v_pool.typed_data());
+  p.k_scale = k_scales.typed_data();
+  p.v_scale = v_scales.typed_data();
+  p.itemsize = 1;
+  return Attend(pool, p, q, pd, block_tables, cu_q_lens, kv_lens, num_seqs, layer, out, sm_scale,
+                sliding_window, soft_cap);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveRaggedAttentionF32, RaggedAttentionImpl,
@@ -406,6 +484,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveRaggedAttentionF32, RaggedAttentionImpl,
                                   .Arg<ffi::Buffer<ffi::F32>>()  // q
                                   .Arg<ffi::Buffer<ffi::F32>>()  // k_pool
                                   .Arg<ffi::Buffer<ffi::F32>>()  // v_pool
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // num_seqs
+                                  .Arg<ffi::Buffer<ffi::S32>>()  // layer
+                                  .Ret<ffi::Buffer<ffi::F32>>()  // out
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("sliding_window")
+                                  .Attr<float>("soft_cap"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JserveRaggedAttentionInt8, RaggedAttentionInt8Impl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // q
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // k_pool
+                                  .Arg<ffi::Buffer<ffi::S8>>()   // v_pool
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // k_scales
+                                  .Arg<ffi::Buffer<ffi::F32>>()  // v_scales
                                   .Arg<ffi::Buffer<ffi::S32>>()  // block_tables
                                   .Arg<ffi::Buffer<ffi::S32>>()  // cu_q_lens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // kv_lens
