@@ -138,6 +138,7 @@ class EngineArgs:
         "chat template to use instead of the model's: a file path, or the Jinja template itself",
         vllm="--chat-template",
         default_text="the model's",
+    )
     kv_cache_dtype: KVCacheDtype = setting(
         KVCacheDtype.AUTO,
         "KV pool elements: auto is the model's dtype; int8 stores K and V as int8 with a "
