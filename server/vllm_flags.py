@@ -144,7 +144,7 @@ VLLM_SERVE_FLAGS: tuple[VllmFlag, ...] = (
         "a multi-process run is set with --coordinator-address, --num-processes and --process-id",
         "ray",
     ),
-    _no("--kv-cache-dtype", "the KV cache takes the model's --dtype", "fp8"),
+    _ok("--kv-cache-dtype", "kv_cache_dtype", "int8"),
     _no("--enforce-eager", _BUCKETS),
     _no("--max-seq-len-to-capture", _BUCKETS, "8192"),
     _no("--compilation-config", _BUCKETS, "3"),

@@ -119,15 +119,13 @@ def ragged_paged_attention(
       platform: the platform the call is compiled for, which AUTO and `interpret=None`
         follow (default: jax.default_backend(); jserve.aot names a chip this process lacks).
       kv_scales: int8 pools' (k_scales, v_scales) (kv_cache.kv_scales_shape); else None.
-
     Returns [T, Hq, D] attention outputs in q's dtype.
     """
     platform = platform or jax.default_backend()
     kv_dtype = KVCacheDtype.AUTO if kv_scales is None else KVCacheDtype.INT8
     chosen = impl if impl != AttentionImpl.AUTO else choose_impl(platform, q.dtype, kv_dtype)
     if chosen not in _IMPL_TABLE:
-        names = tuple(str(name) for name in IMPLS)
-        raise ValueError(f"impl must be 'auto' or one of {names}; got {impl!r}")
+        raise ValueError(f"impl must be 'auto' or one of {tuple(map(str, IMPLS))}; got {impl!r}")
     call = RaggedCall.make(
         q, k_pool, v_pool, block_tables, cu_q_lens, kv_lens, num_seqs, layer,
         sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, impl=chosen,
