@@ -34,7 +34,7 @@ from jserve.loaders.hf_params import Params
 from jserve.loaders.safetensors_dir import load_safetensors_dir
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
-from jserve.pallas.quant_blocks import MAGIC, BlockFormat, weight_info
+from jserve.pallas.quant_blocks import GGUF_FORMATS, MAGIC, weight_info
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _gguf_cache_entry(path: Path, cache_dir: Path, packed: bool = False) -> Path
     st = path.stat()
     what = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     if packed:  # a new layout, or a new format read, converts anew (or retries a refusal)
-        what += f"|packed {MAGIC:x} {','.join(BlockFormat)}"
+        what += f"|packed {MAGIC:x} {','.join(GGUF_FORMATS)}"
     key = hashlib.sha256(what.encode()).hexdigest()
     return cache_dir / "models" / f"{path.stem}-{key[:16]}"
 
