@@ -4,17 +4,20 @@ against llama.cpp on the same file, offline, on the same CPU, workloads and prot
     python -m bench.quant_compare --llamacpp-python /tmp/llamacpp/bin/python
     python -m bench.quant_compare --llamacpp-python ... --rounds 3  # sides alternate per round
     python -m bench.quant_compare --smoke                          # jserve only, seconds (CI)
+    python -m bench.quant_compare --model HF_DIR --quantization int8  # int8 vs float32
 
 Three sides, each in its own interpreter through bench.peer_driver: jserve with
 `--quantization auto` (the packed blocks), jserve with `--quantization none` (float32), and
 llama.cpp through llama-cpp-python on 2 threads. The workloads are bench.workloads'
 `quant_workloads`: batch-1 (one 32-token prompt, 128 output tokens: ms per output token) for
 all three, 32-seqs (32 such requests at once: output tokens per second) for jserve's two, since
-llama-cpp-python runs one request at a time. Greedy, EOS ignored; the first 16 greedy ids are
-compared with the float32 side's. Each side also reports its weights' bytes as served (jserve's
-parameters; llama.cpp's mapped GGUF) and its process's resident memory. A figure taken while
-the machine was busy (bench.quiet: load before above --max-load, or other processes over 10%
-of a core) is marked so.
+llama-cpp-python runs one request at a time. With `--quantization int8` the candidate is
+jserve with `--quantization int8` on a float checkpoint (--model: an HF or jserve checkpoint
+directory), against the same checkpoint in float32; llama.cpp has no side then. Greedy, EOS
+ignored; the first 16 greedy ids are compared with the float32 side's. Each side also reports
+its weights' bytes as served (jserve's parameters; llama.cpp's mapped GGUF) and its process's
+resident memory. A figure taken while the machine was busy (bench.quiet: load before above
+--max-load, or other processes over 10% of a core) is marked so.
 
 llama.cpp is never a dependency: build llama-cpp-python 0.3 in a virtualenv of its own, outside
 the repository, with aiohttp beside it (bench.quiet's import):
@@ -43,7 +46,9 @@ def run_round(args, paths: dict[str, Path], index: int) -> dict[str, dict]:
 
     gguf = str(Path(args.model).resolve() if args.model else default_model_path())
     runs = {}
-    order = SIDES[index % 3 :] + SIDES[: index % 3]
+    candidate = "packed" if args.quantization == "auto" else args.quantization
+    sides = (candidate, *SIDES[1:])
+    order = sides[index % 3 :] + sides[: index % 3]
     for side in order:
         suffix = f"_{side.replace('.', '')}_round{index + 1}"
         if side == "llama.cpp":
@@ -52,7 +57,7 @@ def run_round(args, paths: dict[str, Path], index: int) -> dict[str, dict]:
                 runs[side] = run_driver("llamacpp", args.llamacpp_python, gguf,
                                         [paths[BATCH_1]], args, suffix, threads)  # fmt: skip
             continue
-        quantization = ("--quantization", "auto" if side == "packed" else "none")
+        quantization = ("--quantization", "none" if side == "float32" else args.quantization)
         runs[side] = run_driver("jserve", sys.executable, args.model, list(paths.values()), args,
                                 suffix, quantization)  # fmt: skip
     return runs
@@ -98,7 +103,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llamacpp-threads", type=int, default=2,
                         help="llama.cpp's threads (its workers spin at barriers: on a busy "
                         "machine 2 threads can be far slower than 1)")  # fmt: skip
-    parser.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2's)")
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file (default: SmolLM2's); a checkpoint directory for "
+                        "--quantization int8")  # fmt: skip
+    parser.add_argument("--quantization", choices=("auto", "int8"), default="auto",
+                        help="the candidate's: auto (a GGUF's packed blocks) or int8")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="jserve only, tiny workloads")
     parser.add_argument("--max-num-seqs", type=int, default=32)
@@ -108,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.max_num_batched_tokens = None  # jserve's own
     if args.smoke:
         args.llamacpp_python, args.max_load = None, float("inf")
+    if args.quantization == "int8" and args.llamacpp_python:
+        parser.error("--quantization int8 serves a float checkpoint, which llama.cpp cannot read")
     args.out = args.out.resolve()
     return args
 

@@ -8,10 +8,12 @@ then only the step loop and request bookkeeping.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -23,9 +25,15 @@ from jserve.core.buckets import engine_buckets, step_buckets
 from jserve.core.scheduler import Scheduler
 from jserve.core.step_costs import StepCosts, check_target_itl, load_bucket_report
 from jserve.core.tenants import load_tenant_policy
-from jserve.loaders.model_source import LoadedModel, load_model
+from jserve.loaders.model_source import (
+    NO_QUANTIZATION,
+    LoadedModel,
+    default_model_path,
+    load_model,
+)
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
+from jserve.models.int8_weights import int8_params
 from jserve.pallas.layer_matmul import MatmulImpl
 from jserve.pallas.native_build import load as load_native_kernels
 from jserve.runtime import multihost
@@ -100,10 +108,31 @@ def packs_quantized_blocks(args: EngineArgs, platform: str) -> bool:
     """Whether `args` serve a GGUF's quantized blocks packed on `platform`: --quantization auto
     where the native CPU kernel runs the projections (float32, one device). Elsewhere XLA runs
     the dequantized weights (a quantized path for TPU and GPU is later work)."""
-    if args.quantization == Quantization.NONE:
+    if args.quantization != Quantization.AUTO:
         return False
+    return runs_native(args, platform)
+
+
+def runs_native(args: EngineArgs, platform: str) -> bool:
+    """Whether the native CPU kernel runs the projections of `args` on `platform`."""
     dtype = resolve_dtype(args.dtype, platform)
     return projection_impl(platform, dtype, args.tensor_parallel_size) == MatmulImpl.NATIVE
+
+
+def quantized_to_int8(loaded: LoadedModel, native: bool, model: Path | None = None) -> LoadedModel:
+    """--quantization int8: `loaded` (read from `model`, default: its source) with its matmul
+    weights int8 (jserve.models.int8_weights), packed for the native CPU kernel if `native`. A
+    GGUF is refused: its weights are quantized already, and its blocks served as they are
+    (auto) are smaller and exact."""
+    model = model or loaded.source
+    if model.suffix == ".gguf" or loaded.quantization != NO_QUANTIZATION:
+        raise ValueError(
+            f"--quantization int8 quantizes the float weights of a safetensors or jserve "
+            f"checkpoint; {model.name} holds quantized weights already: serve them with "
+            "--quantization auto (or none)"
+        )
+    params = int8_params(loaded.config, loaded.params, packed=native)
+    return dataclasses.replace(loaded, params=params)
 
 
 @dataclass
@@ -129,16 +158,22 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
         load_native_kernels(cache_dir)
     platform = jax.devices()[0].platform  # the mesh's devices'
     packed = packs_quantized_blocks(args, platform)
+    given = loaded is not None
     loaded = loaded or load_model(args.model, cache_dir=cache_dir, packed=packed)
     cfg = loaded.config
     shapes = step_shapes(args, cfg, platform)
+    int8 = args.quantization == Quantization.INT8
+    if int8:  # (a cached GGUF's source is its cache entry: the path says what it was)
+        model = None if given else Path(args.model) if args.model else default_model_path()
+        loaded = quantized_to_int8(loaded, runs_native(args, platform), model)
     if args.num_processes > 1 and args.tensor_parallel_size != jax.device_count():
         raise ValueError(
             f"a run of {args.num_processes} processes has {jax.device_count()} devices in all; "
             f"set --tensor-parallel-size {jax.device_count()} (got {args.tensor_parallel_size})"
         )
     mesh = make_mesh(args.tensor_parallel_size)
-    graphdef, state = place_model(cfg, loaded.params, shapes.dtype, mesh)
+    int8_xla = int8 and not runs_native(args, platform)  # int8 arrays and scales: XLA's dot
+    graphdef, state = place_model(cfg, loaded.params, shapes.dtype, mesh, int8_xla)
     max_model_len, num_blocks = shapes.max_model_len, shapes.num_blocks
     token_buckets, seq_buckets, pairs = shapes.token_buckets, shapes.seq_buckets, shapes.pairs
     seed = load_bucket_report(args.step_costs_file) if args.step_costs_file else None

@@ -158,6 +158,12 @@ def pack_weight(layers: Sequence[Sequence[BlockMatrix]]) -> np.ndarray:
     return out
 
 
+def packed_bytes(fmt: BlockFormat, layers: int, k: int, n: int) -> int:
+    """The size of `pack_weight`'s array for `layers` layers of [K, N] in one format."""
+    entries = layers * -(-n // PANEL)
+    return _aligned((HEADER_WORDS + entries) * 8) + entries * _aligned(panel_bytes(fmt, k))
+
+
 def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 

@@ -22,10 +22,11 @@ from jserve.aot import host
 from jserve.aot.chips import TPU_TOPOLOGIES
 from jserve.aot.compiler import compile_engine
 from jserve.aot.report import ExecutableReport, HostCost, HostLoad
-from jserve.aot.targets import cuda_target, tpu_target
+from jserve.aot.targets import cpu_target, cuda_target, tpu_target
 from jserve.config.engine_args import EngineArgs
 from jserve.loaders.model_source import load_config
 from jserve.models.config import ModelConfig
+from jserve.models.int8_weights import int8_matrix_shapes, packed_int8_bytes
 from jserve.runtime.params import make_mesh
 from jserve.server.cli import main
 from jserve.simulate.cli import add_simulate_arguments, run_simulate
@@ -109,6 +110,31 @@ def test_smollm2_steps_compile_with_no_pool_copy(smollm2, which, request):
         assert row.roofline_ms > 0 and row.compile_s > 0
     assert memory.fits and memory.capacity[2048] > 0
     assert json.loads(json.dumps(report.to_json()))["memory"]["fits"] is True
+
+
+@pytest.mark.parametrize("target", ["v5e:1x1", "cpu"])
+def test_int8_weights_compile_and_the_report_gives_their_bytes(smollm2, target):
+    """--quantization int8: on a TPU, int8 arrays and a scale per output column (bfloat16)
+    beside the float norms; on CPU, the native kernel's packed INT8 panels, float32 norms."""
+    name, cfg = smollm2
+    args = dataclasses.replace(ARGS, quantization="int8")
+    chip = tpu_target(target) if target != "cpu" else cpu_target()
+    fraction = 0.5 if target != "cpu" else None
+    report = compile_engine(args, cfg, name, chip, fraction, steps=[(8, 8)])
+    assert report.errors == []
+    assert report.quantization == "int8" and "--quantization int8" in report.serve_flags
+    shapes = int8_matrix_shapes(cfg)
+    quantized = sum(layers * k * n for layers, k, n in shapes.values())
+    norms = parameter_count(cfg) - quantized  # SmolLM2: no biases, the embedding is the head
+    if target == "cpu":
+        expected = sum(packed_int8_bytes(cfg).values()) + 4 * norms
+        assert [r.name for r in report.executables] == ["decode step"]  # nothing to lay out
+    else:
+        scales = sum(layers * n for layers, _, n in shapes.values())
+        expected = quantized + 2 * (scales + norms)
+    assert report.memory.weights_bytes == expected
+    assert expected < 0.33 * 4 * parameter_count(cfg)  # float32's bytes (the panels: 1.25 a weight)
+    assert expected < 0.52 * 2 * parameter_count(cfg)  # bfloat16's
 
 
 def test_tensor_parallel_refusals_name_what_fits(smollm2):
