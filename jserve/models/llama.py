@@ -61,8 +61,8 @@ def _param(shape: tuple[int, ...], sharding: tuple[str | None, ...], dtype: Any)
 
 class DecoderLayers(nnx.Module):
     """All decoder layers' weights, each with a leading [L] axis. With `int8_weights` the
-    projections are int8 and each has its float scales [L, N] beside it, `NAME_scale`
-    (jserve.models.int8_weights), split over the mesh as its output columns are."""
+    projections are int8 and each has its float scales [L, K / 16, N] beside it, `NAME_scale`
+    (jserve.models.int8_weights), split over the mesh as the weight is."""
 
     def __init__(self, cfg: ModelConfig, dtype: Any, int8_weights: bool = False) -> None:
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
@@ -78,17 +78,17 @@ class DecoderLayers(nnx.Module):
         self.mlp_norm = _param((L, D), (None, None), dtype)
         self.w_gate_up = _param((L, D, F * 2), (None, None, m), wdtype)
         self.w_down = _param((L, F, D), (None, m, None), wdtype)
-        if int8_weights:
-            self.wqkv_scale = _param((L, Hkv * (G + 2) * Hd), (None, m), dtype)
-            self.wo_scale = _param((L, D), (None, None), dtype)
-            self.w_gate_up_scale = _param((L, F * 2), (None, m), dtype)
-            self.w_down_scale = _param((L, D), (None, None), dtype)
+        if int8_weights:  # a scale per 16 inputs of each output column, split as the weight
+            self.wqkv_scale = _param((L, D // 16, Hkv * (G + 2) * Hd), (None, None, m), dtype)
+            self.wo_scale = _param((L, Hq * Hd // 16, D), (None, m, None), dtype)
+            self.w_gate_up_scale = _param((L, D // 16, F * 2), (None, None, m), dtype)
+            self.w_down_scale = _param((L, F // 16, D), (None, m, None), dtype)
 
 
 class LlamaModel(nnx.Module):
     """With `int8_weights` (--quantization int8 where XLA runs the projections), the
     projections and the output head (the embedding, when tied) are int8 with a float scale per
-    output column (`NAME_scale`: jserve.models.int8_weights)."""
+    16 inputs of each output column (`NAME_scale`: jserve.models.int8_weights)."""
 
     def __init__(
         self, cfg: ModelConfig, dtype: Any = jnp.float32, int8_weights: bool = False
@@ -103,9 +103,11 @@ class LlamaModel(nnx.Module):
         self.final_norm = _param((D,), (None,), dtype)
         if not tied:
             self.lm_head = _param((D, V), (None, MODEL_AXIS), wdtype)
-        if int8_weights:
-            head_scale = _param((V,), (None,) if tied else (MODEL_AXIS,), dtype)
-            setattr(self, "embed_scale" if tied else "lm_head_scale", head_scale)
+        if int8_weights:  # the tied table's [V, D / 16], the untied head's [D / 16, V]
+            if tied:
+                self.embed_scale = _param((V, D // 16), (None, None), dtype)
+            else:
+                self.lm_head_scale = _param((D // 16, V), (None, MODEL_AXIS), dtype)
 
     def __call__(
         self,
@@ -206,9 +208,9 @@ class LlamaModel(nnx.Module):
             # Packed as the output head's weight [1, D, V] (lay_out_weights, or a GGUF's
             # blocks): token v is its column v.
             return packed_columns(table, token_ids, self.cfg.hidden_size)
-        if self.int8_weights and self.cfg.tie_word_embeddings:  # int8 rows, a scale each
-            scale = self.embed_scale[...][token_ids]
-            return table[token_ids].astype(scale.dtype) * scale[:, None]
+        if self.int8_weights and self.cfg.tie_word_embeddings:  # int8, a scale per 16
+            scale = jnp.repeat(self.embed_scale[...][token_ids], 16, axis=1)
+            return table[token_ids].astype(scale.dtype) * scale
         return table[token_ids]
 
     def _logits(
@@ -219,9 +221,8 @@ class LlamaModel(nnx.Module):
         if matmul_impl == MatmulImpl.NATIVE:  # packed by lay_out_weights
             return layer_matmul(h, head, jnp.int32(0), MatmulImpl.NATIVE, self.cfg.vocab_size, rows)
         spec = "SD,VD->SV" if tied else "SD,DV->SV"
-        if self.int8_weights:  # int8 quants and a scale per vocabulary entry
+        if self.int8_weights:  # int8 quants and a scale per 16 of them along D
             scale = (self.embed_scale if tied else self.lm_head_scale)[...]
-            scale = scale[:, None] if tied else scale[None, :]
             return qwix.einsum(spec, h, qwix.QArray(head, scale))
         return jnp.einsum(spec, h, head)
 

@@ -16,9 +16,9 @@ by jserve.pallas.quant_blocks into one uint8 array: `native/quant_matmul_cpu.cc`
 float32 in registers and gives the bits the float32 kernel gives on the dequantized weight. A
 weight's dtype says which it is (uint8: packed blocks).
 
-Under "xla", a weight may also be int8 with a float scale per output column
-(jserve.models.int8_weights, --quantization int8): qwix's dot_general converts it inside the dot
-(XLA fuses the conversion into the matmul on TPU and GPU) and scales the columns.
+Under "xla", a weight may also be int8 with float scales per group of k of each output column
+(jserve.models.int8_weights, --quantization int8): qwix's dot_general converts and scales it
+inside the dot (XLA fuses the conversion into the matmul on TPU and GPU).
 """
 
 from __future__ import annotations
@@ -89,7 +89,8 @@ def layer_matmul(
     writes zeros past them; XLA's dot computes every row, so the caller must not read past
     `rows` either way.
 
-    `scale` [L, N] (float; "xla" only) makes w int8 quants, the weight being w * scale."""
+    `scale` [L, K / G, N] (float; "xla" only) makes w int8 quants, the weight being w times
+    the scale of its group of G k (jserve.models.int8_weights)."""
     _check_impl(impl)
     if impl == MatmulImpl.XLA:
         if is_packed_blocks(w):
@@ -101,7 +102,7 @@ def layer_matmul(
         w = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
         if scale is None:
             return x @ w
-        scale = jax.lax.dynamic_index_in_dim(scale, layer, axis=0, keepdims=True)  # [1, N]
+        scale = jax.lax.dynamic_index_in_dim(scale, layer, axis=0, keepdims=False)  # [G, N]
         return qwix.dot_general(x, qwix.QArray(w, scale), (((1,), (0,)), ((), ())))
     if scale is not None:
         raise ValueError("int8 weights with scales run on matmul impl 'xla' (native: packed)")

@@ -17,7 +17,7 @@ from jserve.config.engine_args import EngineArgs
 from jserve.engine.llm_engine import LLMEngine
 from jserve.engine.setup import quantized_to_int8, weight_bytes
 from jserve.loaders.model_source import LoadedModel
-from jserve.models.int8_weights import quantize_channels
+from jserve.models.int8_weights import dequantized, quantize_channels
 from jserve.pallas import native_build
 from jserve.pallas.layer_matmul import MatmulImpl
 from jserve.runtime import model_runner
@@ -35,18 +35,17 @@ def tiny(default_model) -> LoadedModel:
 
 def _dequantized(model: LoadedModel) -> LoadedModel:
     """`model` with every weight int8 quantizes replaced by `q * scale` in float32: quantized
-    per output column of the loader's own (unfused) weights, which is the same per column as
-    quantizing the fused projections."""
+    per group of each output column of the loader's own (unfused) weights, which is the same
+    per column as quantizing the fused projections."""
     layers = dict(model.params["layers"])
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         w = layers[name]  # [L, K, ...], wo [L, ..., N]: as [L, K, N]
         matrix = (
             w.reshape(w.shape[0], -1, w.shape[-1]) if name == "wo" else w.reshape(*w.shape[:2], -1)
         )
-        q, scale = quantize_channels(matrix)
-        layers[name] = (q.astype(np.float32) * scale[:, None, :]).reshape(w.shape)
-    q, scale = quantize_channels(model.params["lm_head"])
-    params = {**model.params, "layers": layers, "lm_head": q.astype(np.float32) * scale}
+        layers[name] = dequantized(*quantize_channels(matrix)).reshape(w.shape)
+    lm_head = dequantized(*quantize_channels(model.params["lm_head"]))
+    params = {**model.params, "layers": layers, "lm_head": lm_head}
     return dataclasses.replace(model, params=params)
 
 
