@@ -38,8 +38,8 @@ ALIGN = 64
 
 class BlockFormat(StrEnum):
     """The block types the packed kernel reads: GGUF's, named as GGUF names them, and INT8,
-    jserve's own (not a GGUF type): blocks of 32 int8 quants with a float32 scale, how
-    --quantization int8 keeps per-output-channel int8 weights (jserve.models.int8_weights)."""
+    jserve's own (not a GGUF type): blocks of 16 int8 quants with a float32 scale, how
+    --quantization int8 keeps its int8 weights (jserve.models.int8_weights)."""
 
     Q4_0 = "Q4_0"
     Q4_1 = "Q4_1"

@@ -307,8 +307,8 @@ struct Q8_0 {  // per group: d[16] f16, then q[32][16] int8: w = d q
 };
 
 // jserve's --quantization int8 (not a GGUF type): Q8_0's layout with float32 scales and groups
-// of 16 k (K need only be a multiple of 16), so a per-output-channel scale is kept as it is
-// (every group of a column holds the column's scale).
+// of 16 k (K need only be a multiple of 16), so the quantizer's float32 scale of each group of
+// 16 k of a column is kept as it is.
 struct INT8 {  // per group: d[16] f32, then q[16][16] int8: w = d q (one float32 rounding)
   static constexpr int kCode = 6, kGroupK = 16, kSuperK = 16, kStep = 2;
   static constexpr int64_t kSuperBytes = 64 + 256;
