@@ -33,7 +33,7 @@ import qwix
 from jserve.models.config import ModelConfig
 from jserve.models.llama import PROJECTIONS, fuse_projections
 from jserve.pallas.quant_blocks import (
-    LAYOUTS,
+    INT8_GROUP,
     BlockFormat,
     BlockMatrix,
     pack_weight,
@@ -43,7 +43,7 @@ from jserve.pallas.quant_blocks import (
 INT8 = "int8"  # what LoadedModel.quantization reports for these weights
 SCALE = "_scale"  # NAME + SCALE: the scales of int8 parameter NAME ("xla" layout)
 _UNFUSED = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
-GROUP = LAYOUTS[BlockFormat.INT8].block  # inputs (k) sharing a scale: 16
+GROUP = INT8_GROUP  # inputs (k) sharing a scale: 16
 
 
 def quantize_channels(w: Any) -> tuple[np.ndarray, np.ndarray]:

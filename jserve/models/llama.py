@@ -49,7 +49,7 @@ from jserve.pallas.layer_matmul import (
     pack_layer_weight,
     packed_columns,
 )
-from jserve.pallas.quant_blocks import BlockMatrix, pack_weight, take_columns
+from jserve.pallas.quant_blocks import INT8_GROUP, BlockMatrix, pack_weight, take_columns
 
 MODEL_AXIS = "model"
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layers' weights layer_matmul reads
@@ -79,10 +79,11 @@ class DecoderLayers(nnx.Module):
         self.w_gate_up = _param((L, D, F * 2), (None, None, m), wdtype)
         self.w_down = _param((L, F, D), (None, m, None), wdtype)
         if int8_weights:  # a scale per 16 inputs of each output column, split as the weight
-            self.wqkv_scale = _param((L, D // 16, Hkv * (G + 2) * Hd), (None, None, m), dtype)
-            self.wo_scale = _param((L, Hq * Hd // 16, D), (None, m, None), dtype)
-            self.w_gate_up_scale = _param((L, D // 16, F * 2), (None, None, m), dtype)
-            self.w_down_scale = _param((L, F // 16, D), (None, m, None), dtype)
+            g = INT8_GROUP
+            self.wqkv_scale = _param((L, D // g, Hkv * (G + 2) * Hd), (None, None, m), dtype)
+            self.wo_scale = _param((L, Hq * Hd // g, D), (None, m, None), dtype)
+            self.w_gate_up_scale = _param((L, D // g, F * 2), (None, None, m), dtype)
+            self.w_down_scale = _param((L, F // g, D), (None, m, None), dtype)
 
 
 class LlamaModel(nnx.Module):
@@ -105,9 +106,9 @@ class LlamaModel(nnx.Module):
             self.lm_head = _param((D, V), (None, MODEL_AXIS), wdtype)
         if int8_weights:  # the tied table's [V, D / 16], the untied head's [D / 16, V]
             if tied:
-                self.embed_scale = _param((V, D // 16), (None, None), dtype)
+                self.embed_scale = _param((V, D // INT8_GROUP), (None, None), dtype)
             else:
-                self.lm_head_scale = _param((D // 16, V), (None, MODEL_AXIS), dtype)
+                self.lm_head_scale = _param((D // INT8_GROUP, V), (None, MODEL_AXIS), dtype)
 
     def __call__(
         self,
@@ -209,7 +210,7 @@ class LlamaModel(nnx.Module):
             # blocks): token v is its column v.
             return packed_columns(table, token_ids, self.cfg.hidden_size)
         if self.int8_weights and self.cfg.tie_word_embeddings:  # int8, a scale per 16
-            scale = jnp.repeat(self.embed_scale[...][token_ids], 16, axis=1)
+            scale = jnp.repeat(self.embed_scale[...][token_ids], INT8_GROUP, axis=1)
             return table[token_ids].astype(scale.dtype) * scale
         return table[token_ids]
 

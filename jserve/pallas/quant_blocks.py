@@ -68,6 +68,7 @@ LAYOUTS = {
     BlockFormat.Q6_K: _Layout(5, 256, 210, 32 + 256 + 2048 + 1024),
     BlockFormat.INT8: _Layout(6, 16, 4 + 16, 64 + 256),  # a block: its f32 scale, 16 int8
 }
+INT8_GROUP = LAYOUTS[BlockFormat.INT8].block  # k sharing a scale in --quantization int8
 
 
 @dataclass(frozen=True)
