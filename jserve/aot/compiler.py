@@ -32,7 +32,7 @@ from jserve.models.config import ModelConfig
 from jserve.models.int8_weights import packed_int8_bytes
 from jserve.models.llama import pack_weights, weights_to_pack, with_packed_weights
 from jserve.pallas.layer_matmul import MatmulImpl
-from jserve.runtime.model_runner import ModelStep
+from jserve.runtime.model_runner import ModelStep, projection_impl
 from jserve.runtime.params import abstract_model, make_mesh
 
 
@@ -224,11 +224,10 @@ def compile_engine(
     unknown = sorted(set(steps or ()) - set(shapes.pairs))
     if unknown:
         raise ValueError(f"no step bucket {unknown} in this engine's buckets {shapes.pairs}")
-    graphdef, _ = abstract_model(cfg, shapes.dtype, mesh)
+    impl = projection_impl(target.devices[0].platform, shapes.dtype, args.tensor_parallel_size)
+    int8_xla = args.quantization == Quantization.INT8 and impl == MatmulImpl.XLA
+    graphdef, _ = abstract_model(cfg, shapes.dtype, mesh, int8_xla)
     step = ModelStep.make(cfg, graphdef, mesh, shapes.dtype, shapes.attn_impl)
-    if args.quantization == Quantization.INT8 and step.matmul_impl == MatmulImpl.XLA:
-        graphdef, _ = abstract_model(cfg, shapes.dtype, mesh, int8_weights=True)
-        step = ModelStep.make(cfg, graphdef, mesh, shapes.dtype, shapes.attn_impl)
     cache = None if cache_dir is None else CompilationCache(cache_dir)
     job = _Job(step, shapes, args, target, cache)
     # No context mesh, as in the engine: the steps carry their shardings, the sampler runs on one
