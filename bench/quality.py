@@ -6,10 +6,13 @@ agreement and perplexity on a fixed text, and greedy agreement.
     python -m bench.quality --reference HF_DIR    # against other weights (same tokenizer)
     python -m bench.quality --smoke               # a short text and few tokens (CI)
     python -m bench.quality --kv-cache-dtype int8 # + the candidate's K/V through an int8 pool
+    python -m bench.quality --model HF_DIR --quantization int8  # int8 vs the float32 weights
 
 The candidate is the GGUF as `--quantization auto` serves it (its blocks packed, on the native
-CPU kernel); the reference is `--reference` (default: the same file dequantized to float32, as
-`--quantization none` serves it), both on the native kernels. Text: bench/texts/quality.txt,
+CPU kernel), or with `--quantization int8` a float checkpoint's weights quantized to int8 as
+the engine quantizes them (jserve.models.int8_weights, packed for the native kernel); the
+reference is `--reference` (default: the same model unquantized, as `--quantization none`
+serves it), both on the native kernels. Text: bench/texts/quality.txt,
 tokenized once and cut into windows of --window tokens; each window runs as one causal
 forward pass, so every position's next-token distribution is scored: the share of positions
 whose argmax agrees, each model's perplexity of the text, the mean KL(reference || candidate)
@@ -46,6 +49,7 @@ from flax import nnx
 
 from bench.report_writer import RESULTS_DIR, markdown_table, write_json
 from jserve.config.engine_args import KVCacheDtype
+from jserve.engine.setup import quantized_to_int8
 from jserve.layers.attention import DenseCausal, PagedAttentionMetadata
 from jserve.loaders.model_source import LoadedModel, load_model
 from jserve.models import llama
@@ -171,7 +175,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2's)")
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file (default: SmolLM2's), or a checkpoint directory for "
+                        "--quantization int8")  # fmt: skip
+    parser.add_argument(
+        "--quantization",
+        choices=("auto", "int8"),
+        default="auto",
+        help="the candidate's (--quantization as jserve serve takes it)",
+    )
     parser.add_argument("--reference", default=None, help="default: --model dequantized")
     parser.add_argument("--window", type=int, default=128, help="tokens per forward pass")
     parser.add_argument("--int8-activations", action="store_true",
@@ -189,7 +201,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    candidate_model = load_model(args.model, packed=True)
+    candidate_model = load_model(args.model, packed=args.quantization == "auto")
+    if args.quantization == "int8":
+        candidate_model = quantized_to_int8(candidate_model, native=True)
     reference_model = load_model(args.reference or args.model)
     ids = np.asarray(candidate_model.tokenizer.encode(TEXT.read_text()), np.int32)
     windows = [ids[i : i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]

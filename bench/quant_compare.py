@@ -5,19 +5,22 @@ against llama.cpp on the same file, offline, on the same CPU, workloads and prot
     python -m bench.quant_compare --llamacpp-python ... --rounds 3  # sides alternate per round
     python -m bench.quant_compare --smoke                          # jserve only, seconds (CI)
     python -m bench.quant_compare --kv-cache-dtype int8            # + packed with an int8 pool
+    python -m bench.quant_compare --model HF_DIR --quantization int8  # int8 vs float32
 
 Three sides, each in its own interpreter through bench.peer_driver: jserve with
 `--quantization auto` (the packed blocks), jserve with `--quantization none` (float32), and
 llama.cpp through llama-cpp-python on 2 threads. The workloads are bench.workloads'
 `quant_workloads`: batch-1 (one 32-token prompt, 128 output tokens: ms per output token) for
 all three, 32-seqs (32 such requests at once: output tokens per second) for jserve's two, since
-llama-cpp-python runs one request at a time. `--kv-cache-dtype int8` adds a fourth side,
+llama-cpp-python runs one request at a time. `--kv-cache-dtype int8` adds a side,
 "packed-int8-kv": the packed blocks with an int8 KV pool (jserve.pallas.kv_cache), on jserve's
-two workloads like the others. Greedy, EOS ignored; the first 16 greedy ids are
-compared with the float32 side's. Each side also reports its weights' bytes as served (jserve's
-parameters; llama.cpp's mapped GGUF) and its process's resident memory. A figure taken while
-the machine was busy (bench.quiet: load before above --max-load, or other processes over 10%
-of a core) is marked so.
+two workloads like the others. With `--quantization int8` the candidate is jserve with
+`--quantization int8` on a float checkpoint (--model: an HF or jserve checkpoint directory),
+against the same checkpoint in float32; llama.cpp has no side then. Greedy, EOS
+ignored; the first 16 greedy ids are compared with the float32 side's. Each side also reports
+its weights' bytes as served (jserve's parameters; llama.cpp's mapped GGUF) and its process's
+resident memory. A figure taken while the machine was busy (bench.quiet: load before above
+--max-load, or other processes over 10% of a core) is marked so.
 
 llama.cpp is never a dependency: build llama-cpp-python 0.3 in a virtualenv of its own, outside
 the repository, with aiohttp beside it (bench.quiet's import):
@@ -42,6 +45,7 @@ INT8_KV = "packed-int8-kv"  # the side --kv-cache-dtype int8 adds
 JSERVE_FLAGS = {
     "packed": ("--quantization", "auto"),
     "float32": ("--quantization", "none"),
+    "int8": ("--quantization", "int8"),
     INT8_KV: ("--quantization", "auto", "--kv-cache-dtype", "int8"),
 }
 BATCH_1 = "batch-1"
@@ -53,7 +57,8 @@ def run_round(args, paths: dict[str, Path], index: int) -> dict[str, dict]:
 
     gguf = str(Path(args.model).resolve() if args.model else default_model_path())
     runs = {}
-    sides = SIDES + ((INT8_KV,) if args.kv_cache_dtype == "int8" else ())
+    candidate = "packed" if args.quantization == "auto" else args.quantization
+    sides = (candidate, *SIDES[1:]) + ((INT8_KV,) if args.kv_cache_dtype == "int8" else ())
     order = sides[index % len(sides) :] + sides[: index % len(sides)]
     for side in order:
         suffix = f"_{side.replace('.', '')}_round{index + 1}"
@@ -108,7 +113,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--llamacpp-threads", type=int, default=2,
                         help="llama.cpp's threads (its workers spin at barriers: on a busy "
                         "machine 2 threads can be far slower than 1)")  # fmt: skip
-    parser.add_argument("--model", default=None, help="a GGUF file (default: SmolLM2's)")
+    parser.add_argument("--model", default=None,
+                        help="a GGUF file (default: SmolLM2's); a checkpoint directory for "
+                        "--quantization int8")  # fmt: skip
+    parser.add_argument("--quantization", choices=("auto", "int8"), default="auto",
+                        help="the candidate's: auto (a GGUF's packed blocks) or int8")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--kv-cache-dtype", choices=["auto", "int8"], default="auto",
                         help="int8: add the packed side with an int8 KV pool")  # fmt: skip
@@ -120,6 +129,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.max_num_batched_tokens = None  # jserve's own
     if args.smoke:
         args.llamacpp_python, args.max_load = None, float("inf")
+    if args.quantization == "int8" and args.llamacpp_python:
+        parser.error("--quantization int8 serves a float checkpoint, which llama.cpp cannot read")
     args.out = args.out.resolve()
     return args
 

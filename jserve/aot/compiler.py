@@ -26,12 +26,13 @@ from jserve.aot.cache import CompilationCache
 from jserve.aot.costs import KERNEL_IMPLS, Cost, attention_cost, loop_corrected_cost
 from jserve.aot.report import ExecutableReport, MemoryFit, Report, memory_per_chip
 from jserve.aot.targets import Target
-from jserve.config.engine_args import EngineArgs
+from jserve.config.engine_args import EngineArgs, Quantization
 from jserve.engine.setup import StepShapes, step_shapes
 from jserve.models.config import ModelConfig
+from jserve.models.int8_weights import packed_int8_bytes
 from jserve.models.llama import pack_weights, weights_to_pack, with_packed_weights
 from jserve.pallas.layer_matmul import MatmulImpl
-from jserve.runtime.model_runner import ModelStep
+from jserve.runtime.model_runner import ModelStep, projection_impl
 from jserve.runtime.params import abstract_model, make_mesh
 
 
@@ -114,14 +115,29 @@ class _Job:
         return self.step.kv_cache_spec(self.shapes.num_blocks, self.args.block_size)
 
 
+def _int8(job: _Job) -> bool:
+    return job.args.quantization == Quantization.INT8
+
+
 def _laid_out_state(job: _Job) -> tuple[Any, list[ExecutableReport]]:
     """The parameters as the steps take them, and the row of the executable that lays them
-    out at load time (`pack_weights`: CPU's native matmul; none for XLA's dot)."""
+    out at load time (`pack_weights`: CPU's native matmul; none for XLA's dot, nor for int8
+    weights, which come packed from the load: jserve.models.int8_weights)."""
     step = job.step
-    _, state = abstract_model(step.cfg, step.dtype, step.mesh)
-    if step.matmul_impl == MatmulImpl.XLA:  # lay_out_weights leaves it as it is
+    native = step.matmul_impl == MatmulImpl.NATIVE
+    _, state = abstract_model(step.cfg, step.dtype, step.mesh, _int8(job) and not native)
+    if not native:  # lay_out_weights leaves it as it is
         return state, []
+    if _int8(job):
+        whole = jax.sharding.NamedSharding(step.mesh, jax.sharding.PartitionSpec())
+        packed = {
+            name: jax.ShapeDtypeStruct((size,), jax.numpy.uint8, sharding=whole)
+            for name, size in packed_int8_bytes(step.cfg).items()
+        }
+        state = with_packed_weights(state, packed)
     weights = weights_to_pack(state)
+    if not weights:  # lay_out_weights has nothing to pack
+        return state, []
     compiled, row = job.measure(
         "weight layout", lambda: pack_weights.lower(weights, step.matmul_impl).compile()
     )
@@ -207,7 +223,9 @@ def compile_engine(
     unknown = sorted(set(steps or ()) - set(shapes.pairs))
     if unknown:
         raise ValueError(f"no step bucket {unknown} in this engine's buckets {shapes.pairs}")
-    graphdef, _ = abstract_model(cfg, shapes.dtype, mesh)
+    impl = projection_impl(target.devices[0].platform, shapes.dtype, args.tensor_parallel_size)
+    int8_xla = args.quantization == Quantization.INT8 and impl == MatmulImpl.XLA
+    graphdef, _ = abstract_model(cfg, shapes.dtype, mesh, int8_xla)
     step = ModelStep.make(cfg, graphdef, mesh, shapes.dtype, shapes.attn_impl, args.kv_cache_dtype)
     cache = None if cache_dir is None else CompilationCache(cache_dir)
     job = _Job(step, shapes, args, target, cache)
@@ -228,9 +246,10 @@ def _report(job: _Job, model_name: str, rows: list[ExecutableReport], memory: Me
     dtype = jax.numpy.dtype(shapes.dtype).name
     # The flags that decide what an engine compiles: with them, `jserve serve` runs (or loads
     # from the compilation cache) exactly these executables.
+    quantization = Quantization.INT8 if _int8(job) else Quantization.NONE
     serve_flags = (
-        f"--dtype {dtype} --attention-impl {shapes.attn_impl} --tensor-parallel-size "
-        f"{args.tensor_parallel_size} --max-num-seqs {args.max_num_seqs} "
+        f"--dtype {dtype} --quantization {quantization} --attention-impl {shapes.attn_impl} "
+        f"--tensor-parallel-size {args.tensor_parallel_size} --max-num-seqs {args.max_num_seqs} "
         f"--max-num-batched-tokens {args.max_num_batched_tokens} --max-model-len "
         f"{shapes.max_model_len} --block-size {args.block_size} --num-kv-blocks {shapes.num_blocks}"
         f" --kv-cache-dtype {args.kv_cache_dtype}"
@@ -241,6 +260,7 @@ def _report(job: _Job, model_name: str, rows: list[ExecutableReport], memory: Me
         chip=job.target.chip,
         dtype=dtype,
         kv_cache_dtype=str(args.kv_cache_dtype),
+        quantization=str(quantization),
         attention_impl=shapes.attn_impl,
         tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=shapes.max_model_len,

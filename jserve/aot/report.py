@@ -133,6 +133,7 @@ class Report:
     chip: Chip | None
     dtype: str
     kv_cache_dtype: str  # the KV pool's elements: "auto" (dtype) or "int8" (with scales)
+    quantization: str  # the weights' --quantization: "int8", or "none" (a GGUF dequantized)
     attention_impl: str
     tensor_parallel_size: int
     max_model_len: int
@@ -181,7 +182,8 @@ class Report:
         """The report as Markdown: a header, the executables, the memory and the capacity."""
         chip = self.chip.name if self.chip else "no chip figures"
         lines = [
-            f"{self.model} on {self.target} ({chip}), {self.dtype}, attention "
+            f"{self.model} on {self.target} ({chip}), {self.dtype}, weights "
+            f"{self.quantization}, attention "
             f"{self.attention_impl}, TP {self.tensor_parallel_size}, max_model_len "
             f"{self.max_model_len}, {self.num_blocks} KV blocks of {self.block_size} tokens "
             f"(KV cache {self.kv_cache_dtype})",

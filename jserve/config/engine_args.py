@@ -41,10 +41,12 @@ class Dtype(StrEnum):
 
 class Quantization(StrEnum):
     """How quantized weights are served: AUTO keeps a GGUF file's quantized blocks packed where
-    the native CPU kernel runs the projections, NONE dequantizes them to --dtype."""
+    the native CPU kernel runs the projections, NONE dequantizes them to --dtype, INT8
+    quantizes a float checkpoint's matmul weights to int8 per output channel at load."""
 
     AUTO = "auto"
     NONE = "none"
+    INT8 = "int8"
 
 
 class KVCacheDtype(StrEnum):
@@ -97,7 +99,9 @@ class EngineArgs:
         "auto serves a GGUF's quantized blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) as they are, "
         "dequantized inside the native CPU kernel's matmuls (CPU, float32, one device; the "
         "tokens are those of none), and otherwise the dequantized weights; none dequantizes "
-        "every weight to --dtype at load",
+        "every weight to --dtype at load; int8 quantizes a safetensors or jserve checkpoint's "
+        "projections and output head to int8 with a scale per output channel at load (every "
+        "backend; a GGUF is refused: its weights are quantized already)",
         vllm="--quantization",
         choices=Quantization,
     )

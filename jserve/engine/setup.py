@@ -9,10 +9,12 @@ then only the step loop and request bookkeeping.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -25,9 +27,15 @@ from jserve.core.scheduler import Scheduler
 from jserve.core.step_costs import StepCosts, check_target_itl, load_bucket_report
 from jserve.core.tenants import load_tenant_policy
 from jserve.loaders.chat_template import load_chat_template
-from jserve.loaders.model_source import LoadedModel, load_model
+from jserve.loaders.model_source import (
+    NO_QUANTIZATION,
+    LoadedModel,
+    default_model_path,
+    load_model,
+)
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
+from jserve.models.int8_weights import int8_params
 from jserve.pallas.kv_cache import kv_pool_dtype
 from jserve.pallas.layer_matmul import MatmulImpl
 from jserve.pallas.native_build import load as load_native_kernels
@@ -116,10 +124,31 @@ def packs_quantized_blocks(args: EngineArgs, platform: str) -> bool:
     """Whether `args` serve a GGUF's quantized blocks packed on `platform`: --quantization auto
     where the native CPU kernel runs the projections (float32, one device). Elsewhere XLA runs
     the dequantized weights (a quantized path for TPU and GPU is later work)."""
-    if args.quantization == Quantization.NONE:
+    if args.quantization != Quantization.AUTO:
         return False
+    return runs_native(args, platform)
+
+
+def runs_native(args: EngineArgs, platform: str) -> bool:
+    """Whether the native CPU kernel runs the projections of `args` on `platform`."""
     dtype = resolve_dtype(args.dtype, platform)
     return projection_impl(platform, dtype, args.tensor_parallel_size) == MatmulImpl.NATIVE
+
+
+def quantized_to_int8(loaded: LoadedModel, native: bool, model: Path | None = None) -> LoadedModel:
+    """--quantization int8: `loaded` (read from `model`, default: its source) with its matmul
+    weights int8 (jserve.models.int8_weights), packed for the native CPU kernel if `native`. A
+    GGUF is refused: its weights are quantized already, and its blocks served as they are
+    (auto) are smaller and exact."""
+    model = model or loaded.source
+    if model.suffix == ".gguf" or loaded.quantization != NO_QUANTIZATION:
+        raise ValueError(
+            f"--quantization int8 quantizes the float weights of a safetensors or jserve "
+            f"checkpoint; {model.name} holds quantized weights already: serve them with "
+            "--quantization auto (or none)"
+        )
+    params = int8_params(loaded.config, loaded.params, packed=native)
+    return dataclasses.replace(loaded, params=params)
 
 
 @dataclass
@@ -137,6 +166,26 @@ class EngineParts:
     sampler: Sampler
 
 
+def _model_as_served(
+    args: EngineArgs, loaded: LoadedModel | None, cache_dir: str, platform: str
+) -> tuple[LoadedModel, Tokenizer]:
+    """The model (`loaded`, else read from args.model) as --quantization serves it, and the
+    tokenizer with --chat-template's template."""
+    # --chat-template, read (and a bad one refused) before the model loads.
+    template = None if args.chat_template is None else load_chat_template(args.chat_template)
+    given = loaded is not None
+    packed = packs_quantized_blocks(args, platform)
+    loaded = loaded or load_model(args.model, cache_dir=cache_dir, packed=packed)
+    if args.quantization == Quantization.INT8:  # (a cached GGUF's source is its cache entry)
+        model = None if given else Path(args.model) if args.model else default_model_path()
+        loaded = quantized_to_int8(loaded, runs_native(args, platform), model)
+    tokenizer = loaded.tokenizer
+    if template is not None:  # on a copy: `loaded` may be shared (tests, LLM)
+        tokenizer = copy.copy(tokenizer)
+        tokenizer.chat_template = template
+    return loaded, tokenizer
+
+
 def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> EngineParts:
     """Load (or take `loaded`), place and size everything; compiles nothing yet."""
     multihost.initialize(args.coordinator_address, args.num_processes, args.process_id)
@@ -145,23 +194,18 @@ def build_engine_parts(args: EngineArgs, loaded: LoadedModel | None = None) -> E
     if jax.default_backend() == "cpu":  # before the runner picks its kernels: built in cache_dir
         load_native_kernels(cache_dir)
     platform = jax.devices()[0].platform  # the mesh's devices'
-    packed = packs_quantized_blocks(args, platform)
-    # --chat-template, read (and a bad one refused) before the model loads.
-    template = None if args.chat_template is None else load_chat_template(args.chat_template)
-    loaded = loaded or load_model(args.model, cache_dir=cache_dir, packed=packed)
+    loaded, tokenizer = _model_as_served(args, loaded, cache_dir, platform)
     cfg = loaded.config
     shapes = step_shapes(args, cfg, platform)
+    int8 = args.quantization == Quantization.INT8
     if args.num_processes > 1 and args.tensor_parallel_size != jax.device_count():
         raise ValueError(
             f"a run of {args.num_processes} processes has {jax.device_count()} devices in all; "
             f"set --tensor-parallel-size {jax.device_count()} (got {args.tensor_parallel_size})"
         )
-    tokenizer = loaded.tokenizer
-    if template is not None:  # on a copy: `loaded` may be shared (tests, LLM)
-        tokenizer = copy.copy(tokenizer)
-        tokenizer.chat_template = template
     mesh = make_mesh(args.tensor_parallel_size)
-    graphdef, state = place_model(cfg, loaded.params, shapes.dtype, mesh)
+    int8_xla = int8 and not runs_native(args, platform)  # int8 arrays and scales: XLA's dot
+    graphdef, state = place_model(cfg, loaded.params, shapes.dtype, mesh, int8_xla)
     max_model_len = shapes.max_model_len
     num_blocks = pool_blocks(args, shapes, weight_bytes(state), _device_bytes(mesh))
     token_buckets, seq_buckets, pairs = shapes.token_buckets, shapes.seq_buckets, shapes.pairs

@@ -12,7 +12,7 @@ import numpy as np
 from jserve.loaders.hf_params import Params, expected_hf_shapes, params_from_hf
 from jserve.models.config import SUPPORTED_GGUF_ARCHITECTURES, ModelConfig
 from jserve.models.llama import pack_block_projections
-from jserve.pallas.quant_blocks import BlockFormat, BlockMatrix, pack_weight
+from jserve.pallas.quant_blocks import GGUF_FORMATS, BlockFormat, BlockMatrix, pack_weight
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -160,7 +160,7 @@ def unpackable(reader: gguf.GGUFReader, cfg: ModelConfig) -> str | None:
     no quantized weight at all says so; other types are named)."""
     tensors = _tensors(reader)
     types = {name: tensors[name].tensor_type.name for name in _packed_names(cfg) if name in tensors}
-    other = sorted({t for t in types.values() if t not in tuple(BlockFormat)})
+    other = sorted({t for t in types.values() if t not in GGUF_FORMATS})
     if not other:
         return None
     if all(t in _FLOAT_TYPES for t in types.values()):
@@ -168,7 +168,7 @@ def unpackable(reader: gguf.GGUFReader, cfg: ModelConfig) -> str | None:
     example = next(tensors[name].name for name, t in types.items() if t in other)
     return (
         f"it holds {', '.join(other)} weights (e.g. {example}), which the packed kernel does not "
-        f"read (it reads {', '.join(BlockFormat)})"
+        f"read (it reads {', '.join(GGUF_FORMATS)})"
     )
 
 

@@ -34,7 +34,8 @@ from jserve.loaders.hf_params import Params
 from jserve.loaders.safetensors_dir import load_safetensors_dir
 from jserve.loaders.tokenizer import Tokenizer
 from jserve.models.config import ModelConfig
-from jserve.pallas.quant_blocks import MAGIC, BlockFormat, weight_info
+from jserve.models.int8_weights import INT8
+from jserve.pallas.quant_blocks import GGUF_FORMATS, MAGIC, BlockFormat, weight_info
 
 log = logging.getLogger(__name__)
 
@@ -55,26 +56,29 @@ class LoadedModel:
 
     @property
     def quantization(self) -> str:
-        """ "none" (float weights), or "gguf:" and the block formats of its packed weights
-        (e.g. "gguf:Q4_1,Q8_0")."""
+        """ "none" (float weights), "int8" (--quantization int8's weights, either layout), or
+        "gguf:" and the block formats of its packed weights (e.g. "gguf:Q4_1,Q8_0")."""
         return quantization_of(self.params)
 
 
 def quantization_of(params: Params) -> str:
-    """What a parameter tree's weights are: "none", or "gguf:" and its packed formats."""
-    leaves = []
+    """What a parameter tree's weights are: "none", "int8", or "gguf:" and its packed
+    formats."""
+    dtypes: dict[str, list] = {"uint8": [], "int8": []}
 
     def walk(tree: object) -> None:
         if isinstance(tree, dict):
             for value in tree.values():
                 walk(value)
-        elif getattr(tree, "dtype", None) == "uint8":
-            leaves.append(tree)
+        elif (dtype := str(getattr(tree, "dtype", ""))) in dtypes:
+            dtypes[dtype].append(tree)
 
     walk(params)
     formats = set()
-    for packed in leaves:
+    for packed in dtypes["uint8"]:
         formats |= set(weight_info(packed)) - {"layers", "panels", "k"}
+    if dtypes["int8"] or formats == {BlockFormat.INT8}:
+        return INT8
     return f"gguf:{','.join(sorted(formats))}" if formats else NO_QUANTIZATION
 
 
@@ -113,7 +117,7 @@ def _gguf_cache_entry(path: Path, cache_dir: Path, packed: bool = False) -> Path
     st = path.stat()
     what = f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}"
     if packed:  # a new layout, or a new format read, converts anew (or retries a refusal)
-        what += f"|packed {MAGIC:x} {','.join(BlockFormat)}"
+        what += f"|packed {MAGIC:x} {','.join(GGUF_FORMATS)}"
     key = hashlib.sha256(what.encode()).hexdigest()
     return cache_dir / "models" / f"{path.stem}-{key[:16]}"
 

@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import qwix
 from flax import nnx
 
 from jserve.layers.attention import attention
@@ -48,7 +49,7 @@ from jserve.pallas.layer_matmul import (
     pack_layer_weight,
     packed_columns,
 )
-from jserve.pallas.quant_blocks import BlockMatrix, pack_weight, take_columns
+from jserve.pallas.quant_blocks import INT8_GROUP, BlockMatrix, pack_weight, take_columns
 
 MODEL_AXIS = "model"
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layers' weights layer_matmul reads
@@ -59,31 +60,55 @@ def _param(shape: tuple[int, ...], sharding: tuple[str | None, ...], dtype: Any)
 
 
 class DecoderLayers(nnx.Module):
-    """All decoder layers' weights, each with a leading [L] axis."""
+    """All decoder layers' weights, each with a leading [L] axis. With `int8_weights` the
+    projections are int8 and each has its float scales [L, K / 16, N] beside it, `NAME_scale`
+    (jserve.models.int8_weights), split over the mesh as the weight is."""
 
-    def __init__(self, cfg: ModelConfig, dtype: Any) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: Any, int8_weights: bool = False) -> None:
         L, D, F = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
         Hq, Hkv, Hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         m = MODEL_AXIS
         G = Hq // Hkv
+        wdtype = jnp.int8 if int8_weights else dtype
         self.attn_norm = _param((L, D), (None, None), dtype)
-        self.wqkv = _param((L, D, Hkv * (G + 2) * Hd), (None, None, m), dtype)
+        self.wqkv = _param((L, D, Hkv * (G + 2) * Hd), (None, None, m), wdtype)
         if cfg.attention_bias:
             self.bqkv = _param((L, Hkv, G + 2, Hd), (None, m, None, None), dtype)
-        self.wo = _param((L, Hq, Hd, D), (None, m, None, None), dtype)
+        self.wo = _param((L, Hq, Hd, D), (None, m, None, None), wdtype)
         self.mlp_norm = _param((L, D), (None, None), dtype)
-        self.w_gate_up = _param((L, D, F * 2), (None, None, m), dtype)
-        self.w_down = _param((L, F, D), (None, m, None), dtype)
+        self.w_gate_up = _param((L, D, F * 2), (None, None, m), wdtype)
+        self.w_down = _param((L, F, D), (None, m, None), wdtype)
+        if int8_weights:  # a scale per 16 inputs of each output column, split as the weight
+            g = INT8_GROUP
+            self.wqkv_scale = _param((L, D // g, Hkv * (G + 2) * Hd), (None, None, m), dtype)
+            self.wo_scale = _param((L, Hq * Hd // g, D), (None, m, None), dtype)
+            self.w_gate_up_scale = _param((L, D // g, F * 2), (None, None, m), dtype)
+            self.w_down_scale = _param((L, F // g, D), (None, m, None), dtype)
 
 
 class LlamaModel(nnx.Module):
-    def __init__(self, cfg: ModelConfig, dtype: Any = jnp.float32) -> None:
+    """With `int8_weights` (--quantization int8 where XLA runs the projections), the
+    projections and the output head (the embedding, when tied) are int8 with a float scale per
+    16 inputs of each output column (`NAME_scale`: jserve.models.int8_weights)."""
+
+    def __init__(
+        self, cfg: ModelConfig, dtype: Any = jnp.float32, int8_weights: bool = False
+    ) -> None:
         self.cfg = cfg
-        self.embed = _param((cfg.vocab_size, cfg.hidden_size), (None, None), dtype)
-        self.layers = DecoderLayers(cfg, dtype)
-        self.final_norm = _param((cfg.hidden_size,), (None,), dtype)
-        if not cfg.tie_word_embeddings:
-            self.lm_head = _param((cfg.hidden_size, cfg.vocab_size), (None, MODEL_AXIS), dtype)
+        self.int8_weights = int8_weights
+        V, D = cfg.vocab_size, cfg.hidden_size
+        wdtype = jnp.int8 if int8_weights else dtype
+        tied = cfg.tie_word_embeddings
+        self.embed = _param((V, D), (None, None), wdtype if tied else dtype)
+        self.layers = DecoderLayers(cfg, dtype, int8_weights)
+        self.final_norm = _param((D,), (None,), dtype)
+        if not tied:
+            self.lm_head = _param((D, V), (None, MODEL_AXIS), wdtype)
+        if int8_weights:  # the tied table's [V, D / 16], the untied head's [D / 16, V]
+            if tied:
+                self.embed_scale = _param((V, D // INT8_GROUP), (None, None), dtype)
+            else:
+                self.lm_head_scale = _param((D // INT8_GROUP, V), (None, MODEL_AXIS), dtype)
 
     def __call__(
         self,
@@ -128,6 +153,7 @@ class LlamaModel(nnx.Module):
         cfg = self.cfg
         weights = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
         proj = {name: weights.pop(name) for name in PROJECTIONS}
+        scales = {name: weights.pop(name + "_scale", None) for name in PROJECTIONS}
         if matmul_impl == MatmulImpl.XLA:
             proj = {name: _as_layer_matrices(name, w) for name, w in proj.items()}
         group = cfg.num_heads // cfg.num_kv_heads
@@ -139,7 +165,9 @@ class LlamaModel(nnx.Module):
         }
 
         def matmul(x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
-            return layer_matmul(x, proj[name], layer, matmul_impl, widths[name], real_tokens)
+            return layer_matmul(
+                x, proj[name], layer, matmul_impl, widths[name], real_tokens, scales[name]
+            )
 
         return weights, matmul
 
@@ -183,6 +211,9 @@ class LlamaModel(nnx.Module):
             # Packed as the output head's weight [1, D, V] (lay_out_weights, or a GGUF's
             # blocks): token v is its column v.
             return packed_columns(table, token_ids, self.cfg.hidden_size)
+        if self.int8_weights and self.cfg.tie_word_embeddings:  # int8, a scale per 16
+            scale = jnp.repeat(self.embed_scale[...][token_ids], INT8_GROUP, axis=1)
+            return table[token_ids].astype(scale.dtype) * scale
         return table[token_ids]
 
     def _logits(
@@ -192,7 +223,11 @@ class LlamaModel(nnx.Module):
         head = self.embed[...] if tied else self.lm_head[...]
         if matmul_impl == MatmulImpl.NATIVE:  # packed by lay_out_weights
             return layer_matmul(h, head, jnp.int32(0), MatmulImpl.NATIVE, self.cfg.vocab_size, rows)
-        return jnp.einsum("SD,VD->SV" if tied else "SD,DV->SV", h, head)
+        spec = "SD,VD->SV" if tied else "SD,DV->SV"
+        if self.int8_weights:  # int8 quants and a scale per 16 of them along D
+            scale = (self.embed_scale if tied else self.lm_head_scale)[...]
+            return qwix.einsum(spec, h, qwix.QArray(head, scale))
+        return jnp.einsum(spec, h, head)
 
 
 def _as_layer_matrices(name: str, w: jax.Array) -> jax.Array:

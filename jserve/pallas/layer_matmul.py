@@ -15,6 +15,10 @@ Under "native", a weight may also be a GGUF file's quantized blocks, packed once
 by jserve.pallas.quant_blocks into one uint8 array: `native/quant_matmul_cpu.cc` turns them into
 float32 in registers and gives the bits the float32 kernel gives on the dequantized weight. A
 weight's dtype says which it is (uint8: packed blocks).
+
+Under "xla", a weight may also be int8 with float scales per group of k of each output column
+(jserve.models.int8_weights, --quantization int8): qwix's dot_general converts and scales it
+inside the dot (XLA fuses the conversion into the matmul on TPU and GPU).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from enum import StrEnum
 
 import jax
 import jax.numpy as jnp
+import qwix
 
 from jserve.pallas.native_build import load as load_native_kernels
 
@@ -72,6 +77,7 @@ def layer_matmul(
     impl: MatmulImpl | str = MatmulImpl.XLA,
     n: int | None = None,
     rows: jax.Array | None = None,
+    scale: jax.Array | None = None,
 ) -> jax.Array:
     """x [T, K] @ layer `layer` (an int32 scalar, traced) of w, laid out for `impl` by
     `pack_layer_weight` (or, for "native", GGUF blocks packed by
@@ -81,7 +87,10 @@ def layer_matmul(
     `rows` (an int32 scalar, traced; default T) is how many leading rows of x are wanted: a
     step's real tokens, the rest being its bucket's padding. "native" computes only those and
     writes zeros past them; XLA's dot computes every row, so the caller must not read past
-    `rows` either way."""
+    `rows` either way.
+
+    `scale` [L, K / G, N] (float; "xla" only) makes w int8 quants, the weight being w times
+    the scale of its group of G k (jserve.models.int8_weights)."""
     _check_impl(impl)
     if impl == MatmulImpl.XLA:
         if is_packed_blocks(w):
@@ -90,7 +99,13 @@ def layer_matmul(
             raise ValueError(
                 f"layer_matmul needs x [T, K] and w [L, K, N]; got {x.shape}, {w.shape}"
             )
-        return x @ jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
+        w = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
+        if scale is None:
+            return x @ w
+        scale = jax.lax.dynamic_index_in_dim(scale, layer, axis=0, keepdims=False)  # [G, N]
+        return qwix.dot_general(x, qwix.QArray(w, scale), (((1,), (0,)), ((), ())))
+    if scale is not None:
+        raise ValueError("int8 weights with scales run on matmul impl 'xla' (native: packed)")
     if n is None or n < 1:
         raise ValueError(f"matmul impl 'native' needs n, N of the weight packed as {w.shape}")
     if is_packed_blocks(w):

@@ -1,7 +1,7 @@
 """GGUF's quantized blocks re-laid out once, at load time, as the native CPU kernel reads them.
 
 A GGUF weight [K, N] (the model's orientation: K input features, N outputs) is stored as N rows
-of K / B blocks (B = 32 or 256 values), each block its scales and quants (`BlockMatrix`).
+of K / B blocks (B = 16, 32 or 256 values), each block its scales and quants (`BlockMatrix`).
 `pack_weight` re-lays the blocks of a stack of layers into one self-describing uint8 array,
 which `jserve.pallas.layer_matmul.layer_matmul` multiplies with `native/quant_matmul_cpu.cc`:
 
@@ -37,13 +37,19 @@ ALIGN = 64
 
 
 class BlockFormat(StrEnum):
-    """The GGUF block types the packed kernel reads, named as GGUF names them."""
+    """The block types the packed kernel reads: GGUF's, named as GGUF names them, and INT8,
+    jserve's own (not a GGUF type): blocks of 16 int8 quants with a float32 scale, how
+    --quantization int8 keeps its int8 weights (jserve.models.int8_weights)."""
 
     Q4_0 = "Q4_0"
     Q4_1 = "Q4_1"
     Q8_0 = "Q8_0"
     Q4_K = "Q4_K"
     Q6_K = "Q6_K"
+    INT8 = "INT8"
+
+
+GGUF_FORMATS = tuple(f for f in BlockFormat if f != BlockFormat.INT8)
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,9 @@ LAYOUTS = {
     BlockFormat.Q8_0: _Layout(3, 32, 34, 32 + 512),
     BlockFormat.Q4_K: _Layout(4, 256, 144, 64 + 256 + 2048),
     BlockFormat.Q6_K: _Layout(5, 256, 210, 32 + 256 + 2048 + 1024),
+    BlockFormat.INT8: _Layout(6, 16, 4 + 16, 64 + 256),  # a block: its f32 scale, 16 int8
 }
+INT8_GROUP = LAYOUTS[BlockFormat.INT8].block  # k sharing a scale in --quantization int8
 
 
 @dataclass(frozen=True)
@@ -151,6 +159,12 @@ def pack_weight(layers: Sequence[Sequence[BlockMatrix]]) -> np.ndarray:
     return out
 
 
+def packed_bytes(fmt: BlockFormat, layers: int, k: int, n: int) -> int:
+    """The size of `pack_weight`'s array for `layers` layers of [K, N] in one format."""
+    entries = layers * -(-n // PANEL)
+    return _aligned((HEADER_WORDS + entries) * 8) + entries * _aligned(panel_bytes(fmt, k))
+
+
 def _aligned(size: int) -> int:
     return -(-size // ALIGN) * ALIGN
 
@@ -173,9 +187,10 @@ def weight_info(packed: np.ndarray) -> dict[str, int]:
 # and returns [P, B, panel_unit_bytes].
 
 
-def _f16_lanes(blocks: np.ndarray, at: int) -> np.ndarray:
-    """The f16 at byte `at` of every block, its 16 columns side by side: [P, B, 32] bytes."""
-    lanes = np.moveaxis(blocks[..., at : at + 2], 1, 2)  # [P, B, 16, 2]
+def _f16_lanes(blocks: np.ndarray, at: int, width: int = 2) -> np.ndarray:
+    """The f16 (or, `width` 4, the f32) at byte `at` of every block, its 16 columns side by
+    side: [P, B, 16 * width] bytes."""
+    lanes = np.moveaxis(blocks[..., at : at + width], 1, 2)  # [P, B, 16, width]
     return np.ascontiguousarray(lanes).reshape(*lanes.shape[:2], -1)
 
 
@@ -212,6 +227,10 @@ def _q8_0(blocks: np.ndarray) -> np.ndarray:
     return np.concatenate([_f16_lanes(blocks, 0), _lanes(blocks[..., 2:])], -1)
 
 
+def _int8(blocks: np.ndarray) -> np.ndarray:
+    return np.concatenate([_f16_lanes(blocks, 0, width=4), _lanes(blocks[..., 4:])], -1)
+
+
 def _q4_k(blocks: np.ndarray) -> np.ndarray:
     d, dmin = _f16_lanes(blocks, 0), _f16_lanes(blocks, 2)
     s = blocks[..., 4:16].reshape(*blocks.shape[:-1], 3, 4)  # GGUF's 6-bit scales and mins
@@ -240,6 +259,7 @@ _PACKERS = {
     BlockFormat.Q8_0: _q8_0,
     BlockFormat.Q4_K: _q4_k,
     BlockFormat.Q6_K: _q6_k,
+    BlockFormat.INT8: _int8,
 }
 
 

@@ -72,12 +72,13 @@ def check_tensor_parallel(cfg: ModelConfig, tensor_parallel_size: int) -> None:
 
 
 def abstract_model(
-    cfg: ModelConfig, dtype: Any, mesh: jax.sharding.Mesh
+    cfg: ModelConfig, dtype: Any, mesh: jax.sharding.Mesh, int8_weights: bool = False
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """The model's static graph definition and its parameters as ShapeDtypeStructs carrying
     their shardings on `mesh`: every shape and placement, no weights. `place_model` fills it;
-    jserve.aot compiles from it."""
-    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, dtype))
+    jserve.aot compiles from it. `int8_weights`: the "xla" layout of --quantization int8
+    (jserve.models.int8_weights)."""
+    abstract = nnx.eval_shape(lambda: LlamaModel(cfg, dtype, int8_weights))
     graphdef, state = nnx.split(abstract)
     shardings = nnx.get_named_sharding(state, mesh)
     state = jax.tree.map(
@@ -87,23 +88,24 @@ def abstract_model(
 
 
 def place_model(
-    cfg: ModelConfig, params: Any, dtype: Any, mesh: jax.sharding.Mesh
+    cfg: ModelConfig, params: Any, dtype: Any, mesh: jax.sharding.Mesh, int8_weights: bool = False
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """Split the model once: a static graph definition and its sharded parameter state.
 
     `params` is a loader's tree (unfused projections); it is fused here, once (see
     jserve.models.llama), before anything reaches a device. Packed GGUF blocks (uint8 arrays,
     jserve.pallas.quant_blocks: fused already) are placed as they are, whole on each device;
-    only the native CPU kernel of an unsplit model reads them.
+    only the native CPU kernel of an unsplit model reads them. With `int8_weights`, `params`
+    holds int8 weights and their scales (jserve.models.int8_weights' "xla" layout).
     """
     params = {**params, "layers": fuse_projections(cfg, params["layers"])}
-    graphdef, state = abstract_model(cfg, dtype, mesh)
+    graphdef, state = abstract_model(cfg, dtype, mesh, int8_weights)
     whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
     def put(x: Any, abstract: jax.ShapeDtypeStruct) -> jax.Array:
         if is_packed_blocks(x):
             return jax.device_put(x, whole)
-        return jax.device_put(jnp.asarray(x, dtype), abstract.sharding)
+        return jax.device_put(jnp.asarray(x, abstract.dtype), abstract.sharding)
 
     state.replace_by_pure_dict(jax.tree.map(put, params, state.to_pure_dict()))
     return graphdef, state

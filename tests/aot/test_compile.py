@@ -22,10 +22,11 @@ from jserve.aot import host
 from jserve.aot.chips import TPU_TOPOLOGIES
 from jserve.aot.compiler import compile_engine
 from jserve.aot.report import ExecutableReport, HostCost, HostLoad
-from jserve.aot.targets import cuda_target, tpu_target
+from jserve.aot.targets import cpu_target, cuda_target, tpu_target
 from jserve.config.engine_args import EngineArgs
 from jserve.loaders.model_source import load_config
 from jserve.models.config import ModelConfig
+from jserve.models.int8_weights import int8_matrix_shapes, packed_int8_bytes
 from jserve.runtime.params import make_mesh
 from jserve.server.cli import main
 from jserve.simulate.cli import add_simulate_arguments, run_simulate
@@ -126,6 +127,32 @@ def test_an_int8_kv_pool_compiles_for_a_tpu_and_a_gpu_with_its_blocks_and_bytes(
     int8_block = 2 * cfg.num_layers * cfg.num_kv_heads * 16 * (64 + 4)  # K and V, with scales
     assert report.num_blocks == int(0.1 * target.chip.hbm_bytes) // int8_block
     assert report.memory.kv_pool_bytes == report.num_blocks * int8_block
+
+
+@pytest.mark.parametrize("target", ["v5e:1x1", "cpu"])
+def test_int8_weights_compile_and_the_report_gives_their_bytes(smollm2, target):
+    """--quantization int8: on a TPU, int8 arrays and a scale per 16 inputs of each output
+    column (bfloat16) beside the float norms; on CPU, the native kernel's packed INT8 panels
+    and float32 norms."""
+    name, cfg = smollm2
+    args = dataclasses.replace(ARGS, quantization="int8")
+    chip = tpu_target(target) if target != "cpu" else cpu_target()
+    fraction = 0.5 if target != "cpu" else None
+    report = compile_engine(args, cfg, name, chip, fraction, steps=[(8, 8)])
+    assert report.errors == []
+    assert report.quantization == "int8" and "--quantization int8" in report.serve_flags
+    shapes = int8_matrix_shapes(cfg)
+    quantized = sum(layers * k * n for layers, k, n in shapes.values())
+    norms = parameter_count(cfg) - quantized  # SmolLM2: no biases, the embedding is the head
+    if target == "cpu":
+        expected = sum(packed_int8_bytes(cfg).values()) + 4 * norms
+        assert [r.name for r in report.executables] == ["decode step"]  # nothing to lay out
+        assert expected < 0.33 * 4 * parameter_count(cfg)  # float32's (1.25 bytes a weight)
+    else:
+        scales = sum(layers * k // 16 * n for layers, k, n in shapes.values())
+        expected = quantized + 2 * (scales + norms)
+        assert expected < 0.57 * 2 * parameter_count(cfg)  # bfloat16's (1.125 bytes a weight)
+    assert report.memory.weights_bytes == expected
 
 
 def test_tensor_parallel_refusals_name_what_fits(smollm2):

@@ -11,11 +11,12 @@
 //           its scales as 16 lanes, then its quants with the 16 columns of each k (or pair or
 //           quad of k) side by side, so one load gives one k's 16 columns.
 // Formats may differ between panels and layers (a Q4_K_M file mixes Q4_K and Q6_K within a
-// fused projection), never within a panel.
+// fused projection), never within a panel. One more format is jserve's own, not GGUF's: INT8,
+// --quantization int8's per-channel int8 weights (Q8_0's layout with float32 scales).
 //
 // The kernel makes float32 weights exactly as gguf.quants dequantizes them (every product of
-// a scale and a quant below is exact in float32 but Q6_K's, which rounds once, as numpy's
-// does), and each column sums its products one FMA per k in k order, as
+// a scale and a quant below is exact in float32 but Q6_K's and INT8's, which round once, as
+// numpy's float32 product does), and each column sums its products one FMA per k in k order, as
 // native/packed_matmul_cpu.cc does over the dequantized float32 weight: the two kernels give
 // the same bits, so serving the blocks never changes a greedy token. (Quantizing x to int8 per
 // block and taking integer dot products, llama.cpp's way, would change the sums.) A register
@@ -83,6 +84,7 @@ inline VI load_i8(const uint8_t* p) { return _mm512_cvtepi8_epi32(bytes16(p)); }
 inline VF load_f16(const uint8_t* p) {
   return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
+inline VF load_f32(const uint8_t* p) { return _mm512_loadu_ps(reinterpret_cast<const float*>(p)); }
 inline VF to_float(VI v) { return _mm512_cvtepi32_ps(v); }
 inline VI low_bits(VI v, int mask) { return _mm512_and_si512(v, _mm512_set1_epi32(mask)); }
 template <int N>
@@ -117,6 +119,10 @@ inline VI load_i8(const uint8_t* p) {
 }
 inline VF load_f16(const uint8_t* p) {
   return {_mm256_cvtph_ps(bytes16(p)), _mm256_cvtph_ps(bytes16(p + 16))};
+}
+inline VF load_f32(const uint8_t* p) {
+  const float* f = reinterpret_cast<const float*>(p);
+  return {_mm256_loadu_ps(f), _mm256_loadu_ps(f + 8)};
 }
 inline VF to_float(VI v) { return {_mm256_cvtepi32_ps(v.lo), _mm256_cvtepi32_ps(v.hi)}; }
 inline VI low_bits(VI v, int mask) {
@@ -188,6 +194,11 @@ inline VF load_f16(const uint8_t* p) {
     std::memcpy(&h, p + 2 * c, sizeof h);
     r.v[c] = half_to_float(h);
   }
+  return r;
+}
+inline VF load_f32(const uint8_t* p) {
+  VF r;
+  std::memcpy(r.v, p, sizeof r.v);
   return r;
 }
 inline VF to_float(VI a) {
@@ -288,6 +299,26 @@ struct Q8_0 {  // per group: d[16] f16, then q[32][16] int8: w = d q
   static Group open(const uint8_t* panel, int64_t g) {
     const uint8_t* p = panel + g * kSuperBytes;
     return {load_f16(p), p + 32};
+  }
+  static void weights(const Group& G, int s, VF& w0, VF& w1, VF&, VF&) {
+    w0 = mul(G.d, to_float(load_i8(G.q + 32 * s)));
+    w1 = mul(G.d, to_float(load_i8(G.q + 32 * s + 16)));
+  }
+};
+
+// jserve's --quantization int8 (not a GGUF type): Q8_0's layout with float32 scales and groups
+// of 16 k (K need only be a multiple of 16), so the quantizer's float32 scale of each group of
+// 16 k of a column is kept as it is.
+struct INT8 {  // per group: d[16] f32, then q[16][16] int8: w = d q (one float32 rounding)
+  static constexpr int kCode = 6, kGroupK = 16, kSuperK = 16, kStep = 2;
+  static constexpr int64_t kSuperBytes = 64 + 256;
+  struct Group {
+    VF d;
+    const uint8_t* q;
+  };
+  static Group open(const uint8_t* panel, int64_t g) {
+    const uint8_t* p = panel + g * kSuperBytes;
+    return {load_f32(p), p + 64};
   }
   static void weights(const Group& G, int s, VF& w0, VF& w1, VF&, VF&) {
     w0 = mul(G.d, to_float(load_i8(G.q + 32 * s)));
@@ -452,6 +483,7 @@ int64_t bytes_of(int format, int64_t k) {  // a panel's bytes; 0 for an unknown 
     case Q8_0::kCode: return k % Q8_0::kSuperK ? 0 : panel_bytes<Q8_0>(k);
     case Q4_K::kCode: return k % Q4_K::kSuperK ? 0 : panel_bytes<Q4_K>(k);
     case Q6_K::kCode: return k % Q6_K::kSuperK ? 0 : panel_bytes<Q6_K>(k);
+    case INT8::kCode: return k % INT8::kSuperK ? 0 : panel_bytes<INT8>(k);
     default: return 0;
   }
 }
@@ -579,6 +611,7 @@ void rows_of_panels_as_stored(const Problem& p, int64_t j, int64_t t0, int64_t t
     case Q8_0::kCode: return rows_of_panels<Q8_0, NP>(p, j, t0, t1, next);
     case Q4_K::kCode: return rows_of_panels<Q4_K, NP>(p, j, t0, t1, next);
     case Q6_K::kCode: return rows_of_panels<Q6_K, NP>(p, j, t0, t1, next);
+    case INT8::kCode: return rows_of_panels<INT8, NP>(p, j, t0, t1, next);
   }
 }
 
@@ -599,6 +632,7 @@ void column_as_stored(const Weight& w, int64_t id, float* out) {
     case Q8_0::kCode: return column<Q8_0>(w.panel(j), c, w.k, out);
     case Q4_K::kCode: return column<Q4_K>(w.panel(j), c, w.k, out);
     case Q6_K::kCode: return column<Q6_K>(w.panel(j), c, w.k, out);
+    case INT8::kCode: return column<INT8>(w.panel(j), c, w.k, out);
   }
 }
 
