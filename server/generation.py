@@ -216,6 +216,19 @@ async def _respond_once(
     return json_response(builder.full_response(last))
 
 
+async def prompt_ids_of(
+    state: ServerState, engine: EngineClient, parsed: ParsedRequest, tenant: str
+) -> list[int]:
+    """The parsed request's prompt ids (its chat template rendered off the event loop), once
+    its model is checked; a refusal is counted as an invalid request of its lane and tenant."""
+    state.check_model(parsed.model)
+    try:
+        return await asyncio.to_thread(encode_prompt, engine.tokenizer, parsed, engine.vocab_size)
+    except APIError:
+        state.metrics.rejected(RejectReason.INVALID, parsed.lane, tenant)
+        raise
+
+
 async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     state = request.app[STATE]
     engine = state.ready_engine()
@@ -230,14 +243,7 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     except APIError:
         state.metrics.request_rejected.labels(RejectReason.INVALID).inc()
         raise
-    state.check_model(parsed.model)
-    try:
-        prompt_ids = await asyncio.to_thread(
-            encode_prompt, engine.tokenizer, parsed, engine.vocab_size
-        )
-    except APIError:
-        state.metrics.rejected(RejectReason.INVALID, parsed.lane, tenant)
-        raise
+    prompt_ids = await prompt_ids_of(state, engine, parsed, tenant)
     request_id = f"{'cmpl' if kind is Endpoint.COMPLETION else 'chatcmpl'}-{uuid.uuid4().hex}"
     if state.settings.enable_log_requests:
         logger.info(

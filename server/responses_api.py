@@ -20,7 +20,6 @@ objects, stored prompts, `include`, truncation "auto", top_logprobs (REFUSED_FIE
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import re
@@ -36,9 +35,15 @@ from jserve.errors import EngineDeadError, RejectReason
 from jserve.outputs import RequestOutput
 from jserve.server.api_errors import APIError
 from jserve.server.decoding import decode_request
-from jserve.server.generation import Generation, request_failure, tracked, write_stream
+from jserve.server.generation import (
+    Generation,
+    prompt_ids_of,
+    request_failure,
+    tracked,
+    write_stream,
+)
 from jserve.server.openai_format import ChoiceCursor, Endpoint, ResponseBuilder
-from jserve.server.protocol import encode_prompt, parse_chat, request_tenant
+from jserve.server.protocol import parse_chat, request_tenant
 from jserve.server.protocol_types import (
     ChatRequest,
     FunctionCall,
@@ -338,14 +343,7 @@ async def create_response(request: web.Request) -> web.StreamResponse:
         except APIError:
             state.metrics.request_rejected.labels(RejectReason.INVALID).inc()
             raise
-        state.check_model(parsed.model)
-        try:
-            prompt_ids = await asyncio.to_thread(
-                encode_prompt, engine.tokenizer, parsed, engine.vocab_size
-            )
-        except APIError:
-            state.metrics.rejected(RejectReason.INVALID, parsed.lane, tenant)
-            raise
+        prompt_ids = await prompt_ids_of(state, engine, parsed, tenant)
         response_id = f"resp_{uuid.uuid4().hex}"
         builder = ResponseBuilder(
             Endpoint.CHAT, response_id, state.model_name, engine.tokenizer, tools=parsed.tools
