@@ -312,17 +312,13 @@ struct Q8_0 {  // per group: d[16] f16, then q[32][16] int8: w = d q
 struct INT8 {  // per group: d[16] f32, then q[16][16] int8: w = d q (one float32 rounding)
   static constexpr int kCode = 6, kGroupK = 16, kSuperK = 16, kStep = 2;
   static constexpr int64_t kSuperBytes = 64 + 256;
-  struct Group {
-    VF d;
-    const uint8_t* q;
-  };
+  using Group = Q8_0::Group;  // a scale and the quants, read as Q8_0 reads them
   static Group open(const uint8_t* panel, int64_t g) {
     const uint8_t* p = panel + g * kSuperBytes;
     return {load_f32(p), p + 64};
   }
-  static void weights(const Group& G, int s, VF& w0, VF& w1, VF&, VF&) {
-    w0 = mul(G.d, to_float(load_i8(G.q + 32 * s)));
-    w1 = mul(G.d, to_float(load_i8(G.q + 32 * s + 16)));
+  static void weights(const Group& G, int s, VF& w0, VF& w1, VF& w2, VF& w3) {
+    Q8_0::weights(G, s, w0, w1, w2, w3);
   }
 };
 
