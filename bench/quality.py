@@ -12,13 +12,14 @@ The candidate is the GGUF as `--quantization auto` serves it (its blocks packed,
 CPU kernel), or with `--quantization int8` a float checkpoint's weights quantized to int8 as
 the engine quantizes them (jserve.models.int8_weights, packed for the native kernel); the
 reference is `--reference` (default: the same model unquantized, as `--quantization none`
-serves it), both on the native kernels. Text: bench/texts/quality.txt,
-tokenized once and cut into windows of --window tokens; each window runs as one causal
+serves it), both on the native kernels. Text: three genres (bench/texts/README.md: literature,
+a license, Python source, about 12,900 positions at the default window), each tokenized once
+and cut into windows of --window tokens; each window runs as one causal
 forward pass, so every position's next-token distribution is scored: the share of positions
 whose argmax agrees, each model's perplexity of the text, the mean KL(reference || candidate)
-and the largest logit difference. Greedy: --greedy-tokens tokens after 16 tokens of the text,
-taken every half window, each model continuing its own output; how many sequences are
-identical and the mean length of the common prefix. The report goes to
+and the largest logit difference. Greedy: --greedy-tokens tokens after the first 16 tokens of
+24 windows spread over the texts, each model continuing its own output; how many sequences
+are identical and the mean length of the common prefix. The report goes to
 bench/results/quality.json and a markdown table (docs/quantization.md has the figures).
 
 `--int8-activations` scores the variant llama.cpp computes instead: every matmul's input row
@@ -58,7 +59,11 @@ from jserve.pallas.layer_matmul import layer_matmul
 from jserve.runtime.model_runner import ModelStep
 from jserve.runtime.params import make_mesh, place_model
 
-TEXT = Path(__file__).with_name("texts") / "quality.txt"
+TEXTS = tuple(
+    Path(__file__).with_name("texts") / name
+    for name in ("quality.txt", "quality_legal.txt", "quality_code.txt")
+)
+GREEDY_PROMPTS = 24  # greedy continuations, spread evenly over the texts
 GREEDY_PROMPT = 16  # tokens of the text that start a greedy continuation
 BLOCK_SIZE = 16  # the paged pool's, with --kv-cache-dtype
 
@@ -205,8 +210,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.quantization == "int8":
         candidate_model = quantized_to_int8(candidate_model, native=True)
     reference_model = load_model(args.reference or args.model)
-    ids = np.asarray(candidate_model.tokenizer.encode(TEXT.read_text()), np.int32)
-    windows = [ids[i : i + args.window] for i in range(0, len(ids) - args.window + 1, args.window)]
+    texts = [np.asarray(candidate_model.tokenizer.encode(t.read_text()), np.int32) for t in TEXTS]
+    windows = [
+        ids[i : i + args.window]
+        for ids in texts
+        for i in range(0, len(ids) - args.window + 1, args.window)
+    ]
     windows = windows[:1] if args.smoke else windows
     int8, kv_dtype = args.int8_activations, args.kv_cache_dtype
 
@@ -216,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
 
     candidate, reference = models(args.window)
     scores = teacher_forced(candidate, reference, windows)
-    starts = range(0, len(ids) - GREEDY_PROMPT, args.window // 2)
-    prompts = [ids[i : i + GREEDY_PROMPT] for i in starts][: 1 if args.smoke else None]
+    prompts = [w[:GREEDY_PROMPT] for w in windows]
+    prompts = prompts[:: -(-len(prompts) // GREEDY_PROMPTS)][: 1 if args.smoke else None]
     length = min(args.window, GREEDY_PROMPT + args.greedy_tokens)
     if length != args.window:  # the greedy buffer is its own shape
         candidate, reference = models(length)
