@@ -51,7 +51,7 @@ from jserve.engine.llm_engine import LLMEngine
 from jserve.engine.step_observer import ModelStep
 from jserve.loaders.model_source import load_model
 from jserve.runtime.compilation import forbid_compilation
-from jserve.runtime.step_inputs import StepInputBuilder
+from jserve.runtime.step_inputs import StepInputBuilder, StepInputs
 
 KINDS = ("decode", "prefill", "mixed")
 SMOKE = {
@@ -92,6 +92,15 @@ def representative_inputs(engine: LLMEngine, kind: str, t: int, s: int, context:
     else:
         num_decodes = min(s - 1, t - 1)
         chunks = [(context, 1)] * num_decodes + [(0, t - num_decodes)]
+    return chunk_inputs(engine, chunks, t, s), sum(n for _, n in chunks)
+
+
+def chunk_inputs(
+    engine: LLMEngine, chunks: list[tuple[int, int]], t: int, s: int, num_drafts: int = 0
+) -> StepInputs:
+    """Inputs of bucket (t, s) holding one sequence per (start, tokens) chunk; with
+    `num_drafts`, the last chunk is a decode whose last `num_drafts` tokens are drafts (the
+    step computes logits at each of them, as a verify step does)."""
     block_size = engine.args.block_size
     usable = [b for b in range(engine.scheduler.block_manager.num_blocks) if b != SINK_BLOCK_ID]
     seqs, next_block = [], 0
@@ -101,15 +110,17 @@ def representative_inputs(engine: LLMEngine, kind: str, t: int, s: int, context:
         next_block += num_blocks
         tokens = array("q", range(1000 + i, 1000 + i + n))
         seqs.append(ScheduledSeq(f"seq{i}", start, tokens, blocks, True, (), array("q")))
-    num_tokens = sum(n for _, n in chunks)
+    seqs[-1].num_drafts = num_drafts
     plan = StepPlan(
         seqs=seqs,
-        num_decodes=sum(n == 1 and start > 0 for start, n in chunks),
-        num_batched_tokens=num_tokens,
+        num_decodes=sum(
+            seq.start_pos > 0 and len(seq.token_ids) == 1 + seq.num_drafts for seq in seqs
+        ),
+        num_batched_tokens=sum(n for _, n in chunks),
     )
     # A builder whose only buckets are (t, s) pads to exactly this pair.
     max_blocks = math.ceil(engine.max_model_len / block_size)
-    return StepInputBuilder((t,), (s,), block_size, max_blocks).build(plan), num_tokens
+    return StepInputBuilder((t,), (s,), block_size, max_blocks).build(plan)
 
 
 def bucket_table(engine: LLMEngine, compiles: list[float], args) -> list[dict]:

@@ -14,11 +14,24 @@ recorded with it.
 
 The first run compiles the engine's step shapes (a few minutes on a CPU, then cached under
 JSERVE_CACHE_DIR). `--concurrency 1 --max-tokens 8 --rounds 1` is a smoke run.
+
+`--bound` answers how much any drafter that reads the run's own text could gain one request at
+a time, instead of the table. It times the model step of one sequence verifying d drafts
+(d + 1 tokens, in the bucket the engine pads it to) for d = 0..k, adds the engine's measured
+time between steps (TPOT without speculation minus the d = 0 step), runs each prompt without
+speculation for its greedy output (which speculation must reproduce), and finds by dynamic
+programming the fastest way to produce that output if, at every step, the drafter proposed
+exactly the longest run of the next tokens that occurs anywhere in its text so far (the run's
+earlier prompts and outputs, its prompt, its output so far), or any shorter prefix of it. No
+drafter that copies from that text can be faster, and this one knows the future, so the bound
+is generous: a proposer's measured speedup over the bound says how much of the reachable gain
+it takes.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import dataclasses
 import json
 import os
@@ -26,6 +39,9 @@ import platform
 import statistics
 import time
 
+import jax
+
+from bench.bucket_costs import chunk_inputs
 from bench.report_writer import write_json
 from jserve.config.engine_args import EngineArgs
 from jserve.engine.llm_engine import LLMEngine
@@ -166,7 +182,7 @@ def _summary(runs: list[Run], off: list[Run]) -> dict:
     }
 
 
-def _engine(max_concurrency: int) -> LLMEngine:
+def _engine(max_concurrency: int, quantization: str = "auto") -> LLMEngine:
     if max_concurrency <= 8:  # the test suite's sizes (tests/shared_engine.py): steps cached
         sizes = dict(max_num_seqs=8, max_num_batched_tokens=64, num_kv_blocks=49)
     else:  # every sequence's prompt and output in the pool at once: no preemption
@@ -175,7 +191,7 @@ def _engine(max_concurrency: int) -> LLMEngine:
             max_num_batched_tokens=256,
             num_kv_blocks=max_concurrency * 512 // 16 + 1,
         )
-    return LLMEngine(EngineArgs(**sizes, max_model_len=512))
+    return LLMEngine(EngineArgs(**sizes, max_model_len=512, quantization=quantization))
 
 
 def _table(engine: LLMEngine, configs: dict, args: argparse.Namespace) -> list[dict]:
@@ -215,6 +231,83 @@ def _table(engine: LLMEngine, configs: dict, args: argparse.Namespace) -> list[d
     return rows
 
 
+def verify_step_seconds(engine: LLMEngine, k: int, context: int, reps: int = 10) -> list[float]:
+    """Median seconds of the model step of one sequence at `context` verifying d drafts, in
+    the bucket the engine pads d + 1 tokens to, for d = 0..k (rounds rotate over d)."""
+    cells = []
+    for d in range(k + 1):
+        t, s = engine.scheduler.step_costs.bucket(d + 1, d + 1)
+        cells.append(chunk_inputs(engine, [(context, d + 1)], t, s, num_drafts=d))
+    times: list[list[float]] = [[] for _ in cells]
+    for r in range(reps + 2):
+        for d, inputs in enumerate(cells):
+            start = time.perf_counter()
+            jax.block_until_ready(engine.runner.run(inputs))
+            if r >= 2:  # the first two rounds warm up
+                times[d].append(time.perf_counter() - start)
+    return [statistics.median(t) for t in times]
+
+
+def longest_copy(text: bytes, out: array.array, i: int, k: int) -> int:
+    """The largest m <= k such that out[i : i + m] occurs in `text` (int64 tokens as bytes)."""
+    m = 0
+    while m < min(k, len(out) - i):
+        pattern = out[i : i + m + 1].tobytes()
+        hit, found = text.find(pattern), False
+        while hit >= 0:  # only hits on a token boundary count
+            if hit % out.itemsize == 0:
+                found = True
+                break
+            hit = text.find(pattern, hit + 1)
+        if not found:
+            break
+        m += 1
+    return m
+
+
+def fastest_seconds(history: bytes, out: list[int], step: list[float]) -> float:
+    """Least total step time producing `out` after its first token (the prefill's) when a
+    step verifying d drafts costs step[d] and may take d up to the longest copy from the text
+    (`history`, then `out` so far) at that point: a shortest path over output positions."""
+    tokens = array.array("q", out)
+    best = [float("inf")] * (len(out) + 1)
+    best[1] = 0.0
+    for i in range(1, len(out)):
+        text = history + tokens[:i].tobytes()
+        for d in range(min(longest_copy(text, tokens, i, len(step) - 1), len(out) - 1 - i) + 1):
+            best[i + 1 + d] = min(best[i + 1 + d], best[i] + step[d])
+    return best[len(out)]
+
+
+def bound_table(engine: LLMEngine, args: argparse.Namespace) -> list[dict]:
+    """Each prompt's speedup bound at concurrency 1 (module docstring), and each workload's."""
+    step = verify_step_seconds(engine, args.k, args.bound_context)
+    print("verify step ms by drafts:", [round(1000 * t, 2) for t in step], flush=True)
+    rows, history = [], b""
+    for workload, makers in WORKLOADS.items():
+        prompts = [_prompt_ids(engine, makers[i % len(makers)](i)) for i in range(len(makers))]
+        engine.reset()
+        runs = [_run_batch(engine, [p], args.max_tokens) for p in prompts]
+        between = statistics.mean(t for run in runs for t in run.tpot_ms) / 1000 - step[0]
+        costs = [t + between for t in step]
+        totals = [0.0, 0.0]
+        for maker, prompt, run in zip(makers, prompts, runs, strict=True):
+            out = next(iter(run.tokens.values()))
+            off = (len(out) - 1) * costs[0]
+            fastest = fastest_seconds(history + array.array("q", prompt).tobytes(), out, costs)
+            history += array.array("q", prompt + out).tobytes()
+            totals = [totals[0] + off, totals[1] + fastest]
+            name = maker.__name__.strip("_")
+            rows.append({"workload": workload, "prompt": name, "tokens": len(out),
+                         "bound": off / fastest})  # fmt: skip
+            print(f"{workload:9} {name:10} {len(out):4} tokens  bound {off / fastest:.2f}x")
+        rows.append({"workload": workload, "prompt": "all", "bound": totals[0] / totals[1],
+                     "between_steps_ms": 1000 * between,
+                     "verify_step_ms": [1000 * t for t in step]})  # fmt: skip
+        print(f"{workload:9} all        bound {totals[0] / totals[1]:.2f}x", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--methods", nargs="+", default=["ngram", "suffix"])
@@ -223,9 +316,24 @@ def main() -> None:
     parser.add_argument("--concurrency", nargs="+", type=int, default=[1, 4, 32])
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=2, help="runs of each method per cell")
+    parser.add_argument("--quantization", choices=("auto", "none"), default="auto",
+                        help="auto: the GGUF packed; none: expanded to float32")  # fmt: skip
     parser.add_argument("--json", help="write the result here")
+    parser.add_argument(
+        "--bound",
+        action="store_true",
+        help="the speedup bound at concurrency 1 instead of the table",
+    )
+    parser.add_argument("--bound-context", type=int, default=256,
+                        help="context of the timed verify steps")  # fmt: skip
     args = parser.parse_args()
-    engine = _engine(max(args.concurrency))
+    if args.bound:
+        rows = bound_table(_engine(1, args.quantization), args)
+        if args.json:
+            write_json(args.json, {"machine": platform.processor() or platform.machine(),
+                                   "k": args.k, "rows": rows})  # fmt: skip
+        return
+    engine = _engine(max(args.concurrency), args.quantization)
     plain = dataclasses.replace(engine.scheduler.config, speculative_config=None)
     configs = {"off": plain} | {
         method: dataclasses.replace(
