@@ -74,15 +74,17 @@ def num_drafts_that_pay(
     """How many of a sequence's `max_drafts` proposed drafts the step should verify: the d in
     0..max_drafts that maximizes the step's expected tokens per second,
 
-        (num_tokens + acceptance * d) / (cost(num_tokens + d, num_rows + d) + between steps),
+        (num_tokens + a + a^2 + ... + a^d) / (cost(num_tokens + d, num_rows + d) + between steps),
 
     for a step already holding `num_tokens` tokens and `num_rows` rows of logits, and a
-    sequence whose drafts have been accepted at the rate `acceptance` (each draft is expected
-    to yield `acceptance` tokens; the step's other tokens, one each). Costs are the
-    scheduler's measured ones, priced optimistically (`StepCosts.optimistic`): a bucket not
-    served within the last RETRY_AFTER steps is taken to cost what the step costs without the
-    drafts, so it is tried again and then priced by what it measured. Without measured costs
-    (no table, or the step's own bucket not served lately) every draft is taken."""
+    sequence whose drafts are accepted, each given the ones before it, at the rate
+    a = `acceptance` (jserve.core.ngram.note_acceptance): draft j yields a token only if
+    drafts 1..j are all accepted, with chance a^j; the step's other tokens yield one each.
+    Costs are the scheduler's measured ones, priced optimistically (`StepCosts.optimistic`):
+    a bucket not served within the last RETRY_AFTER steps is taken to cost what the step
+    costs without the drafts, so it is tried again and then priced by what it measured.
+    Without measured costs (no table, or the step's own bucket not served lately) every
+    draft is taken."""
     if costs is None or max_drafts <= 0:
         return max(0, max_drafts)
     base = costs.optimistic(num_tokens, num_rows, RETRY_AFTER)
@@ -90,9 +92,11 @@ def num_drafts_that_pay(
         return max_drafts
     between = costs.between_steps
     best, best_rate = 0, num_tokens / (base + between)
+    expected = float(num_tokens)
     for d in range(1, max_drafts + 1):
+        expected += acceptance**d
         seconds = costs.optimistic(num_tokens + d, num_rows + d, RETRY_AFTER)
-        rate = (num_tokens + acceptance * d) / ((base if seconds is None else seconds) + between)
+        rate = expected / ((base if seconds is None else seconds) + between)
         if rate > best_rate:
             best, best_rate = d, rate
     return best

@@ -17,18 +17,24 @@ from array import array
 _ITEM = array("q").itemsize
 
 # Per sequence, drafts pay only while enough of them are accepted: a verify step computes and
-# pads more tokens than a plain decode. A sequence's acceptance (accepted / drafted per verify
-# step) is averaged with weight ACCEPTANCE_WEIGHT; below ACCEPTANCE_FLOOR it gets no drafts,
-# and each decode without them raises the average by RETRY_STEP, so it tries again after a
-# while (the text it copies may come back).
+# pads more tokens than a plain decode. A sequence's acceptance is the chance that a draft is
+# accepted given that the drafts before it were (verification stops at the first rejection,
+# so a verify step of m accepted drafts out of d tried m + 1 of them when m < d, m when all
+# were accepted), averaged with weight ACCEPTANCE_WEIGHT. d drafts are then expected to yield
+# a + a^2 + ... + a^d tokens (jserve.core.drafting.num_drafts_that_pay). Where no step costs
+# are measured, below ACCEPTANCE_FLOOR a sequence gets no drafts; either way, each decode
+# without drafts raises the average by RETRY_STEP, so it tries again after a while (the text
+# it copies may come back).
 ACCEPTANCE_WEIGHT = 0.3
 ACCEPTANCE_FLOOR = 0.3
 RETRY_STEP = 0.005
 
 
 def note_acceptance(acceptance: float, num_drafts: int, num_accepted: int) -> float:
-    """A sequence's average acceptance after a verify step of `num_drafts` drafts."""
-    return acceptance + ACCEPTANCE_WEIGHT * (num_accepted / num_drafts - acceptance)
+    """A sequence's average acceptance after a verify step of `num_drafts` drafts of which the
+    first `num_accepted` were accepted."""
+    tried = num_accepted + (num_accepted < num_drafts)
+    return acceptance + ACCEPTANCE_WEIGHT * (num_accepted / tried - acceptance)
 
 
 def drafts_pay(acceptance: float) -> bool:

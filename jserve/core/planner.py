@@ -16,9 +16,10 @@ c. unless (a) or (b) preempted, waiting requests: one from each lane that aging 
 d. with speculative decoding, draft tokens (jserve.core.drafting's proposer) after the
    decodes of requests that may speculate, in rank order, from what (a)-(c) left: token
    budget, logit rows (one per draft, within the largest sequence bucket, max_num_seqs) and
-   free blocks above the watermark, for sequences whose drafts have been paying
-   (jserve.core.ngram's acceptance floor), as many as raise the step's expected tokens per
-   second under the measured step costs (jserve.core.drafting.num_drafts_that_pay), none
+   free blocks above the watermark, as many as raise the step's expected tokens per second
+   under the measured step costs and the sequence's acceptance
+   (jserve.core.drafting.num_drafts_that_pay; without measured costs, jserve.core.ngram's
+   acceptance floor decides instead whether a sequence drafts), none
    while `disable_by_batch_size` sequences or more run. Drafts never preempt, defer or
    displace other work.
 A request with `prompt_rows` (prompt logprobs, mean pooling) takes a row of logits per
@@ -280,7 +281,9 @@ class _Planner:
                 break
             if request.request_id in self.preempted:
                 continue
-            if not drafts_pay(request.draft_acceptance):
+            # Measured step costs price the drafts against their acceptance; without them
+            # the acceptance floor stands in.
+            if drafting.costs is None and not drafts_pay(request.draft_acceptance):
                 request.draft_acceptance += RETRY_STEP  # it tries again after a while
                 continue
             k = min(
@@ -297,6 +300,9 @@ class _Planner:
             k = num_drafts_that_pay(
                 drafting.costs, tokens, rows + added, request.draft_acceptance, len(drafts)
             )
+            if k == 0:  # too rarely accepted to pay now: it tries again after a while
+                request.draft_acceptance = min(1.0, request.draft_acceptance + RETRY_STEP)
+                continue
             k = self._draft_room(request, k)
             if k == 0:
                 continue

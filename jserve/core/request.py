@@ -97,7 +97,8 @@ class Request:
         self.prompt_rows = prompt_rows
         # Whether drafts may be verified for it (the engine's call: unconstrained).
         self.can_speculate = can_speculate
-        # Its drafts' recent acceptance (jserve.core.ngram.DraftThrottle): drafts stop while low.
+        # Its drafts' recent acceptance, each given the ones before it
+        # (jserve.core.ngram.note_acceptance).
         self.draft_acceptance = 1.0
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.all_token_ids = array("q", self.prompt_token_ids)

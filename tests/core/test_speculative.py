@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from jserve.config.engine_args import EngineArgs
 from jserve.config.scheduler import SchedulerConfig
 from jserve.config.settings import InvalidSetting
-from jserve.core.ngram import propose_ngram
+from jserve.core.ngram import ACCEPTANCE_WEIGHT, note_acceptance, propose_ngram
 from jserve.core.request import Request
 from jserve.core.stopping import StopConditions
 from tests.core.helpers import EOS, free_block_ids, make_request, make_scheduler, tracked
@@ -254,3 +254,15 @@ def test_drafts_stop_while_rejected_and_are_tried_again(accept_all):
     gaps = [b - a for a, b in itertools.pairwise(verify_steps)]
     assert len(verify_steps) < 20 and max(gaps) > 1  # paused...
     assert verify_steps[-1] > 40  # ...and tried again
+
+
+@pytest.mark.parametrize(
+    ("drafts", "accepted", "rate"),
+    [(4, 4, 1.0), (4, 2, 2 / 3), (4, 0, 0.0), (1, 0, 0.0), (3, 1, 0.5)],
+)
+def test_acceptance_counts_the_drafts_verification_reached(drafts, accepted, rate):
+    """Verification stops at the first rejected draft: m accepted of d drafts tried m + 1 of
+    them (m when all were accepted), so the rate is each draft's given the ones before it."""
+    assert note_acceptance(0.5, drafts, accepted) == pytest.approx(
+        0.5 + ACCEPTANCE_WEIGHT * (rate - 0.5)
+    )

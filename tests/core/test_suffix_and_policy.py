@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from jserve.config.engine_args import EngineArgs
 from jserve.config.settings import InvalidSetting
 from jserve.core.drafting import RETRY_AFTER, NgramProposer, make_proposer, num_drafts_that_pay
+from jserve.core.ngram import RETRY_STEP
 from jserve.core.request import Request
 from jserve.core.step_costs import StepCosts
 from jserve.core.stopping import StopConditions
@@ -189,8 +190,9 @@ BATCH_ONE = {(1, 1): 1.0, (2, 2): 1.1, (4, 4): 1.2, (8, 8): 2.0}
     ("acceptance", "expected"),
     [
         (1.0, 3),  # 4 tokens fill bucket 4; a fourth draft would pay for bucket 8
-        (0.1, 3),  # 1.3 tokens for 1.2x the time still pays...
-        (0.05, 0),  # ...1.15 for 1.2x does not
+        (0.5, 3),  # 1 + 0.5 + 0.25 + 0.125 tokens for 1.2x the time...
+        (0.3, 1),  # ...but 1.3 for 1.1x beats 1 + 0.3 + 0.09 + 0.027 for 1.2x...
+        (0.1, 0),  # ...and 1.1 for 1.1x gains nothing
     ],
 )
 def test_a_lone_decode_takes_the_drafts_that_raise_its_tokens_per_second(acceptance, expected):
@@ -204,7 +206,7 @@ def test_where_steps_cost_by_token_drafts_stop_paying():
     assert num_drafts_that_pay(costs, 32, 32, 0.9, 4) == 0
     # Where the step is bound by reading weights (the same cost), every draft pays.
     costs = _costs({(32, 32): 1.0, (48, 48): 1.02})
-    assert num_drafts_that_pay(costs, 32, 32, 0.3, 4) == 4
+    assert num_drafts_that_pay(costs, 32, 32, 0.6, 4) == 4
 
 
 def test_unmeasured_buckets_are_tried_and_no_table_takes_every_draft():
@@ -251,6 +253,26 @@ def test_the_scheduler_drafts_only_what_the_measured_costs_pay_for():
     _decoding(scheduler, 1)
     (seq,) = scheduler.schedule(0.0).seqs
     assert seq.num_drafts == 3  # bucket 4, not 8
+
+
+@pytest.mark.parametrize(
+    ("seconds", "drafts_at_low_acceptance"),
+    [
+        ({(1, 1): 1.0, (2, 2): 1.01, (4, 4): 1.02, (8, 8): 1.04}, 3),  # bound by weights
+        ({(1, 1): 1.0, (2, 2): 1.5, (4, 4): 2.5, (8, 8): 4.5}, 0),  # cost grows with tokens
+    ],
+)
+def test_with_measured_costs_acceptance_is_priced_not_floored(seconds, drafts_at_low_acceptance):
+    """A sequence whose drafts are rarely accepted (0.2, under the floor that stands in when
+    no costs are measured) keeps drafting where extra rows cost next to nothing, and where
+    they cost what they compute it stops and its acceptance drifts up to try again later."""
+    scheduler = make_scheduler(speculative_config=json.dumps(SPEC), step_costs=_costs(seconds))
+    _decoding(scheduler, 1)
+    (request,) = scheduler.running
+    request.draft_acceptance = 0.2
+    (seq,) = scheduler.schedule(0.0).seqs
+    assert seq.num_drafts == drafts_at_low_acceptance
+    assert request.draft_acceptance == (0.2 if drafts_at_low_acceptance else 0.2 + RETRY_STEP)
 
 
 @pytest.mark.parametrize(("limit", "drafts"), [(None, [4, 4]), (3, [4, 4]), (2, [0, 0])])
