@@ -20,6 +20,40 @@ os.environ.setdefault(
 )
 load_profile()  # hypothesis budgets: JSERVE_HYPOTHESIS_PROFILE=ci (default) or thorough
 
+# The files that cost the most CPU from a cold cache (a per-test profile), heaviest first.
+# pytest-xdist hands files to the workers in collection order (`--dist loadfile
+# --no-loadscope-reorder` in pyproject.toml), so these start first and no worker is left
+# running one of them alone at the end. The 3-device process (three_devices) starts with the
+# first file, and test_multiprocess.py, which reads it too, is third: the first worker's next.
+HEAVY_FIRST = (
+    "tests/parallel/test_tensor_parallel_serving.py",
+    "tests/pallas/test_ragged_attention.py",
+    "tests/parallel/test_multiprocess.py",
+    "tests/pallas/test_layer_matmul.py",
+    "tests/bench/test_offline_buckets_smoke.py",
+    "tests/bench/test_decode_step.py",
+    "tests/engine/test_engine_features.py",
+    "tests/engine/test_structured.py",
+    "tests/server/test_fuzz_real_model.py",
+    "tests/bench/test_peer_smoke.py",
+    "tests/bench/test_roofline.py",
+    "tests/bench/test_bench_smoke.py",
+    "tests/server/test_real_model_server.py",
+    "tests/models/test_real_model.py",
+    "tests/aot/test_compile.py",
+    "tests/cli/test_generate_cli.py",
+    "tests/pallas/test_native_build.py",
+    "tests/engine/test_engine_greedy.py",
+    "tests/runtime/test_sampler.py",
+    "tests/pallas/test_dispatch.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The HEAVY_FIRST files' cases first, in its order; the others after, as collected."""
+    rank = {path: i for i, path in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
 
 @pytest.fixture(scope="session")
 def default_gguf() -> Path:
