@@ -97,12 +97,16 @@ def default_placed(default_model):
 
 
 @pytest.fixture(scope="session")
-def shared_engine(default_model):
+def shared_engine(default_model, tmp_path_factory, worker_id):
     """The run's engine on the real model (tests/shared_engine.py's sizes); tests take it
-    through `engine`, which resets and checks it."""
+    through `engine`, which resets and checks it. The workers build theirs in turn
+    (tests/run_lock.py): the first compiles its steps into the persistent compilation cache,
+    the others load them from it instead of compiling them too at the same time."""
+    from tests.run_lock import run_lock
     from tests.shared_engine import assert_no_blocks_held, make_engine
 
-    engine = make_engine(default_model)
+    with run_lock(tmp_path_factory, worker_id, "shared_engine"):
+        engine = make_engine(default_model)
     yield engine
     assert_no_blocks_held(engine)
 

@@ -4,7 +4,6 @@ SmolLM2."""
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import subprocess
@@ -12,6 +11,8 @@ import sys
 from pathlib import Path
 
 import pytest
+
+from tests.run_lock import run_lock
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,13 +35,10 @@ def three_devices(default_model, tmp_path_factory, worker_id) -> dict:
     fills the conversion cache first.
 
     Two files read it, which pytest-xdist may give to two workers: the first to ask starts the
-    process under a lock in the run's temporary directory (the workers' common parent), and
-    the other waits for its report there instead of starting a second one."""
-    if worker_id == "master":  # no xdist (-n0): this process is the run
-        return _three_device_report()
-    report = tmp_path_factory.getbasetemp().parent / "three_devices.json"
-    with open(report.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+    process and leaves its report in the run's shared directory (tests/run_lock.py), where the
+    other reads it instead of starting a second process."""
+    with run_lock(tmp_path_factory, worker_id, "three_devices") as shared:
+        report = shared / "three_devices.json"
         if not report.exists():
             report.write_text(json.dumps(_three_device_report()))
     return json.loads(report.read_text())
