@@ -79,11 +79,15 @@ def hf_default_model(default_gguf):
 
 
 @pytest.fixture(scope="session")
-def default_model():
-    """jserve's LoadedModel of the default model (through the conversion cache)."""
+def default_model(tmp_path_factory, worker_id):
+    """jserve's LoadedModel of the default model (through the conversion cache). The workers
+    load it in turn (tests/run_lock.py): the first converts the GGUF into the cache, the
+    others read its checkpoint instead of converting it too at the same time."""
     from jserve.loaders.model_source import load_model
+    from tests.run_lock import run_lock
 
-    return load_model(None)
+    with run_lock(tmp_path_factory, worker_id, "default_model"):
+        return load_model(None)
 
 
 @pytest.fixture(scope="session")
