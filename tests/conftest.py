@@ -3,6 +3,7 @@ every engine test shares (tests/shared_engine.py), each built once a run."""
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -64,17 +65,39 @@ def default_gguf() -> Path:
 
 
 @pytest.fixture(scope="session")
-def hf_default_model(default_gguf):
-    """transformers' float32 SmolLM2 from the same GGUF: the oracle nobody here wrote."""
+def hf_default_model(default_gguf, tmp_path_factory, worker_id):
+    """transformers' float32 SmolLM2 from the same GGUF: the oracle nobody here wrote.
+
+    Reading the GGUF dequantizes every tensor, which costs far more than building the model
+    from its float32 weights: the first worker to ask reads it and leaves the weights and
+    configs in the run's shared directory (tests/run_lock.py), and the others build the same
+    model from them, bit for bit."""
     import torch
     import transformers
+    from safetensors import torch as safetensors_torch
+
+    from tests.run_lock import run_lock
 
     # One thread: the oracle's matrices are small, and OpenMP workers spinning on cores that
     # JAX's threads (or other processes) also want cost many times the CPU of the work itself.
     torch.set_num_threads(1)
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
-    )
+    with run_lock(tmp_path_factory, worker_id, "hf_default_model") as shared:
+        weights, configs = shared / "hf_default_model.safetensors", shared / "hf_default_model.json"
+        if not weights.exists():
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
+            )
+            config = model.config.to_dict()
+            config.pop("quantization_config")  # the GGUF's: these weights are float32
+            generation = model.generation_config.to_dict()
+            configs.write_text(json.dumps({"config": config, "generation": generation}))
+            safetensors_torch.save_model(model, str(weights))
+            return model.eval()
+    saved = json.loads(configs.read_text())
+    config = transformers.AutoConfig.for_model(**saved["config"])
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    safetensors_torch.load_model(model, str(weights))
+    model.generation_config = transformers.GenerationConfig.from_dict(saved["generation"])
     return model.eval()
 
 
