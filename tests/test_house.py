@@ -1,4 +1,5 @@
-"""House rules the code keeps: no function in jserve/ or server/ runs over MAX_FUNCTION_LINES."""
+"""House rules the code keeps: no function in jserve/ or server/ runs over MAX_FUNCTION_LINES;
+the files the suite starts first (tests/conftest.py:HEAVY_FIRST) exist."""
 
 from __future__ import annotations
 
@@ -54,3 +55,19 @@ def test_the_count_finds_long_functions_nested_ones_and_methods(tmp_path):
         "m.py:outer.inner (5 lines)",
     ]
     assert long_functions(tmp_path / "m.py", tmp_path, limit=5) == ["m.py:outer (7 lines)"]
+
+
+def test_the_heavy_files_exist_and_are_handed_out_first():
+    from types import SimpleNamespace
+
+    from tests.conftest import HEAVY_FIRST, pytest_collection_modifyitems
+
+    missing = [path for path in HEAVY_FIRST if not (ROOT / path).is_file()]
+    assert not missing, f"tests/conftest.py:HEAVY_FIRST names files that are gone: {missing}"
+    first, second = HEAVY_FIRST[:2]
+    ids = ["tests/a.py::x", f"{second}::y", "tests/b.py::z", f"{first}::w", f"{second}::v"]
+    items = [SimpleNamespace(nodeid=nodeid) for nodeid in ids]
+    pytest_collection_modifyitems(items)
+    assert [item.nodeid for item in items] == [
+        f"{first}::w", f"{second}::y", f"{second}::v", "tests/a.py::x", "tests/b.py::z"
+    ]  # fmt: skip

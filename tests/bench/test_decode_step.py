@@ -25,9 +25,12 @@ def test_stack_shapes_are_the_gguf_layer_weights_fused(smollm2):
     assert projection_shapes(config)["wqkv"][0] == config.hidden_size
 
 
-def test_smoke_report_adds_up_and_its_profile_accounts_for_the_wall_time(smoke_report):
+def test_smoke_report_adds_up_and_its_profile_accounts_for_the_wall_time(
+    shared_engine, smoke_report
+):
     # One run (one engine build) for both: the alternated rounds and the profile. The shared
-    # engine's sizes: its model steps come from the persistent compilation cache.
+    # engine's sizes, and shared_engine is built first (it fills both caches): its model
+    # steps come from the persistent compilation cache.
     report, result = smoke_report("decode_step", "--rounds", "2", "--profile", *engine_flags())
     assert len(report["step_ms"]) == len(report["stack_ms"]) == 2
     assert all(ms > 0 for ms in report["step_ms"] + report["stack_ms"])

@@ -73,14 +73,16 @@ LONG = {
 
 
 def shared_buckets(table: dict) -> dict:
-    """`table` with each case's unset buckets raised to the largest that any case of the same
-    heads, dtype, layers and masking needs: one compile of an implementation then serves the
+    """`table` with each case's buckets raised to the largest that any case of the same heads,
+    dtype, layers and masking needs or sets: one compile of an implementation then serves the
     whole group, where build_case's defaults give every case shapes of its own. Padding stays
-    padding (rows, sequences, table columns and pool blocks nothing may read)."""
+    padding (rows, sequences, table columns and pool blocks nothing may read), and a case that
+    sets big buckets (all padding, or nearly) keeps buckets at least that big."""
 
     def group(name: str) -> tuple:
         _, geometry, options = table[name]
-        return geometry, options.get("sliding_window"), options.get("soft_cap")
+        heads = dataclasses.replace(geometry, **dict.fromkeys(BUCKETS))
+        return heads, options.get("sliding_window"), options.get("soft_cap")
 
     sizes = {
         name: bucket_sizes(seqs, geometry, options.get("shared_blocks", 0))

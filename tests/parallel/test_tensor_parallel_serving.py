@@ -7,6 +7,11 @@ token for token, on a tiny random model (biases, a vocab-split lm_head) and on S
 Pallas interpret kernel inside the shard_map too; nothing compiles while serving; each device
 holds a third of the KV pool. All of it runs in the run's one 3-device process
 (`three_devices`, tests/parallel/conftest.py): the device count is fixed when JAX starts.
+
+SmolLM2's serving cases are `slow`: they start a second 3-device process for two engines of
+the real model (`three_devices_smollm2`). By default the tiny model's cases cover the same
+sharded serving path (its 3 KV heads split over 3 devices as SmolLM2's do), and
+test_three_way_tensor_parallel_matches_one_device SmolLM2's own sharding.
 """
 
 from __future__ import annotations
@@ -16,6 +21,16 @@ import pytest
 from jserve.models.config import ModelConfig
 from jserve.runtime.params import check_tensor_parallel
 
+# Each serving check on the tiny model by default, and on SmolLM2 under `slow` (the module
+# docstring says what covers it by default).
+MODELS = ["tiny", pytest.param("smollm2", marks=pytest.mark.slow)]
+
+
+@pytest.fixture
+def runs(request: pytest.FixtureRequest, model: str) -> dict:
+    """The report that holds `model`'s serving runs."""
+    return request.getfixturevalue("three_devices" if model == "tiny" else "three_devices_smollm2")
+
 
 def test_three_way_tensor_parallel_matches_one_device(three_devices):
     """The model's partition annotations shard it over a mesh with no code change: SmolLM2's 3
@@ -23,9 +38,11 @@ def test_three_way_tensor_parallel_matches_one_device(three_devices):
     assert three_devices["logits_maxdiff"] < 1e-4
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_greedy_tokens_equal_one_device(three_devices, model):
-    one, three = three_devices[f"{model}/1"], three_devices[f"{model}/3"]
+@pytest.mark.parametrize("model", MODELS)
+def test_greedy_tokens_equal_one_device(runs, model):
+    """3 devices' greedy tokens are 1 device's. SmolLM2's case is slow: the tiny model's case
+    covers the same sharded serving path by default."""
+    one, three = runs[f"{model}/1"], runs[f"{model}/3"]
     assert three["tokens"] == one["tokens"]
     assert len(one["tokens"]) == 9 and all(len(t) == 12 for t in one["tokens"].values())
     # The workload did exercise what it is meant to, on both layouts alike.
@@ -54,15 +71,18 @@ def test_an_int8_pool_and_its_scales_split_over_three_devices(three_devices):
     assert three["shard_bytes"] == [one["pool_bytes"] // 3]
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_nothing_compiles_while_serving(three_devices, model):
-    assert three_devices[f"{model}/1"]["serving_compilations"] == 0
-    assert three_devices[f"{model}/3"]["serving_compilations"] == 0
+@pytest.mark.parametrize("model", MODELS)
+def test_nothing_compiles_while_serving(runs, model):
+    """SmolLM2's case is slow: the tiny model's case covers it by default."""
+    assert runs[f"{model}/1"]["serving_compilations"] == 0
+    assert runs[f"{model}/3"]["serving_compilations"] == 0
 
 
-@pytest.mark.parametrize("model", ["tiny", "smollm2"])
-def test_each_device_holds_a_third_of_the_kv_pool(three_devices, model):
-    one, three = three_devices[f"{model}/1"], three_devices[f"{model}/3"]
+@pytest.mark.parametrize("model", MODELS)
+def test_each_device_holds_a_third_of_the_kv_pool(runs, model):
+    """SmolLM2's case is slow: the tiny model's case (3 KV heads, as SmolLM2's) covers it by
+    default."""
+    one, three = runs[f"{model}/1"], runs[f"{model}/3"]
     assert one["pool_devices"] == 1 and three["pool_devices"] == 3
     assert three["pool_bytes"] == one["pool_bytes"]
     assert three["shard_bytes"] == [one["pool_bytes"] // 3]
