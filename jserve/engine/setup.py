@@ -34,6 +34,8 @@ from jserve.loaders.model_source import (
     load_model,
 )
 from jserve.loaders.tokenizer import Tokenizer
+from jserve.models.awq import awq_params
+from jserve.models.calibration import CALIBRATION_TEXT, calibration_windows
 from jserve.models.config import ModelConfig
 from jserve.models.int8_weights import int8_params
 from jserve.pallas.kv_cache import kv_pool_dtype
@@ -137,7 +139,8 @@ def runs_native(args: EngineArgs, platform: str) -> bool:
 
 def quantized_to_int8(loaded: LoadedModel, native: bool, model: Path | None = None) -> LoadedModel:
     """--quantization int8: `loaded` (read from `model`, default: its source) with its matmul
-    weights int8 (jserve.models.int8_weights), packed for the native CPU kernel if `native`. A
+    weights int8 (jserve.models.int8_weights) after activation-aware scaling
+    (jserve.models.awq), packed for the native CPU kernel if `native`. A
     GGUF is refused: its weights are quantized already, and its blocks served as they are
     (auto) are smaller and exact."""
     model = model or loaded.source
@@ -147,7 +150,16 @@ def quantized_to_int8(loaded: LoadedModel, native: bool, model: Path | None = No
             f"checkpoint; {model.name} holds quantized weights already: serve them with "
             "--quantization auto (or none)"
         )
-    params = int8_params(loaded.config, loaded.params, packed=native)
+    started = time.perf_counter()
+    ids = loaded.tokenizer.encode(CALIBRATION_TEXT.read_text())
+    windows = calibration_windows(ids, loaded.config.vocab_size)
+    params = awq_params(loaded.config, loaded.params, windows)
+    log.info(
+        "--quantization int8: activation-aware scales (AWQ) calibrated on %d tokens of %s "
+        "in %.1f s",
+        windows.size, CALIBRATION_TEXT.name, time.perf_counter() - started,
+    )  # fmt: skip
+    params = int8_params(loaded.config, params, packed=native)
     return dataclasses.replace(loaded, params=params)
 
 

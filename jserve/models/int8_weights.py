@@ -6,6 +6,10 @@ round(w / scale) in [-128, 127]: every weight within half a step). One scale per
 the 99% this aims at (docs/quantization.md); the groups cost the native kernel nothing (its
 INT8 panels keep a scale per 16 k anyway) and XLA's dot an eighth of a byte a weight.
 
+The weights it rounds have activation-aware scales folded in first (jserve.models.awq, which
+jserve.engine.setup.quantized_to_int8 runs before `int8_params`): the same float model, whose
+weights lose less to the rounding where the activations are large.
+
 Which weights: the four projections of every layer (`wqkv`, `wo`, `w_gate_up`, `w_down`, fused
 first, so a fused column keeps the scales of the column it was) and the output head (the
 embedding, when tied: the lookup then reads the int8 table). Norms, biases and an untied

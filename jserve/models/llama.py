@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import qwix
 from flax import nnx
+from jax.experimental import io_callback
 
 from jserve.layers.attention import attention
 from jserve.layers.norm import rms_norm
@@ -53,6 +54,9 @@ from jserve.pallas.quant_blocks import INT8_GROUP, BlockMatrix, pack_weight, tak
 
 MODEL_AXIS = "model"
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layers' weights layer_matmul reads
+# observe(projection, layer, sums): a projection's input rows' |x| summed per input channel [K],
+# handed to the host (a calibration pass: jserve.models.calibration)
+Observer = Callable[[str, np.ndarray, np.ndarray], None]
 
 
 def _param(shape: tuple[int, ...], sharding: tuple[str | None, ...], dtype: Any) -> nnx.Param:
@@ -119,6 +123,7 @@ class LlamaModel(nnx.Module):
         logits_indices: jax.Array,  # [S] int32, rows of T whose next-token logits are wanted
         matmul_impl: MatmulImpl | str = MatmulImpl.XLA,  # how the projections run
         real_rows: tuple[jax.Array, jax.Array] | None = None,  # (tokens, logit rows) not padding
+        observe: Observer | None = None,  # sees every projection's input (calibration only)
     ) -> tuple[jax.Array, jax.Array, Any]:
         """Returns (logits [S, V] float32, the final hidden states [S, D] float32 they are
         computed from (after the final norm: what pooling reads), updated kv_cache).
@@ -131,7 +136,7 @@ class LlamaModel(nnx.Module):
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         rope = rope_cos_sin(positions, jnp.asarray(inv_freq))  # (cos, sin), [T, Hd] each
         real_tokens, real_logits = (None, None) if real_rows is None else real_rows
-        weights, matmul = self._layer_weights(matmul_impl, real_tokens)
+        weights, matmul = self._layer_weights(matmul_impl, real_tokens, observe)
 
         def layer_step(carry, xs):
             (x, kv_cache), (w, layer) = carry, xs
@@ -144,12 +149,17 @@ class LlamaModel(nnx.Module):
         return logits, h.astype(jnp.float32), kv_cache
 
     def _layer_weights(
-        self, matmul_impl: MatmulImpl | str, real_tokens: jax.Array | None
+        self,
+        matmul_impl: MatmulImpl | str,
+        real_tokens: jax.Array | None,
+        observe: Observer | None = None,
     ) -> tuple[dict[str, Any], Callable[[jax.Array, str, jax.Array], jax.Array]]:
         """The layers' small weights (each [L, ...]), which the scan slices per layer, and
         `matmul(x, name, layer)` over the projections' weights, which layer_matmul reads per
         layer where they lie (the scan never copies them out of the stack): viewed as
-        [L, K, N] here, or already packed for "native" by lay_out_weights."""
+        [L, K, N] here, or already packed for "native" by lay_out_weights. With `observe`,
+        each matmul first hands its input's per-channel sums of |x| to the host (an
+        io_callback inside the scan); without it the traced step is unchanged."""
         cfg = self.cfg
         weights = nnx.to_pure_dict(nnx.state(self.layers, nnx.Param))
         proj = {name: weights.pop(name) for name in PROJECTIONS}
@@ -165,6 +175,8 @@ class LlamaModel(nnx.Module):
         }
 
         def matmul(x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
+            if observe is not None:
+                io_callback(functools.partial(observe, name), None, layer, jnp.abs(x).sum(0))
             return layer_matmul(
                 x, proj[name], layer, matmul_impl, widths[name], real_tokens, scales[name]
             )

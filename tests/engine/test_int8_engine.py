@@ -1,7 +1,8 @@
 """--quantization int8 on a tiny random checkpoint, both layouts (the native CPU kernel's
 packed INT8 panels, and XLA's int8 dot, which TPU and GPU run): the greedy tokens are exactly
-those of a float32 engine serving the dequantized weights `q * scale` (the same math, quantized
-here by the same quantizer), nothing compiles after warm-up, the engine says it serves int8;
+those of a float32 engine serving the dequantized weights `q * scale` (the same math: the
+activation-aware scales folded in, then quantized here by the same quantizer), nothing compiles
+after warm-up, the engine says it serves int8;
 its argmax mostly agrees with the float32 weights'; and a GGUF is refused."""
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from jserve.config.engine_args import EngineArgs
 from jserve.engine.llm_engine import LLMEngine
 from jserve.engine.setup import quantized_to_int8, weight_bytes
 from jserve.loaders.model_source import LoadedModel
+from jserve.models.awq import awq_params
+from jserve.models.calibration import CALIBRATION_TEXT, calibration_windows
 from jserve.models.int8_weights import dequantized, quantize_channels
 from jserve.pallas import native_build
 from jserve.pallas.layer_matmul import MatmulImpl
@@ -31,6 +34,13 @@ from tests.shared_engine import run_to_completion
 def tiny(default_model) -> LoadedModel:
     """The parallel tests' random 2-layer model, as if read from a checkpoint directory."""
     return dataclasses.replace(tiny_model(default_model), source=Path("tiny-random"))
+
+
+def _activation_aware(model: LoadedModel) -> LoadedModel:
+    """`model` with the activation-aware scales folded in, calibrated as the engine does."""
+    ids = model.tokenizer.encode(CALIBRATION_TEXT.read_text())
+    windows = calibration_windows(ids, model.config.vocab_size)
+    return dataclasses.replace(model, params=awq_params(model.config, model.params, windows))
 
 
 def _dequantized(model: LoadedModel) -> LoadedModel:
@@ -72,7 +82,7 @@ def test_int8_gives_the_tokens_of_its_dequantized_weights(tiny, matmul_impl):
     assert int8.quantization == "int8"
     with forbid_compilation():  # the recompile guard: warm-up compiled every step
         tokens = _greedy(int8)
-    reference = LLMEngine(EngineArgs(**ENGINE), loaded=_dequantized(tiny))
+    reference = LLMEngine(EngineArgs(**ENGINE), loaded=_dequantized(_activation_aware(tiny)))
     assert tokens == _greedy(reference)
     # Less the untied embedding, which stays float: the packed panels take 1.25 bytes a weight,
     # XLA's int8 arrays 1 and their scales.
