@@ -167,7 +167,7 @@ def quantized_to_int8(loaded: LoadedModel, native: bool, model: Path | None = No
 class EngineParts:
     model_name: str
     quantization: str  # the weights as served: "none", or "gguf:" and their block formats
-    kv_cache_dtype: str  # the KV pool's elements: the model's dtype's name, or "int8"
+    kv_cache_dtype: str  # the KV pool's elements' dtype name: the model's, int8, float8_e4m3fn...
     tokenizer: Tokenizer
     model_config: ModelConfig
     max_model_len: int
