@@ -110,8 +110,8 @@ def _paged_attention(
     # The pools' layout is the resolved implementation's.
     if impl == AttentionImpl.AUTO:
         impl = choose_impl(platform, q.dtype, kv_dtype)
-    rotated = kv_dtype == KVCacheDtype.INT8  # not float8 (kv_cache's docstring says why)
-    if rotated:  # int8 pools hold K and V rotated (dot products unchanged), and so is out
+    rotated = kv_dtype != KVCacheDtype.AUTO
+    if rotated:  # quantized pools hold K and V rotated (dot products unchanged), and so is out
         q, k, v = rotate_heads(q), rotate_heads(k), rotate_heads(v)
     kv_cache = write_kv_cache(kv_cache, k, v, slot_mapping, layer, impl=impl)
     k_pool, v_pool, *scales = kv_cache

@@ -42,11 +42,10 @@ tokens requantized, whenever a later token's values are larger (a read-modify-wr
 whole block at every append). The scales cost 4 bytes per token and head beside head_dim's
 bytes (68 against 256 float32 bytes at head_dim 64: 3.76x the blocks for the same memory).
 The KV cache is then the tuple (k_pool, v_pool, k_scales, v_scales); unquantized, (k_pool,
-v_pool); the pools' element dtype tells which quantization (`kv_cache_dtype_of`). What an int8
-pool holds is K and V rotated by a Hadamard matrix (`rotate_heads`, the attention layer's job),
-which spreads K's outlier channels over all of them before the per-token scale is taken. A
-float8 pool holds them unrotated: a float keeps a small channel's relative precision beside a
-large one, and rotating makes its round trip worse (docs/quantization.md).
+v_pool); the pools' element dtype tells which quantization (`kv_cache_dtype_of`). What a
+quantized pool holds is K and V rotated by a Hadamard matrix (`rotate_heads`, the attention
+layer's job), which spreads K's outlier channels over all of them before the per-token scale
+is taken (for float8 a smaller gain, measured on the model: docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -134,8 +133,8 @@ def _hadamard(head_dim: int) -> np.ndarray:
 def rotate_heads(x: jax.Array) -> jax.Array:
     """x [..., D] times the orthonormal Hadamard matrix H of order D (D a power of two; other
     head dims are returned as they are). H is its own inverse and keeps dot products
-    (Hq . Hk = q . k), so an int8 pool (not a float8 one) stores K and V rotated: the
-    attention layer rotates q, k and v, and its output back. Why: a few channels of K carry
+    (Hq . Hk = q . k), so a quantized pool stores K and V rotated: the attention layer
+    rotates q, k and v, and its output back. Why: a few channels of K carry
     most of its magnitude, and a per-token absmax scale sized for them leaves the other
     channels a handful of levels; rotated, every channel carries a mix of all of them and the
     int8 steps shrink (on SmolLM2, 3x less KL divergence from the float32 pool at no extra

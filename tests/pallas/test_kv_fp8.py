@@ -28,6 +28,7 @@ from jserve.pallas.kv_cache import (
     kv_pool_dtype,
     kv_scales_shape,
     quantize_kv,
+    rotate_heads,
 )
 from tests.aot.test_compile import SMOLLM2_135M
 from tests.pallas.ragged_cases import (
@@ -166,9 +167,9 @@ def test_fp8_attention_is_close_to_the_float_pools():
     assert relative_error(case, _attend(case, pools, "xla"), ref) < 5e-2
 
 
-def test_the_attention_layer_writes_fp8_pools_unrotated():
-    """Unlike int8 pools, a float8 pool holds K and V as they are (no Hadamard rotation:
-    kv_cache's docstring says why): the layer's write is quantize_kv of k itself."""
+def test_the_attention_layer_writes_fp8_pools_rotated():
+    """As int8 pools do, a float8 pool holds K and V Hadamard-rotated (kv_cache): the layer's
+    write is quantize_kv of rotate_heads(k), and its output is rotated back."""
     heads, d, bs, t = 3, 64, 16, 5
     rng = np.random.default_rng(2)
     q = jnp.asarray(rng.standard_normal((t, 9, d)), jnp.float32)
@@ -182,11 +183,23 @@ def test_the_attention_layer_writes_fp8_pools_unrotated():
         kv_lens=i32([t]), num_seqs=i32([1]), impl="xla",
     )  # fmt: skip
     out, cache = attention(q, k, v, (pool, pool, scales, scales), meta, i32(0), sm_scale=0.125)
-    want_q, want_s = quantize_kv(k, dtype)
+    want_q, want_s = quantize_kv(rotate_heads(k), dtype)
     written = np.asarray(cache[0][0, 1, :, :t]).transpose(1, 0, 2)  # [t, heads, d]
     np.testing.assert_array_equal(written.view(np.uint8), np.asarray(want_q).view(np.uint8))
     np.testing.assert_array_equal(np.asarray(cache[2][0, 1, :, :t]).T, np.asarray(want_s))
-    assert out.shape == q.shape and not np.isnan(np.asarray(out)).any()
+    # one sequence of t tokens at positions 0..t-1: causal attention over the dequantized,
+    # rotated-back K and V
+    back_k, back_v = (
+        np.asarray(rotate_heads(dequantize_kv(c[0, 1, :, :t], s[0, 1, :, :t])), np.float64)
+        for c, s in ((cache[0], cache[2]), (cache[1], cache[3]))
+    )
+    qg = np.asarray(q, np.float64).reshape(t, heads, 3, d)
+    scores = np.einsum("tkgd,ksd->kgts", qg, back_k) * 0.125
+    scores[..., np.triu(np.ones((t, t), bool), 1)] = -np.inf
+    probs = np.exp(scores - scores.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    ref = np.einsum("kgts,ksd->tkgd", probs, back_v).reshape(t, 9, d)
+    np.testing.assert_allclose(np.asarray(out), ref, atol=1e-5)
 
 
 def test_fp8_pools_go_to_the_implementations_that_read_them():
