@@ -88,7 +88,15 @@ def _as_entry(text: str, body: str) -> str:
     return "\n".join(lines)
 
 
-_HLO_TYPES = {"float32": "f32", "bfloat16": "bf16", "float16": "f16", "int8": "s8"}
+# XLA's HLO names of the KV pools' element types (every --kv-cache-dtype's)
+_HLO_TYPES = {
+    "float32": "f32",
+    "bfloat16": "bf16",
+    "float16": "f16",
+    "int8": "s8",
+    "float8_e4m3fn": "f8e4m3fn",
+    "float8_e5m2": "f8e5m2",
+}
 
 
 def _pool_fusions(

@@ -132,7 +132,7 @@ class Report:
     target: str
     chip: Chip | None
     dtype: str
-    kv_cache_dtype: str  # the KV pool's elements: "auto" (dtype) or "int8" (with scales)
+    kv_cache_dtype: str  # the KV pool's elements: "auto" (dtype), or "int8", "fp8_e4m3"...
     quantization: str  # the weights' --quantization: "int8", or "none" (a GGUF dequantized)
     attention_impl: str
     tensor_parallel_size: int

@@ -50,11 +50,15 @@ class Quantization(StrEnum):
 
 
 class KVCacheDtype(StrEnum):
-    """The KV pool's elements: AUTO the model's dtype, INT8 int8 with a float32 scale per token
-    and KV head (jserve.pallas.kv_cache)."""
+    """The KV pool's elements: AUTO the model's dtype; the others one byte with a float32 scale
+    per token and KV head (jserve.pallas.kv_cache): INT8 int8, FP8_E4M3 and FP8_E5M2 the two
+    float8 formats (GPU only), FP8 vLLM's spelling of FP8_E4M3."""
 
     AUTO = "auto"
     INT8 = "int8"
+    FP8 = "fp8"
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
 
 
 class AttentionImpl(StrEnum):
@@ -147,7 +151,9 @@ class EngineArgs:
         KVCacheDtype.AUTO,
         "KV pool elements: auto is the model's dtype; int8 stores K and V as int8 with a "
         "float32 scale per token and KV head (3.76x the blocks of a float32 pool at head_dim "
-        "64 for the same kv_cache_memory), read by the native, xla and reference attention",
+        "64 for the same kv_cache_memory), read by the native, xla and reference attention; "
+        "fp8_e4m3 (or fp8) and fp8_e5m2 store them as float8 with the same scales and bytes, "
+        "on GPU only (FP8 storage is NVIDIA Hopper's), read by the xla and reference attention",
         vllm="--kv-cache-dtype",
         choices=KVCacheDtype,
     )

@@ -41,7 +41,7 @@ from jserve.models.int8_weights import int8_params
 from jserve.pallas.kv_cache import kv_pool_dtype
 from jserve.pallas.layer_matmul import MatmulImpl
 from jserve.pallas.native_build import load as load_native_kernels
-from jserve.pallas.ragged_common import QUANTIZED_KV_IMPLS
+from jserve.pallas.ragged_common import quantized_kv_impls
 from jserve.runtime import multihost
 from jserve.runtime.compilation import enable_persistent_cache
 from jserve.runtime.model_runner import (
@@ -93,7 +93,7 @@ def step_shapes(args: EngineArgs, cfg: ModelConfig, platform: str) -> StepShapes
     dtype = resolve_dtype(args.dtype, platform)
     check_tensor_parallel(cfg, args.tensor_parallel_size)
     attn_impl = resolve_attn_impl(args.attention_impl, platform, dtype, args.kv_cache_dtype)
-    check_kv_cache_dtype(args.kv_cache_dtype, attn_impl)
+    check_kv_cache_dtype(args.kv_cache_dtype, attn_impl, platform)
     max_model_len = args.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
     block_bytes = kv_block_bytes(cfg, args.block_size, dtype, attn_impl, args.kv_cache_dtype)
     num_blocks = args.num_kv_blocks or args.kv_cache_memory // block_bytes
@@ -106,11 +106,23 @@ def step_shapes(args: EngineArgs, cfg: ModelConfig, platform: str) -> StepShapes
     )
 
 
-def check_kv_cache_dtype(kv_cache_dtype: str, attn_impl: str) -> None:
-    """int8 pools need an attention implementation that reads them: a ValueError naming the
-    ones that do otherwise (AUTO picks one of them)."""
-    if kv_cache_dtype != KVCacheDtype.AUTO and attn_impl not in QUANTIZED_KV_IMPLS:
-        names = ", ".join(QUANTIZED_KV_IMPLS)
+def check_kv_cache_dtype(kv_cache_dtype: str, attn_impl: str, platform: str) -> None:
+    """Quantized pools need an attention implementation that reads them (a ValueError naming
+    the ones that do otherwise; AUTO picks one of them), and float8 ones a GPU: the CPU and the
+    TPUs jserve targets (v5e and its kin) have no float8 storage, and int8 serves the same
+    bytes there."""
+    if kv_cache_dtype == KVCacheDtype.AUTO:
+        return
+    float8 = kv_cache_dtype != KVCacheDtype.INT8  # every other quantized name is a float8
+    if float8 and platform not in ("gpu", "cuda"):
+        raise ValueError(
+            f"--kv-cache-dtype {kv_cache_dtype} stores float8, which runs on GPU (NVIDIA "
+            f"Hopper: H100, H200); {platform} has no float8 storage: use --kv-cache-dtype int8 "
+            "(the same bytes per element and scales, on every backend)"
+        )
+    readers = quantized_kv_impls(kv_cache_dtype)
+    if attn_impl not in readers:
+        names = ", ".join(readers)
         raise ValueError(
             f"--kv-cache-dtype {kv_cache_dtype} is read by --attention-impl {names} (auto picks "
             f"one); {attn_impl} reads pools of the model's dtype only"
@@ -167,7 +179,7 @@ def quantized_to_int8(loaded: LoadedModel, native: bool, model: Path | None = No
 class EngineParts:
     model_name: str
     quantization: str  # the weights as served: "none", or "gguf:" and their block formats
-    kv_cache_dtype: str  # the KV pool's elements: the model's dtype's name, or "int8"
+    kv_cache_dtype: str  # the KV pool's elements' dtype name: the model's, int8, float8_e4m3fn...
     tokenizer: Tokenizer
     model_config: ModelConfig
     max_model_len: int

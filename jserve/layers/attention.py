@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jserve.config.engine_args import AttentionImpl, KVCacheDtype
 from jserve.pallas import choose_impl, ragged_paged_attention, write_kv_cache
-from jserve.pallas.kv_cache import rotate_heads
+from jserve.pallas.kv_cache import kv_cache_dtype_of, rotate_heads
 
 
 @jax.tree_util.register_static
@@ -92,7 +92,7 @@ def _paged_attention(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    kv_cache: tuple[jax.Array, ...],  # (k_pool, v_pool), and int8 pools' (k_scales, v_scales)
+    kv_cache: tuple[jax.Array, ...],  # (k_pool, v_pool), and quantized pools' (k_scales, v_scales)
     slot_mapping: jax.Array,
     block_tables: jax.Array,
     cu_q_lens: jax.Array,
@@ -105,12 +105,13 @@ def _paged_attention(
     impl: AttentionImpl,
     platform: str | None,
 ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
-    quantized = len(kv_cache) == 4  # int8 pools and their scales
+    # int8 or float8 pools and their scales, or pools of the model's dtype
+    kv_dtype = kv_cache_dtype_of(kv_cache[0].dtype) if len(kv_cache) == 4 else KVCacheDtype.AUTO
     # The pools' layout is the resolved implementation's.
     if impl == AttentionImpl.AUTO:
-        kv_dtype = KVCacheDtype.INT8 if quantized else KVCacheDtype.AUTO
         impl = choose_impl(platform, q.dtype, kv_dtype)
-    if quantized:  # int8 pools hold K and V rotated (dot products unchanged), and so is out
+    rotated = kv_dtype != KVCacheDtype.AUTO
+    if rotated:  # quantized pools hold K and V rotated (dot products unchanged), and so is out
         q, k, v = rotate_heads(q), rotate_heads(k), rotate_heads(v)
     kv_cache = write_kv_cache(kv_cache, k, v, slot_mapping, layer, impl=impl)
     k_pool, v_pool, *scales = kv_cache
@@ -119,7 +120,7 @@ def _paged_attention(
         sm_scale=sm_scale, sliding_window=sliding_window, impl=impl, platform=platform,
         kv_scales=tuple(scales) or None,
     )  # fmt: skip
-    return (rotate_heads(out) if quantized else out), kv_cache
+    return (rotate_heads(out) if rotated else out), kv_cache
 
 
 def _per_head_shard(paged: Any, heads: HeadSharding, kv_cache: tuple[jax.Array, ...]) -> Any:

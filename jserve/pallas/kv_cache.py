@@ -28,20 +28,24 @@ Why this order:
 - K and V are two arrays of the same shape: the write is two scatters, the attention reads both.
 Block 0 is the sink: pad tokens write there and padded table entries point there.
 
-Quantized pools (`--kv-cache-dtype int8`): K and V are int8 in the same layout, and beside
+Quantized pools (`--kv-cache-dtype int8`, `fp8_e4m3`, `fp8_e5m2`): K and V are one byte
+each (int8, or float8 where the backend stores it) in the same layout, and beside
 each pool lies one float32 scale per (layer, block, KV head, token), [L, num_blocks, Hkv,
 block_size] (`kv_scales_shape`): the pool's layout without head_dim, read through the same block
 tables, in every implementation's layout. A token's D values are x = q * scale with q in
-[-127, 127] and scale = max |x| / 127 (symmetric absmax over head_dim, `quantize_kv`). Per token
+[-Q, Q] and scale = max |x| / Q (symmetric absmax over head_dim, `quantize_kv`): Q is 127 for
+int8 (q rounded to an integer), the format's largest finite value for float8 (448 for e4m3,
+57344 for e5m2; q rounded to the nearest float8). Per token
 rather than per block because a token is written once and never changes: the write quantizes
 only its own values, where a block-wide scale would have to be raised, and the block's earlier
 tokens requantized, whenever a later token's values are larger (a read-modify-write of the
 whole block at every append). The scales cost 4 bytes per token and head beside head_dim's
 bytes (68 against 256 float32 bytes at head_dim 64: 3.76x the blocks for the same memory).
 The KV cache is then the tuple (k_pool, v_pool, k_scales, v_scales); unquantized, (k_pool,
-v_pool). What an int8 pool holds is K and V rotated by a Hadamard matrix (`rotate_heads`, the
-attention layer's job), which spreads K's outlier channels over all of them before the
-per-token scale is taken.
+v_pool); the pools' element dtype tells which quantization (`kv_cache_dtype_of`). What a
+quantized pool holds is K and V rotated by a Hadamard matrix (`rotate_heads`, the attention
+layer's job), which spreads K's outlier channels over all of them before the per-token scale
+is taken (for float8 a smaller gain, measured on the model: docs/quantization.md).
 """
 
 from __future__ import annotations
@@ -56,19 +60,34 @@ from jax import lax
 from jserve.config.engine_args import AttentionImpl, KVCacheDtype
 
 LANES, SUBLANES = 128, 8  # a TPU vector register's (8, 128) tile: the tile of every TPU array
-QUANT_DTYPE = jnp.dtype(jnp.int8)  # a quantized pool's elements
+QUANT_DTYPE = jnp.dtype(jnp.int8)  # an int8 pool's elements
 SCALE_DTYPE = jnp.dtype(jnp.float32)  # their scales, one per (layer, block, KV head, token)
-_QMAX = 127.0
+# Each quantized --kv-cache-dtype's pool elements; the first name of a dtype is its own.
+QUANTIZED_POOL_DTYPES = {
+    KVCacheDtype.INT8: QUANT_DTYPE,
+    KVCacheDtype.FP8_E4M3: jnp.dtype(jnp.float8_e4m3fn),
+    KVCacheDtype.FP8: jnp.dtype(jnp.float8_e4m3fn),  # vLLM's spelling of fp8_e4m3
+    KVCacheDtype.FP8_E5M2: jnp.dtype(jnp.float8_e5m2),
+}
+_INT8_QMAX = 127.0
 
 
 def kv_pool_dtype(kv_cache_dtype: str, model_dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype of the K and V pools: the model's for "auto", int8 for "int8"."""
+    """The dtype of the K and V pools: the model's for "auto", else the quantized element."""
     if kv_cache_dtype == KVCacheDtype.AUTO:
         return jnp.dtype(model_dtype)
-    if kv_cache_dtype == KVCacheDtype.INT8:
-        return QUANT_DTYPE
+    if kv_cache_dtype in QUANTIZED_POOL_DTYPES:
+        return QUANTIZED_POOL_DTYPES[KVCacheDtype(kv_cache_dtype)]
     names = ", ".join(str(name) for name in KVCacheDtype)
     raise ValueError(f"kv_cache_dtype must be one of {names}; got {kv_cache_dtype!r}")
+
+
+def kv_cache_dtype_of(pool_dtype: jnp.dtype) -> KVCacheDtype:
+    """The --kv-cache-dtype whose pools have elements of `pool_dtype`: AUTO for a float pool
+    (the model's dtype), else the quantized one's (fp8_e4m3 for float8_e4m3fn, not fp8)."""
+    pool_dtype = jnp.dtype(pool_dtype)
+    names = [name for name, dtype in QUANTIZED_POOL_DTYPES.items() if dtype == pool_dtype]
+    return names[0] if names else KVCacheDtype.AUTO
 
 
 def kv_scales_shape(
@@ -78,18 +97,26 @@ def kv_scales_shape(
     return (num_layers, num_blocks, num_kv_heads, block_size)
 
 
-def quantize_kv(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """x [..., D] -> (int8 [..., D], float32 scales [...]) with x ~ q * scale: symmetric absmax
-    over the last axis, rounded to nearest. An all-zero row gets scale 0 and zeros."""
+def quantize_kv(x: jax.Array, dtype: jnp.dtype = QUANT_DTYPE) -> tuple[jax.Array, jax.Array]:
+    """x [..., D] -> (q [..., D] of `dtype`, float32 scales [...]) with x ~ q * scale: symmetric
+    absmax over the last axis, the absmax on the format's largest value (127 for int8, the
+    float8 format's largest finite one), rounded to nearest. An all-zero row gets scale 0 and
+    zeros. `dtype` is int8 or a float8 (QUANTIZED_POOL_DTYPES)."""
+    dtype = jnp.dtype(dtype)
+    integer = jnp.issubdtype(dtype, jnp.integer)
+    qmax = _INT8_QMAX if integer else float(jnp.finfo(dtype).max)
     x = x.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(x), axis=-1) / _QMAX
+    scale = jnp.max(jnp.abs(x), axis=-1) / qmax
     safe = jnp.where(scale > 0, scale, 1.0)[..., None]
-    q = jnp.clip(jnp.round(x / safe), -_QMAX, _QMAX).astype(QUANT_DTYPE)
-    return q, scale
+    scaled = jnp.round(x / safe) if integer else x / safe
+    # The clip also keeps float8 finite: x / scale may round just past qmax, and e4m3fn has no
+    # infinity, so a value past it would become NaN.
+    return jnp.clip(scaled, -qmax, qmax).astype(dtype), scale
 
 
 def dequantize_kv(q: jax.Array, scale: jax.Array) -> jax.Array:
-    """q [..., D] int8 and scales [...] -> float32 [..., D]: quantize_kv's inverse."""
+    """q [..., D] (int8 or float8) and scales [...] -> float32 [..., D]: quantize_kv's
+    inverse."""
     return q.astype(jnp.float32) * scale[..., None]
 
 
@@ -106,12 +133,12 @@ def _hadamard(head_dim: int) -> np.ndarray:
 def rotate_heads(x: jax.Array) -> jax.Array:
     """x [..., D] times the orthonormal Hadamard matrix H of order D (D a power of two; other
     head dims are returned as they are). H is its own inverse and keeps dot products
-    (Hq . Hk = q . k), so an int8 pool stores K and V rotated: the attention layer rotates
-    q, k and v, and its output back. Why: a few channels of K carry most of its magnitude,
-    and a per-token absmax scale sized for them leaves the other channels a handful of
-    levels; rotated, every channel carries a mix of all of them and the int8 steps shrink
-    (on SmolLM2, 3x less KL divergence from the float32 pool at no extra bytes;
-    docs/quantization.md)."""
+    (Hq . Hk = q . k), so a quantized pool stores K and V rotated: the attention layer
+    rotates q, k and v, and its output back. Why: a few channels of K carry
+    most of its magnitude, and a per-token absmax scale sized for them leaves the other
+    channels a handful of levels; rotated, every channel carries a mix of all of them and the
+    int8 steps shrink (on SmolLM2, 3x less KL divergence from the float32 pool at no extra
+    bytes; docs/quantization.md)."""
     head_dim = x.shape[-1]
     if head_dim & (head_dim - 1):
         return x
@@ -272,19 +299,21 @@ def write_kv_cache(
 ) -> tuple[jax.Array, ...]:
     """`write_kv` of this step's K/V into a KV cache, quantized or not (see the module
     docstring): (k_pool, v_pool) as write_kv writes them, or (k_pool, v_pool, k_scales,
-    v_scales) with K and V quantized per token and head (`quantize_kv`) and each scale written
-    beside its token's slot."""
+    v_scales) with K and V quantized to the pools' element dtype per token and head
+    (`quantize_kv`) and each scale written beside its token's slot."""
     if len(kv_cache) == 2:
         return write_kv(*kv_cache, k, v, slot_mapping, layer, impl=impl)
     k_pool, v_pool, k_scales, v_scales = kv_cache
     num_layers, num_blocks, num_kv_heads = k_pool.shape[:3]
     want = kv_scales_shape(num_layers, num_blocks, k_scales.shape[-1], num_kv_heads)
-    if k_pool.dtype != QUANT_DTYPE or {k_scales.shape, v_scales.shape} != {want}:
+    quantized = kv_cache_dtype_of(k_pool.dtype) != KVCacheDtype.AUTO
+    if not quantized or {k_scales.shape, v_scales.shape} != {want}:
         raise ValueError(
-            f"a quantized KV cache is int8 pools and float32 scales {list(want)}; got "
-            f"{k_pool.dtype} pools and scales {list(k_scales.shape)}, {list(v_scales.shape)}"
+            f"a quantized KV cache is int8 or float8 pools and float32 scales {list(want)}; "
+            f"got {k_pool.dtype} pools and scales {list(k_scales.shape)}, "
+            f"{list(v_scales.shape)}"
         )
-    (k8, k_scale), (v8, v_scale) = quantize_kv(k), quantize_kv(v)
+    (k8, k_scale), (v8, v_scale) = quantize_kv(k, k_pool.dtype), quantize_kv(v, v_pool.dtype)
     k_pool, v_pool = write_kv(k_pool, v_pool, k8, v8, slot_mapping, layer, impl=impl)
     block_size = k_scales.shape[-1]
     blocks, offsets = slot_mapping // block_size, slot_mapping % block_size

@@ -4,8 +4,9 @@ cpu -> ragged_native (a native C++ kernel, decode and prefill rows alike) for fl
 kernel builds, else the plain-XLA loops of ragged_xla (Pallas only interprets on CPU; the
 interpret kernel stays for checking the kernel's semantics in tests). gpu -> the Triton kernel,
 tpu -> the Mosaic kernel; any other backend -> the jnp reference. int8 pools (with their
-scales, kv_cache) are read by ragged_native on CPU and ragged_xla elsewhere: the Triton and
-Mosaic kernels do not read them yet. bench.kernel_timings times them side by side.
+scales, kv_cache) are read by ragged_native on CPU and ragged_xla elsewhere, float8 pools by
+ragged_xla: the Triton and Mosaic kernels do not read quantized pools yet.
+bench.kernel_timings times them side by side.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from jserve.config.engine_args import AttentionImpl, KVCacheDtype
-from jserve.pallas.ragged_common import QUANTIZED_KV_IMPLS, RaggedCall
+from jserve.pallas.kv_cache import kv_cache_dtype_of
+from jserve.pallas.ragged_common import RaggedCall, quantized_kv_impls
 from jserve.pallas.ragged_interpret import ragged_paged_attention_interpret
 from jserve.pallas.ragged_mosaic import ragged_paged_attention_mosaic
 from jserve.pallas.ragged_native import native_supports, ragged_paged_attention_native
@@ -62,12 +64,12 @@ def choose_impl(
 ) -> AttentionImpl:
     """The implementation AUTO means on `backend` (default: jax.default_backend()) for queries
     of `dtype` and pools of `kv_cache_dtype`: on CPU the native kernel where it supports the
-    dtype and builds, else XLA; Triton on GPU, Mosaic on TPU, the reference elsewhere; for int8
-    pools XLA wherever the native kernel does not run."""
+    dtype and builds, else XLA; Triton on GPU, Mosaic on TPU, the reference elsewhere; for
+    quantized pools XLA wherever the chosen one does not read them (quantized_kv_impls)."""
     chosen = _BY_BACKEND.get(backend or jax.default_backend(), AttentionImpl.REFERENCE)
     if chosen is AttentionImpl.NATIVE and not native_supports(dtype):
         return AttentionImpl.XLA
-    if kv_cache_dtype != KVCacheDtype.AUTO and chosen not in QUANTIZED_KV_IMPLS:
+    if kv_cache_dtype != KVCacheDtype.AUTO and chosen not in quantized_kv_impls(kv_cache_dtype):
         return AttentionImpl.XLA
     return chosen
 
@@ -118,11 +120,12 @@ def ragged_paged_attention(
         True forces the interpreter ("interpret" always interprets; the others take None only).
       platform: the platform the call is compiled for, which AUTO and `interpret=None`
         follow (default: jax.default_backend(); jserve.aot names a chip this process lacks).
-      kv_scales: int8 pools' (k_scales, v_scales) (kv_cache.kv_scales_shape); else None.
+      kv_scales: quantized (int8 or float8) pools' (k_scales, v_scales)
+        (kv_cache.kv_scales_shape); else None.
     Returns [T, Hq, D] attention outputs in q's dtype.
     """
     platform = platform or jax.default_backend()
-    kv_dtype = KVCacheDtype.AUTO if kv_scales is None else KVCacheDtype.INT8
+    kv_dtype = KVCacheDtype.AUTO if kv_scales is None else kv_cache_dtype_of(k_pool.dtype)
     chosen = impl if impl != AttentionImpl.AUTO else choose_impl(platform, q.dtype, kv_dtype)
     if chosen not in _IMPL_TABLE:
         raise ValueError(f"impl must be 'auto' or one of {tuple(map(str, IMPLS))}; got {impl!r}")

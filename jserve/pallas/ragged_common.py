@@ -25,14 +25,30 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jserve.config.engine_args import AttentionImpl
-from jserve.pallas.kv_cache import QUANT_DTYPE, SCALE_DTYPE, kv_cache_shape, kv_scales_shape
+from jserve.config.engine_args import AttentionImpl, KVCacheDtype
+from jserve.pallas.kv_cache import (
+    SCALE_DTYPE,
+    kv_cache_dtype_of,
+    kv_cache_shape,
+    kv_scales_shape,
+)
 
 # Finite so that `m_prev - m_new` is 0 (not NaN) while a row has seen nothing yet.
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-# The implementations that read int8 pools and their scales (kv_cache: --kv-cache-dtype int8).
+# The implementations that read quantized pools and their scales (kv_cache: --kv-cache-dtype
+# int8 and the fp8 ones): every one for the reference and XLA's loops; the native CPU kernel
+# int8 only (the CPU has no float8 storage to serve).
 QUANTIZED_KV_IMPLS = (AttentionImpl.REFERENCE, AttentionImpl.XLA, AttentionImpl.NATIVE)
+_NATIVE_READS = (KVCacheDtype.INT8,)
+
+
+def quantized_kv_impls(kv_cache_dtype: str) -> tuple[AttentionImpl, ...]:
+    """The implementations that read pools of the quantized `kv_cache_dtype` with their
+    scales."""
+    if kv_cache_dtype in _NATIVE_READS:
+        return QUANTIZED_KV_IMPLS
+    return tuple(impl for impl in QUANTIZED_KV_IMPLS if impl != AttentionImpl.NATIVE)
 
 
 class RaggedDims(NamedTuple):
@@ -147,8 +163,8 @@ def _check_dtypes(q: jax.Array, k_pool: jax.Array, v_pool: jax.Array) -> None:
     if len(dtypes) != 1 or q.dtype not in SUPPORTED_DTYPES:
         raise ValueError(
             f"q, k_pool and v_pool must share one of {[str(d) for d in SUPPORTED_DTYPES]} "
-            f"(or the pools be int8 with kv_scales); got q {q.dtype}, k_pool {k_pool.dtype}, "
-            f"v_pool {v_pool.dtype}"
+            f"(or the pools be int8 with kv_scales, or float8 with them); got q {q.dtype}, "
+            f"k_pool {k_pool.dtype}, v_pool {v_pool.dtype}"
         )
 
 
@@ -160,25 +176,28 @@ def _check_quantized(
     block_size: int,
     impl: str,
 ) -> None:
-    """An int8 pool's checks: q a float dtype, both pools int8, both scales float32 in the
-    pools' layout without head_dim (kv_cache.kv_scales_shape), an implementation that reads
-    them."""
-    if impl not in QUANTIZED_KV_IMPLS:
-        names = [str(name) for name in QUANTIZED_KV_IMPLS]
-        raise ValueError(f"int8 KV pools are read by impl {names}; got impl={impl!r}")
+    """A quantized pool's checks: q a float dtype, both pools int8 or both one float8, both
+    scales float32 in the pools' layout without head_dim (kv_cache.kv_scales_shape), an
+    implementation that reads them."""
+    kv_cache_dtype = kv_cache_dtype_of(k_pool.dtype)
+    readers = quantized_kv_impls(kv_cache_dtype)
+    if kv_cache_dtype != KVCacheDtype.AUTO and impl not in readers:
+        names = [str(name) for name in readers]
+        raise ValueError(f"{kv_cache_dtype} KV pools are read by impl {names}; got impl={impl!r}")
     num_layers, num_blocks, num_kv_heads = k_pool.shape[:3]
     want = kv_scales_shape(num_layers, num_blocks, block_size, num_kv_heads)
     scales = [(tuple(s.shape), s.dtype) for s in kv_scales]
     if (
         q.dtype not in SUPPORTED_DTYPES
-        or {k_pool.dtype, v_pool.dtype} != {QUANT_DTYPE}
+        or kv_cache_dtype == KVCacheDtype.AUTO
+        or v_pool.dtype != k_pool.dtype
         or len(scales) != 2
         or set(scales) != {(want, SCALE_DTYPE)}
     ):
         raise ValueError(
-            f"quantized pools are int8 with two float32 kv_scales {list(want)} and q one of "
-            f"{[str(d) for d in SUPPORTED_DTYPES]}; got q {q.dtype}, pools {k_pool.dtype} and "
-            f"{v_pool.dtype}, kv_scales {scales}"
+            f"quantized pools are int8 or float8 with two float32 kv_scales {list(want)} and q "
+            f"one of {[str(d) for d in SUPPORTED_DTYPES]}; got q {q.dtype}, pools "
+            f"{k_pool.dtype} and {v_pool.dtype}, kv_scales {scales}"
         )
 
 
@@ -210,7 +229,7 @@ class RaggedCall:
     kv_lens: jax.Array  # [S] int32
     num_seqs: jax.Array  # [] or [1] int32
     layer: jax.Array  # [] int32
-    # int8 pools: (k_scales, v_scales) [L, num_blocks, Hkv, block_size] float32; else None
+    # quantized pools: (k_scales, v_scales) [L, num_blocks, Hkv, block_size] float32; else None
     kv_scales: tuple[jax.Array, jax.Array] | None
     sm_scale: float = dataclasses.field(metadata={"static": True})
     sliding_window: int | None = dataclasses.field(metadata={"static": True})

@@ -34,23 +34,27 @@ def test_longest_copy_ignores_hits_across_token_boundaries():
     assert longest_copy(_as_bytes([256, 0]), array.array("q", [1]), 0, 4) == 0
 
 
+def _exhaustive(history: list[int], out: list[int], step: list[float]) -> float:
+    """The least time over every choice of d at every step whose drafts are all copies."""
+
+    @functools.cache
+    def best(i: int) -> float:
+        if i >= len(out):
+            return 0.0
+        options = []
+        for d in range(min(len(step) - 1, len(out) - 1 - i) + 1):
+            if d == 0 or _occurs(history + out[:i], out[i : i + d]):
+                options.append(step[d] + best(i + 1 + d))
+        return min(options)
+
+    return best(1) if len(out) > 1 else 0.0
+
+
 def test_fastest_seconds_matches_exhaustive_search():
     rng = random.Random(1)
     for _ in range(60):
         history = [rng.randrange(3) for _ in range(rng.randrange(0, 10))]
         out = [rng.randrange(3) for _ in range(rng.randrange(1, 9))]
         step = sorted(rng.uniform(1.0, 3.0) for _ in range(rng.randrange(1, 4)))
-
-        @functools.cache
-        def best(i: int) -> float:  # every step: any d whose drafts are all copies
-            if i >= len(out):
-                return 0.0
-            options = []
-            for d in range(min(len(step) - 1, len(out) - 1 - i) + 1):
-                if d == 0 or _occurs(history + out[:i], out[i : i + d]):
-                    options.append(step[d] + best(i + 1 + d))
-            return min(options)
-
-        expected = best(1) if len(out) > 1 else 0.0
         got = fastest_seconds(_as_bytes(history), out, step)
-        assert abs(got - expected) < 1e-9, (history, out, step)
+        assert abs(got - _exhaustive(history, out, step)) < 1e-9, (history, out, step)
