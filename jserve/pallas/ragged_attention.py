@@ -120,8 +120,7 @@ def ragged_paged_attention(
         True forces the interpreter ("interpret" always interprets; the others take None only).
       platform: the platform the call is compiled for, which AUTO and `interpret=None`
         follow (default: jax.default_backend(); jserve.aot names a chip this process lacks).
-      kv_scales: quantized (int8 or float8) pools' (k_scales, v_scales)
-        (kv_cache.kv_scales_shape); else None.
+      kv_scales: an int8 or float8 pool's (k_scales, v_scales) (kv_scales_shape), else None.
     Returns [T, Hq, D] attention outputs in q's dtype.
     """
     platform = platform or jax.default_backend()
