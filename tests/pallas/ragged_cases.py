@@ -206,3 +206,45 @@ def assert_matches_naive(impl: str, case: RaggedCase, **options) -> float:
     pad = padding_rows(case, out)
     assert np.all(pad == 0), f"{impl}: padding rows are not exactly 0 (max {np.abs(pad).max()})"
     return err
+
+
+def quantized_case(case: RaggedCase, dtype: np.dtype = np.int8) -> tuple[tuple, RaggedCase]:
+    """(`case`'s pools quantized to `dtype` (int8 or a float8) with their scales, the case with
+    those pools dequantized in float64): slots nobody may read (NaN in the float case) get
+    garbage (int8 -99, float8 NaN) and a NaN scale."""
+    import jax.numpy as jnp
+
+    from jserve.pallas.kv_cache import quantize_kv
+
+    dtype = np.dtype(dtype)
+    garbage = np.array(-99 if dtype == np.int8 else np.nan, dtype)
+    parts = []
+    for pool in (case.k_pool, case.v_pool):
+        live = ~np.isnan(pool).any(axis=-1)
+        q, scale = (np.asarray(a) for a in quantize_kv(jnp.asarray(np.nan_to_num(pool)), dtype))
+        q = np.where(live[..., None], q, garbage)
+        parts.append((q, np.where(live, scale, np.float32(np.nan))))
+    (kq, ks), (vq, vs) = parts
+    dequant = dataclasses.replace(
+        case,
+        k_pool=kq.astype(np.float64) * ks[..., None].astype(np.float64),
+        v_pool=vq.astype(np.float64) * vs[..., None].astype(np.float64),
+    )
+    return (kq, vq, ks, vs), dequant
+
+
+# Quantized pools' attention cases (tests/pallas/test_kv_int8.py, test_kv_fp8.py): (sequences
+# as (query length, context), geometry, options).
+QUANTIZED_POOL_CASES = {
+    "decode_and_prefill": ([(1, 17), (1, 33), (12, 47), (30, 95)], Geometry(), {}),
+    "window_and_cap": (
+        [(1, 100), (40, 70), (1, 9)],
+        Geometry(),
+        dict(sliding_window=24, soft_cap=8.0),
+    ),
+    "gqa8_d128_b32": (
+        [(1, 48), (20, 20), (5, 70)],
+        Geometry(num_q_heads=8, num_kv_heads=1, head_dim=128, block_size=32),
+        {},
+    ),
+}

@@ -11,7 +11,6 @@ the output as NaN.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -21,7 +20,7 @@ import pytest
 from jserve.config.engine_args import EngineArgs, add_engine_arguments, engine_args_from_namespace
 from jserve.engine.setup import step_shapes
 from jserve.layers.attention import PagedAttentionMetadata, attention
-from jserve.pallas import choose_impl, ragged_paged_attention, write_kv_cache
+from jserve.pallas import choose_impl, ragged_paged_attention
 from jserve.pallas.kv_cache import (
     dequantize_kv,
     kv_cache_dtype_of,
@@ -32,11 +31,14 @@ from jserve.pallas.kv_cache import (
 )
 from tests.aot.test_compile import SMOLLM2_135M
 from tests.pallas.ragged_cases import (
-    Geometry,
+    QUANTIZED_POOL_CASES as CASES,
+)
+from tests.pallas.ragged_cases import (
     RaggedCase,
     build_case,
     naive_attention,
     padding_rows,
+    quantized_case,
     relative_error,
 )
 
@@ -45,16 +47,6 @@ from tests.pallas.ragged_cases import (
 FORMATS = {
     "float8_e4m3fn": (3, 2.0**-9),
     "float8_e5m2": (2, 2.0**-16),
-}
-SMOLLM = Geometry()  # 9 query heads, 3 KV heads, head_dim 64, block 16
-CASES = {
-    "decode_and_prefill": ([(1, 17), (1, 33), (12, 47), (30, 95)], SMOLLM, {}),
-    "window_and_cap": ([(1, 100), (40, 70), (1, 9)], SMOLLM, dict(sliding_window=24, soft_cap=8.0)),
-    "gqa8_d128_b32": (
-        [(1, 48), (20, 20), (5, 70)],
-        Geometry(num_q_heads=8, num_kv_heads=1, head_dim=128, block_size=32),
-        {},
-    ),
 }
 
 
@@ -89,49 +81,6 @@ def test_round_trip_is_ml_dtypes_rounding_within_half_a_float8_step(name):
     assert scale[5, 1] == 0 and np.all(back[5, 1] == 0)
 
 
-def test_the_write_quantizes_into_its_slots_and_scales_beside_them():
-    layers, blocks, bs, heads, d = 3, 6, 4, 2, 8
-    dtype = jnp.dtype(jnp.float8_e4m3fn)
-    pool = np.full((layers, blocks, heads, bs, d), 5, dtype)
-    scales = np.full(kv_scales_shape(layers, blocks, bs, heads), 0.25, np.float32)
-    rng = np.random.default_rng(1)
-    k = rng.standard_normal((3, heads, d)).astype(np.float32)
-    slots = np.array([4, 7, 17], np.int32)
-    cache = tuple(map(jnp.asarray, (pool, -pool, scales, 2 * scales)))
-    new = [np.asarray(a) for a in write_kv_cache(cache, k, -k, slots, jnp.int32(2), impl="xla")]
-    assert new[0].dtype == dtype and new[2].dtype == np.float32
-    want_q, want_s = (np.asarray(a) for a in quantize_kv(jnp.asarray(k), dtype))
-    for t, slot in enumerate(slots):
-        block, off = divmod(int(slot), bs)
-        np.testing.assert_array_equal(new[0][2, block, :, off], want_q[t])
-        np.testing.assert_array_equal(new[1][2, block, :, off], -want_q[t])
-        np.testing.assert_array_equal(new[2][2, block, :, off], want_s[t])
-        np.testing.assert_array_equal(new[3][2, block, :, off], want_s[t])
-    written = np.zeros((layers, blocks, bs), bool)
-    written[2, slots // bs, slots % bs] = True
-    untouched = np.broadcast_to(~written[:, :, None, :], scales.shape)
-    assert np.all(new[0][untouched] == 5) and np.all(new[1][untouched] == -5)
-    assert np.all(new[2][untouched] == 0.25) and np.all(new[3][untouched] == 0.5)
-
-
-def fp8_case(case: RaggedCase, dtype: jnp.dtype) -> tuple[tuple, RaggedCase]:
-    """(the float8 pools and their scales, the case with the pools dequantized in float64):
-    slots nobody may read (NaN in the float case) get a float8 NaN and a NaN scale."""
-    parts = []
-    for pool in (case.k_pool, case.v_pool):
-        live = ~np.isnan(pool).any(axis=-1)
-        q, scale = (np.asarray(a) for a in quantize_kv(jnp.asarray(np.nan_to_num(pool)), dtype))
-        q = np.where(live[..., None], q, np.array(np.nan, dtype))
-        parts.append((q, np.where(live, scale, np.float32(np.nan))))
-    (k8, ks), (v8, vs) = parts
-    dequant = dataclasses.replace(
-        case,
-        k_pool=k8.astype(np.float64) * ks[..., None].astype(np.float64),
-        v_pool=v8.astype(np.float64) * vs[..., None].astype(np.float64),
-    )
-    return (k8, v8, ks, vs), dequant
-
-
 def _attend(case: RaggedCase, pools: tuple, impl: str, **options) -> np.ndarray:
     k8, v8, ks, vs = pools
     out = ragged_paged_attention(
@@ -149,7 +98,7 @@ def _attend(case: RaggedCase, pools: tuple, impl: str, **options) -> np.ndarray:
 def test_fp8_pools_match_float64_attention_over_the_dequantized_values(dtype, impl, name):
     seqs, geometry, options = CASES[name]
     case = build_case(seqs, geometry, seed=len(name))
-    pools, dequant = fp8_case(case, jnp.dtype(dtype))
+    pools, dequant = quantized_case(case, jnp.dtype(dtype))
     out = _attend(case, pools, impl, **options)
     sm_scale = geometry.head_dim**-0.5
     ref = naive_attention(dequant, sm_scale, options.get("sliding_window"), options.get("soft_cap"))
@@ -162,7 +111,7 @@ def test_fp8_attention_is_close_to_the_float_pools():
     """What e4m3's three mantissa bits cost an attention output: a few hundredths of its
     scale (int8 with the rotation costs less: test_kv_int8)."""
     case = build_case(*CASES["decode_and_prefill"][:2], seed=3)
-    pools, _ = fp8_case(case, jnp.dtype(jnp.float8_e4m3fn))
+    pools, _ = quantized_case(case, jnp.dtype(jnp.float8_e4m3fn))
     ref = naive_attention(case, 64**-0.5, None, None)
     assert relative_error(case, _attend(case, pools, "xla"), ref) < 5e-2
 
