@@ -18,9 +18,10 @@ and cut into windows of --window tokens; each window runs as one causal
 forward pass, so every position's next-token distribution is scored: the share of positions
 whose argmax agrees, each model's perplexity of the text, the mean KL(reference || candidate)
 and the largest logit difference. Greedy: --greedy-tokens tokens after the first 16 tokens of
-24 windows spread over the texts, each model continuing its own output; how many sequences
-are identical and the mean length of the common prefix. The report goes to
-bench/results/quality.json and a markdown table (docs/quantization.md has the figures).
+at most 24 windows spread evenly over the texts (20 at the default window), each model
+continuing its own output; how many sequences are identical and the mean length of the common
+prefix. The report goes to bench/results/quality.json and a markdown table
+(docs/quantization.md has the figures).
 
 `--int8-activations` scores the variant llama.cpp computes instead: every matmul's input row
 rounded to int8 per block of 32 (scale max|x| / 127) before the product with the same weights,
@@ -63,7 +64,7 @@ TEXTS = tuple(
     Path(__file__).with_name("texts") / name
     for name in ("quality.txt", "quality_legal.txt", "quality_code.txt")
 )
-GREEDY_PROMPTS = 24  # greedy continuations, spread evenly over the texts
+GREEDY_PROMPTS = 24  # at most this many greedy continuations, every n-th window
 GREEDY_PROMPT = 16  # tokens of the text that start a greedy continuation
 BLOCK_SIZE = 16  # the paged pool's, with --kv-cache-dtype
 
