@@ -47,7 +47,7 @@ class EngineClient(Protocol):
 
     model_name: str
     quantization: str  # the weights as served: "none", or "gguf:" and their block formats
-    kv_cache_dtype: str  # the KV pool's elements: the model's dtype ("float32", ...) or "int8"
+    kv_cache_dtype: str  # the KV pool's elements' dtype: "float32" (the model's), "int8", ...
     num_kv_blocks: int  # the KV pool's blocks, the padding sink included
     max_model_len: int
     vocab_size: int  # token ids are in [0, vocab_size)

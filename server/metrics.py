@@ -159,7 +159,7 @@ class ServerMetrics:
         )  # fmt: skip
         self.cache_config_info = Gauge(
             "jserve:cache_config_info", "The KV pool (always 1): tokens per block, its elements "
-            '("float32", ... or "int8") and its blocks, the padding sink included.',
+            '("float32", "int8", "float8_e4m3fn", ...) and its blocks, the sink included.',
             ["block_size", "cache_dtype", "num_gpu_blocks"], registry=reg,
         )  # fmt: skip
 

@@ -110,7 +110,7 @@ class _Job:
             )
 
     def kv_cache(self) -> tuple[jax.ShapeDtypeStruct, ...]:
-        """The KV cache (the K and V pools, and int8 pools' scales) as the engine allocates it
+        """The KV cache (the K and V pools, and quantized pools' scales) as the engine allocates it
         on the mesh."""
         return self.step.kv_cache_spec(self.shapes.num_blocks, self.args.block_size)
 

@@ -21,16 +21,17 @@ from flax import nnx
 
 from jserve.layers.attention import DenseCausal
 from jserve.models.config import ModelConfig
-from jserve.models.llama import LlamaModel, fuse_projections
+from jserve.models.int8_weights import int8_matrix_shapes
+from jserve.models.llama import PROJECTIONS, LlamaModel, fuse_projections
 
 CALIBRATION_TEXT = Path(__file__).with_name("calibration.txt")
 WINDOW = 512  # tokens a dense causal pass reads at most
 
 
 def input_widths(cfg: ModelConfig) -> dict[str, int]:
-    """K, the input channels, of each projection."""
-    D, F = cfg.hidden_size, cfg.intermediate_size
-    return {"wqkv": D, "wo": cfg.num_heads * cfg.head_dim, "w_gate_up": D, "w_down": F}
+    """K, the input channels, of each projection (int8_weights' [L, K, N] shapes)."""
+    shapes = int8_matrix_shapes(cfg)
+    return {name: shapes[name][1] for name in PROJECTIONS}
 
 
 def calibration_windows(ids: list[int], vocab_size: int) -> np.ndarray:

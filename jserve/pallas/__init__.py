@@ -8,7 +8,7 @@ kernel built by native_build at the ISA level native_isa picks: the CPU serving 
 float32), ragged_interpret (coarse-grid Pallas, CPU interpret mode, for checking kernel
 semantics), ragged_triton (GPU) and ragged_mosaic (TPU). ragged_common holds the one call
 contract they all take (`RaggedCall`), the validators and the masking; kv_cache the pool
-layout, the KV write and the int8 pools' quantization (--kv-cache-dtype int8).
+layout, the KV write and the quantized pools' (--kv-cache-dtype int8, fp8_*).
 layer_matmul is `x @ w[layer]` for stacked weights, on CPU through a native kernel on weights
 packed in column panels at load time. Validators are not re-exported here: import them from
 their modules.

@@ -117,7 +117,7 @@ def validate_attention_shapes(
     kv_scales: tuple[jax.Array, jax.Array] | None = None,
 ) -> RaggedDims:
     """Static checks (shapes, dtypes, options, the pools' layout for implementation `impl`,
-    an int8 pool's scales); returns the sizes. Raises ValueError."""
+    a quantized pool's scales); returns the sizes. Raises ValueError."""
     if q.ndim != 3:
         raise ValueError(f"q must be [T, num_q_heads, head_dim]; got shape {list(q.shape)}")
     if k_pool.ndim != 5 or k_pool.shape != v_pool.shape:

@@ -3,7 +3,7 @@
 Every token gathers all `max_blocks` pages of its sequence, so memory grows as
 T * max_blocks * block_size * num_kv_heads * head_dim: right for decode (one token per sequence)
 and for tests, wasteful for long prefill chunks. Arithmetic is float32 at HIGHEST precision;
-int8 pools are dequantized as they are gathered (kv_cache.dequantize_kv).
+quantized (int8, float8) pools are dequantized as they are gathered (kv_cache.dequantize_kv).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def ragged_paged_attention_reference(
         pages = pool[call.layer, tables]  # [T, max_blocks, Hkv, block_size, D]
         if scales is None:
             pages = pages.astype(jnp.float32)
-        else:  # int8 pools: each token's row times its scale
+        else:  # quantized pools: each token's row times its scale
             pages = dequantize_kv(pages, scales[call.layer, tables])
         pages = pages.transpose(0, 2, 1, 3, 4)
         return pages.reshape(num_tokens, num_kv_heads, -1, head_dim)  # [T, Hkv, positions, D]

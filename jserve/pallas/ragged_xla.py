@@ -10,7 +10,7 @@ Each group loops over `chunk_pages`-page KV chunks, only from its first to its l
 position: trip counts follow the step's real context (and the causal diagonal), never the block
 table's width, and a loop over zero groups costs nothing, so a decode-only step pays nothing for
 the prefill loop and the reverse. A chunk is fetched as per-page dynamic slices concatenated on
-the token axis (a page of the pool layout is [Hkv, block_size, D], so no transpose; an int8
+the token axis (a page of the pool layout is [Hkv, block_size, D], so no transpose; a quantized
 pool's pages are dequantized with their scales' pages); XLA fuses them into one copy that stays
 in cache, then two head-batched dots and an online-softmax update (the masking rules of
 ragged_common) finish the chunk. Results land on the token axis with a
@@ -57,7 +57,7 @@ def _attend_group(
     row_ctx: jax.Array,  # [M, 1] last position each row may see (-1: sees nothing)
     kv_len: jax.Array,  # [] the sequence's context length
     table: jax.Array,  # [max_blocks padded to a multiple of chunk_pages] the sequence's pages
-    pools: tuple[jax.Array, ...],  # k_pool, v_pool (and k_scales, v_scales of int8 pools)
+    pools: tuple[jax.Array, ...],  # k_pool, v_pool (and a quantized pool's k_scales, v_scales)
     layer: jax.Array,  # []
     lo: jax.Array,  # [] first position any row needs
     hi: jax.Array,  # [] one past the last position any row needs
@@ -81,7 +81,7 @@ def _attend_group(
         return jnp.concatenate(tiles, axis=1)
 
     def fetch(pool: jax.Array, scale: jax.Array | None, pages: jax.Array) -> jax.Array:
-        """[Hkv, chunk, D] float32; an int8 pool's rows times their tokens' scales."""
+        """[Hkv, chunk, D] float32; a quantized pool's rows times their tokens' scales."""
         if scale is None:
             return tiles(pool, pages).astype(jnp.float32)
         return dequantize_kv(tiles(pool, pages), tiles(scale, pages))

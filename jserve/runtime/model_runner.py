@@ -65,7 +65,7 @@ def kv_block_bytes(
     attn_impl: str,
     kv_cache_dtype: str = KVCacheDtype.AUTO,
 ) -> int:
-    """Bytes one block takes across all layers, K and V (and an int8 pool's scales), in the
+    """Bytes one block takes across all layers, K and V (and a quantized pool's scales), in the
     layout implementation `attn_impl` (resolved, not "auto") reads."""
     two_blocks = kv_cache_shape(
         cfg.num_layers, 2, block_size, cfg.num_kv_heads, cfg.head_dim, impl=attn_impl
@@ -191,7 +191,7 @@ class ModelStep:
 
     def kv_cache_spec(self, num_blocks: int, block_size: int) -> tuple[jax.ShapeDtypeStruct, ...]:
         """The KV cache as the steps take it, placed on the mesh: (k_pool, v_pool), and for
-        int8 pools their (k_scales, v_scales). KV heads follow the attention heads' split over
+        quantized pools their (k_scales, v_scales). KV heads follow the attention heads' split over
         the mesh's model axis."""
         pool = self.kv_cache_shape(num_blocks, block_size)
         parts = [(pool, kv_pool_dtype(self.kv_cache_dtype, self.dtype))] * 2
