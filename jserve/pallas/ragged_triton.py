@@ -32,6 +32,7 @@ from jserve.pallas.ragged_common import (
     online_softmax_finish,
     online_softmax_init,
     online_softmax_step,
+    pad_table_columns,
     qk,
 )
 
@@ -235,7 +236,10 @@ def ragged_paged_attention_triton(
         item_q0,
         call.cu_q_lens,
         call.kv_lens,
-        call.block_tables,
+        # A chunk reads whole pages of table entries: columns up to a whole chunk past the
+        # last page, which must exist (Triton's loads have no bounds; one past the table's
+        # end faults on the device).
+        pad_table_columns(call.block_tables, pages_per_chunk),
         call.layer.reshape(1),
         qt,
         call.k_pool,

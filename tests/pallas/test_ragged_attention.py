@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
+import jax.extend
+import jax.numpy as jnp
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -127,6 +130,38 @@ def test_long_context(impl, name):
 @pytest.mark.parametrize("name", TRITON_LONG_CI)
 def test_triton_long_context(name):
     _check("triton", name, LONG)
+
+
+def _pallas_call_operands(jaxpr) -> list:
+    """The operands of every pallas_call in `jaxpr`, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            found += [var.aval for var in eqn.invars]
+        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+            found += _pallas_call_operands(sub)
+    return found
+
+
+@pytest.mark.parametrize("max_blocks", [26, 27, 29])
+def test_triton_table_is_whole_chunks_wide(max_blocks):
+    """A Triton program reads its sequence's table a whole chunk of pages at a time, up to a
+    chunk past its last page, and Triton's loads have no bounds: on an H200 a table of 26
+    columns (a 416-token context, 4 pages a chunk) made the device fault with an illegal
+    address. The interpreter clamps such reads, so this checks the table the kernel is given:
+    a whole number of chunks wide, for widths that are not."""
+    from jserve.pallas import ragged_paged_attention
+    from jserve.pallas.ragged_triton import DEFAULT_CHUNK_TOKENS
+
+    geo = dataclasses.replace(SMOLLM, max_blocks=max_blocks)
+    case = build_case([(1, 16 * 26 - 3), (5, 40)], geo)
+    args = [jnp.asarray(a) for a in case.args("triton")]
+    traced = jax.make_jaxpr(
+        lambda *a: ragged_paged_attention(*a, sm_scale=0.125, impl="triton", interpret=True)
+    )(*args)
+    tables = [aval for aval in _pallas_call_operands(traced.jaxpr) if aval.ndim == 2]
+    assert [aval.shape[1] % (DEFAULT_CHUNK_TOKENS // geo.block_size) for aval in tables] == [0]
+    assert tables[0].shape[1] >= max_blocks
 
 
 @pytest.mark.parametrize("name", MOSAIC_CI)
