@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jserve.config.engine_args import AttentionImpl, KVCacheDtype
 from jserve.pallas import choose_impl, ragged_paged_attention, write_kv_cache
 from jserve.pallas.kv_cache import kv_cache_dtype_of, rotate_heads
+from jserve.pallas.ragged_common import dot_precision
 
 
 @jax.tree_util.register_static
@@ -148,7 +149,10 @@ def dense_causal_attention(
     t, hq, d = q.shape
     hkv = k.shape[1]
     qg = q.reshape(t, hkv, hq // hkv, d)  # [T, Hkv, G, D]
-    scores = jnp.einsum("TKGD,SKD->KGTS", qg, k, preferred_element_type=jnp.float32) * sm_scale
+    scores = jnp.einsum(
+        "TKGD,SKD->KGTS", qg, k, precision=dot_precision(qg, k), preferred_element_type=jnp.float32
+    )
+    scores = scores * sm_scale
     i = jnp.arange(t)[:, None]
     j = jnp.arange(t)[None, :]
     visible = j <= i
@@ -156,5 +160,5 @@ def dense_causal_attention(
         visible &= i - j < sliding_window
     scores = jnp.where(visible, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1).astype(v.dtype)
-    out = jnp.einsum("KGTS,SKD->TKGD", probs, v)
+    out = jnp.einsum("KGTS,SKD->TKGD", probs, v, precision=dot_precision(probs, v))
     return out.reshape(t, hq, d)

@@ -51,6 +51,7 @@ from jserve.pallas.layer_matmul import (
     packed_columns,
 )
 from jserve.pallas.quant_blocks import INT8_GROUP, BlockMatrix, pack_weight, take_columns
+from jserve.pallas.ragged_common import dot_precision
 
 MODEL_AXIS = "model"
 PROJECTIONS = ("wqkv", "wo", "w_gate_up", "w_down")  # the layers' weights layer_matmul reads
@@ -239,7 +240,7 @@ class LlamaModel(nnx.Module):
         if self.int8_weights:  # int8 quants and a scale per 16 of them along D
             scale = (self.embed_scale if tied else self.lm_head_scale)[...]
             return qwix.einsum(spec, h, qwix.QArray(head, scale))
-        return jnp.einsum(spec, h, head)
+        return jnp.einsum(spec, h, head, precision=dot_precision(h, head))
 
 
 def _as_layer_matrices(name: str, w: jax.Array) -> jax.Array:

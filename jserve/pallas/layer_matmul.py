@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import qwix
 
 from jserve.pallas.native_build import load as load_native_kernels
+from jserve.pallas.ragged_common import dot_precision
 
 TARGET = "jserve_packed_matmul_f32"
 QUANT_TARGET = "jserve_quant_matmul_f32"
@@ -101,7 +102,7 @@ def layer_matmul(
             )
         w = jax.lax.dynamic_index_in_dim(w, layer, axis=0, keepdims=False)
         if scale is None:
-            return x @ w
+            return jnp.matmul(x, w, precision=dot_precision(x, w))
         scale = jax.lax.dynamic_index_in_dim(scale, layer, axis=0, keepdims=False)  # [G, N]
         return qwix.dot_general(x, qwix.QArray(w, scale), (((1,), (0,)), ((), ())))
     if scale is not None:
