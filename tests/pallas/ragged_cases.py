@@ -183,14 +183,15 @@ def padding_rows(case: RaggedCase, out: np.ndarray) -> np.ndarray:
 
 
 def run_impl(impl: str, case: RaggedCase, **options) -> np.ndarray:
-    """Output of one implementation on a case (kernels for other backends interpreted)."""
+    """Output of one implementation on a case: the dispatcher runs a kernel natively on its
+    backend (Triton under JAX_PLATFORMS=cuda on a GPU, bench/gpu_check.sh) and interprets it
+    elsewhere."""
     import jax.numpy as jnp
 
     from jserve.pallas import ragged_paged_attention
 
-    interpret = True if impl in ("triton", "mosaic") else None
     args = [jnp.asarray(a) for a in case.args(impl)]
-    return np.asarray(ragged_paged_attention(*args, impl=impl, interpret=interpret, **options))
+    return np.asarray(ragged_paged_attention(*args, impl=impl, **options))
 
 
 def assert_matches_naive(impl: str, case: RaggedCase, **options) -> float:
