@@ -3,9 +3,10 @@
 cpu -> ragged_native (a native C++ kernel, decode and prefill rows alike) for float32 where the
 kernel builds, else the plain-XLA loops of ragged_xla (Pallas only interprets on CPU; the
 interpret kernel stays for checking the kernel's semantics in tests). gpu -> the Triton kernel,
-tpu -> the Mosaic kernel; any other backend -> the jnp reference. int8 pools (with their
-scales, kv_cache) are read by ragged_native on CPU and ragged_xla elsewhere, float8 pools by
-ragged_xla: the Triton and Mosaic kernels do not read quantized pools yet.
+tpu -> the Mosaic kernel; any other backend -> the jnp reference. Quantized pools (int8 and
+float8, with their scales, kv_cache) are read by the Triton kernel on GPU and by ragged_xla on
+TPU (the Mosaic kernel does not read them yet); on CPU ragged_native reads int8 and ragged_xla
+float8.
 bench.kernel_timings times them side by side.
 """
 

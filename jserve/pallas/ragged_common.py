@@ -37,9 +37,11 @@ from jserve.pallas.kv_cache import (
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 # The implementations that read quantized pools and their scales (kv_cache: --kv-cache-dtype
-# int8 and the fp8 ones): every one for the reference and XLA's loops; the native CPU kernel
-# int8 only (the CPU has no float8 storage to serve).
-QUANTIZED_KV_IMPLS = (AttentionImpl.REFERENCE, AttentionImpl.XLA, AttentionImpl.NATIVE)
+# int8 and the fp8 ones): every one for the reference, XLA's loops and Triton; the native CPU
+# kernel int8 only (the CPU has no float8 storage to serve).
+QUANTIZED_KV_IMPLS = (
+    AttentionImpl.REFERENCE, AttentionImpl.XLA, AttentionImpl.NATIVE, AttentionImpl.TRITON
+)  # fmt: skip
 _NATIVE_READS = (KVCacheDtype.INT8,)
 
 

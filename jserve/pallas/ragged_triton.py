@@ -9,7 +9,8 @@ pairs, the head group padded to a power of two, because Triton tiles are powers 
 `tl.dot` needs at least 16 rows. K/V rows are gathered straight from the paged pool through the
 block table (`pool[layer, page, head, offset, :]`, each row contiguous); V rows past kv_len are
 masked loads that read nothing. Partial results are masked stores, so a block's rows past its
-sequence's end never clobber the next sequence's rows.
+sequence's end never clobber the next sequence's rows. A quantized pool (int8 or float8, with a
+float32 scale per token and KV head) is dequantized as its rows are gathered, into q's dtype.
 """
 
 from __future__ import annotations
@@ -104,12 +105,12 @@ def _kernel(
     q_ref,  # [Hkv, (T + block_q) * group_pad, D], row = token * group_pad + head in group
     k_ref,  # [L, num_blocks, Hkv, block_size, D]
     v_ref,  # [L, num_blocks, Hkv, block_size, D]
-    acc_ref,  # out [splits, Hkv, rows_total, D] unnormalized partial outputs
-    max_ref,  # out [splits, Hkv, rows_total] running max
-    denom_ref,  # out [splits, Hkv, rows_total] softmax denominator
-    *,
+    *refs,  # a quantized pool's k and v scales [L, num_blocks, Hkv, block_size], then outputs:
+    # acc [splits, Hkv, rows_total, D] unnormalized partial outputs, max and denom
+    # [splits, Hkv, rows_total] running max and softmax denominator
     opts: _Options,
 ):
+    *scale_refs, acc_ref, max_ref, denom_ref = refs
     item, head, split = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     seq = item_seq_ref[item]
     dims, group_pad = opts.dims, opts.group_pad
@@ -122,9 +123,9 @@ def _kernel(
         q_len, kv_len = cu_q_lens_ref[seq + 1] - q_start, kv_lens_ref[seq]
         q0, layer = item_q0_ref[item], layer_ref[0]
         row0 = (q_start + q0) * group_pad
-        # Scaled in float32, then back to the pool dtype: bf16 pools use bf16 tensor-core dots.
+        # Scaled in float32, then back to q's dtype (a float pool's): bf16 uses bf16 dots.
         q = q_ref[head, pl.ds(row0, rows), :]  # [rows, D]
-        q = (q.astype(jnp.float32) * opts.sm_scale).astype(k_ref.dtype)
+        q = (q.astype(jnp.float32) * opts.sm_scale).astype(q_ref.dtype)
         token = q0 + lax.broadcasted_iota(jnp.int32, (rows, 1), 0) // group_pad
         row_ctx = kv_len - q_len + token  # [rows, 1]
         s_lo, s_hi = _split_chunks(kv_len - q_len + q0, kv_len, split, opts)
@@ -136,7 +137,16 @@ def _kernel(
             at = (layer, page, head, pos % bs, dim)  # gathers [C, D]
             k = k_ref[at]
             live = jnp.broadcast_to(pos < kv_len, (chunk, dims.head_dim))
-            v = plgpu.load(v_ref.at[at], mask=live, other=0.0)
+            if scale_refs:  # a quantized pool: each row times its token's scale, in q's dtype
+                ks_ref, vs_ref = scale_refs
+                rows_at = (layer, page, head, pos % bs)  # gathers [C, 1]
+                k = (k.astype(jnp.float32) * ks_ref[rows_at]).astype(q.dtype)
+                # Read where K was (no masked load: Triton cannot fill float8 with a constant),
+                # rows past kv_len zeroed after the scale, NaN in a stale slot included.
+                v = v_ref[at].astype(jnp.float32) * vs_ref[rows_at]
+                v = jnp.where(live, v, 0.0).astype(q.dtype)
+            else:
+                v = plgpu.load(v_ref.at[at], mask=live, other=0.0)
             scores = cap_scores(qk(q, k), opts.soft_cap)  # [rows, C] float32
             mask = allowed(pos.reshape(1, chunk), row_ctx, kv_len, opts.sliding_window)
             return online_softmax_step(carry, scores, mask, v)
@@ -244,6 +254,7 @@ def ragged_paged_attention_triton(
         qt,
         call.k_pool,
         call.v_pool,
+        *(call.kv_scales or ()),
     )
     return _merge_splits(*partials, call, block_q, group_pad)
 

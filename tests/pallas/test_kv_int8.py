@@ -25,7 +25,7 @@ from tests.pallas.ragged_cases import (
     relative_error,
 )
 
-QUANTIZED_IMPLS = ["reference", "xla", *NATIVE]
+QUANTIZED_IMPLS = ["reference", "xla", *NATIVE, "triton"]  # Triton interpreted here
 # The native kernel's vectors do not divide head_dim 72: its tail path reads int8 pools too.
 CASES = {
     **QUANTIZED_POOL_CASES,
@@ -79,6 +79,8 @@ def test_the_write_quantizes_into_its_slots_and_scales_beside_them(dtype):
 @pytest.mark.parametrize("impl", QUANTIZED_IMPLS)
 def test_int8_pools_match_float64_attention_over_the_dequantized_values(impl, name):
     seqs, geometry, options = CASES[name]
+    if impl == "triton" and geometry.head_dim & (geometry.head_dim - 1):
+        pytest.skip("the Triton kernel's tiles need a power-of-two head_dim")
     case = build_case(seqs, geometry, seed=len(name))
     (k8, v8, ks, vs), dequant = quantized_case(case)
     sm_scale = geometry.head_dim**-0.5
@@ -110,14 +112,17 @@ def test_int8_attention_is_close_to_the_float_pools():
 
 def test_int8_pools_go_to_the_implementations_that_read_them():
     assert choose_impl("tpu", jnp.bfloat16, "int8") == "xla"
-    assert choose_impl("gpu", jnp.bfloat16, "int8") == "xla"
+    assert choose_impl("gpu", jnp.bfloat16, "int8") == "triton"
     assert choose_impl("tpu", jnp.bfloat16) == "mosaic"
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        (dict(impl="triton"), r"int8 KV pools are read by impl \['reference', 'xla', 'native'\]"),
+        (
+            dict(impl="interpret"),
+            r"int8 KV pools are read by impl \['reference', 'xla', 'native', 'triton'\]",
+        ),
         (dict(kv_scales=None), r"or the pools be int8 with kv_scales"),
         (dict(scales_shape=(2, 9, 3, 8)), r"two float32 kv_scales \[2, 9, 3, 16\]"),
         (dict(scales_dtype=jnp.float16), r"two float32 kv_scales"),
