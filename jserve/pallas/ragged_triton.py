@@ -135,18 +135,8 @@ def _kernel(
             pos = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk, 1), 0)  # [C, 1]
             page = tables_ref[seq, pos // bs]  # [C, 1]
             at = (layer, page, head, pos % bs, dim)  # gathers [C, D]
-            k = k_ref[at]
             live = jnp.broadcast_to(pos < kv_len, (chunk, dims.head_dim))
-            if scale_refs:  # a quantized pool: each row times its token's scale, in q's dtype
-                ks_ref, vs_ref = scale_refs
-                rows_at = (layer, page, head, pos % bs)  # gathers [C, 1]
-                k = (k.astype(jnp.float32) * ks_ref[rows_at]).astype(q.dtype)
-                # Read where K was (no masked load: Triton cannot fill float8 with a constant),
-                # rows past kv_len zeroed after the scale, NaN in a stale slot included.
-                v = v_ref[at].astype(jnp.float32) * vs_ref[rows_at]
-                v = jnp.where(live, v, 0.0).astype(q.dtype)
-            else:
-                v = plgpu.load(v_ref.at[at], mask=live, other=0.0)
+            k, v = _gather_kv(k_ref, v_ref, scale_refs, at, live, q.dtype)
             scores = cap_scores(qk(q, k), opts.soft_cap)  # [rows, C] float32
             mask = allowed(pos.reshape(1, chunk), row_ctx, kv_len, opts.sliding_window)
             return online_softmax_step(carry, scores, mask, v)
@@ -156,6 +146,24 @@ def _kernel(
         mine = token < q_len  # rows past the sequence's end belong to the next one
         outs = (acc_ref, max_ref, denom_ref)
         _store_partial(outs, (split, head, pl.ds(row0, rows)), mine, partial, dims.head_dim)
+
+
+def _gather_kv(
+    k_ref, v_ref, scale_refs: list, at: tuple, live: jax.Array, dtype: jnp.dtype
+) -> tuple[jax.Array, jax.Array]:
+    """K and V rows [C, D] at `at` = (layer, pages, head, offsets, dims), V's rows past kv_len
+    (not `live`) zero. A quantized pool's rows (`scale_refs` = its k and v scales) are times
+    their token's scale, in `dtype` (q's)."""
+    k = k_ref[at]
+    if not scale_refs:
+        return k, plgpu.load(v_ref.at[at], mask=live, other=0.0)
+    ks_ref, vs_ref = scale_refs
+    rows_at = at[:4]  # gathers [C, 1]
+    k = (k.astype(jnp.float32) * ks_ref[rows_at]).astype(dtype)
+    # Read where K was (no masked load: Triton cannot fill float8 with a constant), rows past
+    # kv_len zeroed after the scale, NaN in a stale slot included.
+    v = v_ref[at].astype(jnp.float32) * vs_ref[rows_at]
+    return k, jnp.where(live, v, 0.0).astype(dtype)
 
 
 def _split_chunks(
