@@ -32,6 +32,7 @@ from bench.report_writer import markdown_table, write_json
 from bench.workloads import (
     OFFLINE_WORKLOAD,
     OFFLINE_WORKLOAD_SMOKE,
+    SMOKE_ENGINE,
     Workload,
     add_requests,
     greedy,
@@ -55,7 +56,7 @@ FULL = {
 }  # fmt: skip
 SMOKE = {
     **OFFLINE_WORKLOAD_SMOKE,
-    "max_num_seqs": 4, "max_num_batched_tokens": 32, "max_model_len": 128, "num_kv_blocks": 64,
+    **SMOKE_ENGINE,
     "decode_batches": (1, 4), "decode_context": 16, "decode_warmup": 1, "decode_steps": 3,
 }  # fmt: skip
 ENGINE_KEYS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_kv_blocks")
@@ -322,8 +323,8 @@ def parse_args(argv: list[str] | None) -> tuple[argparse.Namespace, dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny workload and buckets, for CI")
     parser.add_argument("--num-requests", type=int, help="default 64 (smoke 8)")
-    parser.add_argument("--max-num-seqs", type=int, help="default 32 (smoke 4)")
-    parser.add_argument("--max-num-batched-tokens", type=int, help="default 512 (smoke 32)")
+    parser.add_argument("--max-num-seqs", type=int, help="default 32 (smoke 8)")
+    parser.add_argument("--max-num-batched-tokens", type=int, help="default 512 (smoke 64)")
     parser.add_argument(
         "--decode-batches",
         type=lambda text: tuple(int(b) for b in text.split(",")),

@@ -39,7 +39,7 @@ from pathlib import Path
 from bench.ab_driver import alternate, ratio_stats
 from bench.report_writer import RESULTS_DIR, markdown_table, write_json
 from bench.server_process import ServerProcess, jserve_command
-from bench.workloads import PEER_ONLINE, peer_workloads
+from bench.workloads import PEER_ONLINE, SMOKE_ENGINE, peer_workloads
 
 ROOT = Path(__file__).resolve().parents[1]  # where `python -m bench.X` finds the package
 VLLM_ENV = {
@@ -188,6 +188,12 @@ def online_table(reports: dict) -> str:
     return markdown_table(header, cells)
 
 
+# The smoke's jserve engine takes bench.workloads' SMOKE_ENGINE: these flags and the sizes that
+# parse_args sets (the drivers' own flags, which a peer takes too).
+SMOKE_FLAGS = ("--max-model-len", str(SMOKE_ENGINE["max_model_len"]),
+               "--num-kv-blocks", str(SMOKE_ENGINE["num_kv_blocks"]))  # fmt: skip
+
+
 def run_offline(args, report: dict) -> None:
     """The offline rounds, jserve then its peer in each (bench.ab_driver), tables as they end."""
     paths = [
@@ -202,7 +208,8 @@ def run_offline(args, report: dict) -> None:
             if python is None:
                 return None  # no peer (smoke): jserve runs alone
             suffix = f"_round{len(shown) + 1}" if args.rounds > 1 else ""
-            return run_driver(engine, python, model, paths, args, suffix)
+            extra = SMOKE_FLAGS if args.smoke else ()
+            return run_driver(engine, python, model, paths, args, suffix, extra)
 
         return run
 
@@ -253,7 +260,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--rounds must be at least 1")
     if args.smoke:  # small buckets compile in seconds; no peer, so no quietness to judge
         args.vllm_python, args.mode = None, "offline"
-        args.max_num_seqs, args.max_num_batched_tokens = 8, 64
+        args.max_num_seqs = SMOKE_ENGINE["max_num_seqs"]
+        args.max_num_batched_tokens = SMOKE_ENGINE["max_num_batched_tokens"]
         args.max_load = float("inf")
     args.out = args.out.resolve()  # the drivers run from the repository root
     return args

@@ -36,6 +36,8 @@ def _jserve(args: argparse.Namespace):
     settings = {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len}
     if args.max_num_batched_tokens:
         settings["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.num_kv_blocks:
+        settings["num_kv_blocks"] = args.num_kv_blocks
     llm = LLM(
         args.model, quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, **settings
     )
@@ -135,6 +137,10 @@ def main() -> None:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=None,
+        help="jserve's --num-kv-blocks (default: sized from its KV memory)",
+    )  # fmt: skip
     parser.add_argument("--max-load", type=float, default=1.0, help="wait for this load first")
     parser.add_argument("--settle-timeout", type=float, default=120.0, help="seconds, at most")
     args = parser.parse_args()

@@ -308,6 +308,10 @@ async def shared_system_prompts(maker: TextMaker, rng: np.random.Generator, smok
 # (median, min, max) of a log-normal with sigma 1.
 OFFLINE_WORKLOAD = {"num_requests": 64, "prompt_len": (80, 10, 500), "output_len": (48, 4, 256)}
 OFFLINE_WORKLOAD_SMOKE = {"num_requests": 8, "prompt_len": (20, 10, 40), "output_len": (8, 4, 16)}
+# The engine sizes of the smoke modes (bench.offline, bench.peer_compare): the test suite's
+# (tests/shared_engine.py), whose compiled steps a test run's compilation cache already holds.
+SMOKE_ENGINE = {"max_num_seqs": 8, "max_num_batched_tokens": 64, "max_model_len": 512,
+                "num_kv_blocks": 49}  # fmt: skip
 TEXT_MODULES = ("argparse", "collections", "dataclasses", "functools", "json", "logging",
                 "pathlib", "statistics", "textwrap", "threading")  # fmt: skip
 

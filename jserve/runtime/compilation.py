@@ -185,10 +185,16 @@ def forbid_compilation() -> contextlib.ContextDecorator:
 
 
 def enable_persistent_cache(directory: str | Path) -> Path:
-    """Cache compiled executables on disk so a restart loads them instead of compiling."""
+    """Cache compiled executables on disk so a restart loads them instead of compiling.
+
+    JAX's own XLA caches stay off: by default JAX points XLA's GPU autotuning cache into this
+    directory, and that path enters every executable's cache key, so a copy of the directory at
+    another path (a serving machine's mount, a CI cache restored elsewhere) would load nothing.
+    """
     path = Path(directory).expanduser().resolve()
     path.mkdir(parents=True, exist_ok=True)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_enable_xla_caches", "none")
     return path

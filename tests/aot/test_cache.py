@@ -1,6 +1,7 @@
 """Executables that travel: `jserve compile --compilation-cache-dir DIR` writes every
-executable an engine with the same flags runs, and an engine started on DIR in a fresh process
-(as on the serving machine) loads each of them and compiles nothing.
+executable an engine with the same flags runs, and an engine started on a copy of DIR at
+another path in a fresh process (as on the serving machine) loads each of them and compiles
+nothing.
 
 Both sides run as their own processes: JAX fixes a process's cache directory at its first
 compile through the cache, and a server is a process of its own.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -69,7 +71,10 @@ def test_an_engine_loads_every_executable_jserve_compile_wrote(tiny_dir, tmp_pat
     assert entries == {p.name for p in cache.iterdir()} and len(entries) == len(rows)
     assert "--max-model-len 64 --block-size 16 --num-kv-blocks 16" in report["serve_flags"]
 
+    # The serving machine holds the directory elsewhere (another mount, another user's home).
+    served = shutil.copytree(cache, tmp_path / "elsewhere" / "xla")
+    flags[flags.index(str(cache))] = str(served)
     counts = json.loads(_run("-c", ENGINE, *flags).stdout.splitlines()[-1])
     # Every compilation of the engine's start-up was a load of one of those entries.
     assert counts == {"compilations": len(rows), "loaded": len(rows)}
-    assert {p.name for p in cache.iterdir()} == entries  # and it wrote nothing new
+    assert {p.name for p in served.iterdir()} == entries  # and it wrote nothing new

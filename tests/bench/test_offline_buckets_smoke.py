@@ -11,13 +11,21 @@ import json
 
 import pytest
 
+from bench.workloads import SMOKE_ENGINE
 from jserve.core.buckets import make_seq_buckets, make_token_buckets, step_buckets
 from tests.bench.conftest import run_bench
+from tests.shared_engine import SHARED
 
 
 def run_smoke(module: str, *args: str) -> None:
     result = run_bench(module, "--smoke", *args, timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+
+
+def test_the_smoke_engines_are_the_shared_engines():
+    """bench.offline's and bench.peer_compare's smoke engines compile no step of their own in a
+    test run: theirs are the shared engine's, which the run's compilation cache holds."""
+    assert SMOKE_ENGINE == SHARED
 
 
 def test_offline_smoke_reports_both_policies_and_decode_rates(tmp_path):
