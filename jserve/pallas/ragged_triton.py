@@ -8,9 +8,10 @@ Each program serves the `group` query heads of one KV head at once: rows are (to
 pairs, the head group padded to a power of two, because Triton tiles are powers of two and
 `tl.dot` needs at least 16 rows. K/V rows are gathered straight from the paged pool through the
 block table (`pool[layer, page, head, offset, :]`, each row contiguous); V rows past kv_len are
-masked loads that read nothing. Partial results are masked stores, so a block's rows past its
-sequence's end never clobber the next sequence's rows. A quantized pool (int8 or float8, with a
-float32 scale per token and KV head) is dequantized as its rows are gathered, into q's dtype.
+masked loads that read nothing. A quantized pool (int8 or float8, with a float32 scale per token
+and KV head) is dequantized as its rows are gathered, into q's dtype, its V rows past kv_len
+read and then zeroed. Partial results are masked stores, so a block's rows past its sequence's
+end never clobber the next sequence's rows.
 """
 
 from __future__ import annotations
