@@ -6,8 +6,8 @@ at 8 and 32 sequences x 512 and 2,048 context, decode 32 x 4,096, and a mixed 51
 CALLS_PER_PROGRAM times (on alternating layers), warmed up, then timed as the median of several
 runs, per call: a lone call's time is the host's dispatch on a GPU. "Bytes" is what attention
 must move at least: the live K/V positions plus q and the output; bandwidth = bytes / median
-time. On CUDA a device-to-device copy is
-timed in the same run and bandwidth is also given as a fraction of it.
+time. On CUDA a device-to-device copy is timed in the same run and bandwidth is also given as a
+fraction of it.
 
     python -m bench.kernel_timings                 # full run, markdown table on stdout
     python -m bench.kernel_timings --json out.json # also write the figures as JSON

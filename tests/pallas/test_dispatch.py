@@ -8,7 +8,6 @@ import re
 import shutil
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -25,6 +24,7 @@ from tests.pallas.ragged_cases import (
     build_case,
     naive_attention,
     relative_error,
+    traced_equations,
 )
 
 CASE = build_case([(1, 40), (5, 21), (1, 1)], Geometry())
@@ -184,17 +184,6 @@ def test_kernel_lowers_for_its_accelerator(impl, platform, marker, name):
     assert marker in lowered.as_text()
 
 
-def _dot_precisions(jaxpr) -> list:
-    """The precision of every dot_general in `jaxpr`, nested jaxprs (kernels) included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            found.append(eqn.params["precision"])
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _dot_precisions(sub)
-    return found
-
-
 FLOAT32_PROGRAMS = {
     "attention xla": lambda: jax.make_jaxpr(
         functools.partial(ragged_paged_attention, sm_scale=0.125, impl="xla")
@@ -220,5 +209,6 @@ def test_float32_dots_are_float32_on_every_backend(program):
     TPU: on an H200 float32 attention then missed float64 by 5e-4 relative (its tolerance is
     1e-5). Every dot of these float32 programs must ask for HIGHEST (CPU ignores it, so this
     reads the traced programs)."""
-    precisions = _dot_precisions(FLOAT32_PROGRAMS[program]().jaxpr)
+    dots = traced_equations(FLOAT32_PROGRAMS[program]().jaxpr, "dot_general")
+    precisions = [eqn.params["precision"] for eqn in dots]
     assert precisions and set(precisions) == {(Precision.HIGHEST, Precision.HIGHEST)}

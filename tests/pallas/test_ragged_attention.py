@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import pytest
 from hypothesis import given
@@ -27,6 +26,7 @@ from tests.pallas.ragged_cases import (
     assert_matches_naive,
     bucket_sizes,
     build_case,
+    traced_equations,
 )
 
 SMOLLM = Geometry()  # 9 query heads, 3 KV heads, head_dim 64, block 16, float32
@@ -132,17 +132,6 @@ def test_triton_long_context(name):
     _check("triton", name, LONG)
 
 
-def _pallas_call_operands(jaxpr) -> list:
-    """The operands of every pallas_call in `jaxpr`, nested jaxprs included."""
-    found = []
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "pallas_call":
-            found += [var.aval for var in eqn.invars]
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-            found += _pallas_call_operands(sub)
-    return found
-
-
 @pytest.mark.parametrize("max_blocks", [26, 27, 29])
 def test_triton_table_is_whole_chunks_wide(max_blocks):
     """A Triton program reads its sequence's table a whole chunk of pages at a time, up to a
@@ -159,7 +148,8 @@ def test_triton_table_is_whole_chunks_wide(max_blocks):
     traced = jax.make_jaxpr(
         lambda *a: ragged_paged_attention(*a, sm_scale=0.125, impl="triton", interpret=True)
     )(*args)
-    tables = [aval for aval in _pallas_call_operands(traced.jaxpr) if aval.ndim == 2]
+    kernels = traced_equations(traced.jaxpr, "pallas_call")
+    tables = [var.aval for eqn in kernels for var in eqn.invars if var.aval.ndim == 2]
     assert [aval.shape[1] % (DEFAULT_CHUNK_TOKENS // geo.block_size) for aval in tables] == [0]
     assert tables[0].shape[1] >= max_blocks
 
