@@ -419,14 +419,25 @@ class _Planner:
     def admit_static_batch(self) -> None:
         """Static batching: take up to max_num_seqs waiting requests whose whole known tokens
         fit in free blocks; they run (prefill, then decode) until the last one finishes.
-        Siblings of a group are admitted like any request here (no fork)."""
+        Siblings of a group are admitted like any request here (no fork).
+
+        Without chunked prefill a `prompt_rows` request computes its whole prompt in one step,
+        a row of logits per token beside one row for each other request of the batch: a batch
+        of N whose longest such prompt is P needs N - 1 + P <= max_num_seqs, or that prompt
+        would never be planned while the batch runs."""
         block_manager = self.block_manager
+        max_num_seqs = self.config.max_num_seqs
+        unchunked = not self.config.enable_chunked_prefill
+        widest = 1  # rows the batch's widest one-step prefill takes
         for lane in self.waiting.lanes_in_order(self.step):
             for request in self.waiting.queue(lane):
-                if len(self.running) >= self.config.max_num_seqs:
+                if len(self.running) >= max_num_seqs:
                     break
                 if self._capped(request):
                     continue
+                rows = request.num_tokens if unchunked and request.prompt_rows else 1
+                if len(self.running) + max(widest, rows) > max_num_seqs:
+                    continue  # it leads a later batch, which it fits alone
                 hits = [] if request.prompt_rows else block_manager.lookup_prefix(request)
                 needed = -(-request.num_tokens // self.block_size) - len(hits)
                 free_after = (
@@ -435,6 +446,7 @@ class _Planner:
                 if free_after < self.watermark_blocks:
                     return
                 self._start_running(request, hits, fork=False)
+                widest = max(widest, rows)
 
     # ---- helpers ---------------------------------------------------------------------------
 

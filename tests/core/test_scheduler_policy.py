@@ -155,3 +155,23 @@ def test_static_policy_prefills_the_whole_batch_in_budget_sized_chunks():
     plans = [step(scheduler)[0] for _ in range(2)]
     assert chunks(plans[0]) == [("r0", 0, 20, True), ("r1", 0, 12, False)]
     assert chunks(plans[1]) == [("r0", 20, 1, True), ("r1", 12, 8, True), ("r2", 0, 20, True)]
+
+
+def test_static_batches_leave_a_whole_prompts_rows_to_its_prompt_logprobs():
+    """Without chunked prefill a prompt-logprobs prompt takes a row per token in one step,
+    beside a row for each other request of the batch. Two 5-token prompts under 5 rows did
+    not fit together and, admitted together, ran forever unplanned (hypothesis found it)."""
+    scheduler = make_scheduler(
+        max_num_seqs=5, max_model_len=32, scheduling="static", enable_chunked_prefill=False
+    )
+    for index in range(2):
+        scheduler.add_request(make_request(f"r{index}", 5, max_tokens=1, prompt_rows=True))
+    scheduler.add_request(make_request("plain", 3, first_token=2000, max_tokens=1))
+    plans = run_until_idle(scheduler, max_steps=10)
+    # r0 runs alone (5 rows + 1 for any partner > 5), then r1 alone, then the plain one.
+    assert [chunks(plan) for plan in plans] == [
+        [("r0", 0, 5, True)],
+        [("r1", 0, 5, True)],
+        [("plain", 0, 3, True)],
+    ]
+    assert all(plan.num_rows <= 5 for plan in plans)
