@@ -3,6 +3,7 @@ every engine test shares (tests/shared_engine.py), each built once a run."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from pathlib import Path
@@ -84,9 +85,13 @@ def hf_default_model(default_gguf, tmp_path_factory, worker_id):
     with run_lock(tmp_path_factory, worker_id, "hf_default_model") as shared:
         weights, configs = shared / "hf_default_model.safetensors", shared / "hf_default_model.json"
         if not weights.exists():
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
-            )
+            gc.disable()  # reading the GGUF makes millions of objects: no full collections
+            try:
+                model = transformers.AutoModelForCausalLM.from_pretrained(
+                    default_gguf.parent, gguf_file=default_gguf.name, dtype=torch.float32
+                )
+            finally:
+                gc.enable()
             config = model.config.to_dict()
             config.pop("quantization_config")  # the GGUF's: these weights are float32
             generation = model.generation_config.to_dict()
