@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from jax.extend.core import jaxprs_in_params
 from jax.numpy import bfloat16
 
 from jserve.pallas import kv_cache_shape
@@ -255,12 +256,10 @@ def traced_equations(jaxpr, primitive: str) -> list:
     """Every equation of `primitive` (e.g. "dot_general", "pallas_call") in a traced program,
     the jaxprs nested in it (kernels, loop bodies) included: what a program asks of a backend,
     read where the CPU cannot show it (precision, bounds)."""
-    import jax.extend
-
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == primitive:
             found.append(eqn)
-        for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        for sub in jaxprs_in_params(eqn.params):
             found += traced_equations(sub, primitive)
     return found
