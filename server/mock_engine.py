@@ -306,15 +306,14 @@ class MockEngine:
         num_tokens = len(choice.token_ids)
         full_text = self.tokenizer.decode(choice.token_ids)
         check = request.stop_searches[choice.index].add_text(chr(token), num_tokens)
-        reason = request.stop.after_token(token, num_tokens)
-        if reason is not None:  # no token is special here: a stop token's text stays
-            choice.finish_reason, choice.text = reason, full_text
-            stop = reason is FinishReason.STOP
-            choice.stop_reason = request.stop.token_stop_reason(token) if stop else None
-            return
-        choice.text = full_text[: check.end]
-        if check.stop is not None:
-            choice.finish_reason, choice.stop_reason = FinishReason.STOP, check.stop
+        by_token = request.stop.after_token(token, num_tokens)
+        decision = request.stop.decide(token, by_token, check.stop, False)
+        if decision is None or isinstance(decision.stop_reason, str):  # held back, or cut
+            choice.text = full_text[: check.end]
+        else:  # no token is special here: a stop token's text stays
+            choice.text = full_text
+        if decision is not None:
+            choice.finish_reason, choice.stop_reason = decision.reason, decision.stop_reason
 
     def _emit(self, request: _Request) -> None:
         finished = all(c.finished for c in request.choices)

@@ -1,6 +1,6 @@
 """When a sequence finishes and why: the one module that decides (pure Python, no jax).
 
-A sequence finishes, checked after each generated token, in this order:
+A sequence finishes, checked after each generated token, by these rules:
 1. a stop token: the token is in `stop_token_ids` (EOS unless `ignore_eos`, plus the user's
    `stop_token_ids`) and the sequence has at least `min_tokens` tokens -> STOP, `stop_reason`
    is None for one of the model's own stop tokens (EOS, and the end-of-turn tokens the
@@ -20,11 +20,13 @@ vLLM does, so a sequence cannot even sample them.
 Rules 1-2 need only token counts: the scheduler applies them in `update_from_output`. Rule 3
 needs detokenized text: the output processor applies it, feeding each sample's new text to its
 `StopStringSearch`. Rule 4 needs the grammar's state, which the engine's matcher holds.
-`StopConditions.decide` joins the four answers in this order and the engine applies what it
-returns. The server's mock engine calls this module too, so every test runs against the same
-semantics. `check_stop_strings` states rule 3 on a whole text at once (the one-shot form, for a
-few strings over a given text); `StopStringSearch` gives the same answers fed piece by piece, at
-a cost per piece that grows neither with the text so far nor with the number of stop strings
+`StopConditions.decide` joins the four answers and the engine applies what it returns: rule 1
+first, then 3, 2 and 4. So a stop string completed by the last token max_tokens allows still
+cuts the text before it and ends the sequence with STOP, as vLLM's output processor does. The
+server's mock engine calls this module too, so every test runs against the same semantics.
+`check_stop_strings` states rule 3 on a whole text at once (the one-shot form, for a few
+strings over a given text); `StopStringSearch` gives the same answers fed piece by piece, at a
+cost per piece that grows neither with the text so far nor with the number of stop strings
 (jserve.core.stop_automaton), which SamplingParams caps.
 
 Other finish reasons come from outside a sequence: ABORT (the caller or client gave up) and
@@ -104,16 +106,16 @@ class StopConditions:
         stop_string: str | None,
         grammar_complete: bool,
     ) -> StopDecision | None:
-        """Whether the sequence finishes with `token_id`, and how: rules 1-4 in order, from
-        `after_token`'s answer (`by_token`), the stop string `StopStringSearch` found, and
-        whether the request's grammar is complete (False for an unconstrained request)."""
-        if by_token is not None:
-            stop_reason = (
-                self.token_stop_reason(token_id) if by_token is FinishReason.STOP else None
-            )
-            return StopDecision(by_token, stop_reason)
+        """Whether the sequence finishes with `token_id`, and how: rules 1, 3, 2, 4 in that
+        order, from `after_token`'s answer (`by_token`), the stop string `StopStringSearch`
+        found, and whether the request's grammar is complete (False for an unconstrained
+        request)."""
+        if by_token is FinishReason.STOP:
+            return StopDecision(by_token, self.token_stop_reason(token_id))
         if stop_string is not None:
             return StopDecision(FinishReason.STOP, stop_string)
+        if by_token is not None:
+            return StopDecision(by_token, None)
         if grammar_complete:
             return StopDecision(FinishReason.STOP, None)
         return None

@@ -81,7 +81,7 @@ def test_stop_string_search_on_hand_made_cases(pieces, stops, expected):
     assert [(c.stop, c.end) for c in checks] == expected
 
 
-def test_decide_orders_token_rules_stop_strings_then_a_complete_grammar():
+def test_decide_orders_stop_tokens_stop_strings_the_length_then_a_complete_grammar():
     stop = StopConditions.from_params(SamplingParams(stop=["ab"]), [EOS], 4)
     STOP, LENGTH = FinishReason.STOP, FinishReason.LENGTH
     assert stop.decide(7, None, None, False) is None
@@ -90,7 +90,9 @@ def test_decide_orders_token_rules_stop_strings_then_a_complete_grammar():
     assert stop.decide(EOS, STOP, "ab", True) == StopDecision(STOP, None)  # the stop token wins
     # the length wins over a grammar completed by the last allowed token, as without rule 4
     assert stop.decide(7, LENGTH, None, True) == StopDecision(LENGTH, None)
-    assert stop.decide(7, LENGTH, "ab", False) == StopDecision(LENGTH, None)
+    # a stop string the last allowed token completes wins over the length: the text is cut
+    # before it, as vLLM's output processor turns the length finish into a stop
+    assert stop.decide(7, LENGTH, "ab", False) == StopDecision(STOP, "ab")
 
 
 @pytest.mark.parametrize(

@@ -83,6 +83,20 @@ def test_stop_strings_wait_for_min_tokens(engine):
     assert " 5," in out.text and out.finish_reason == "length"
 
 
+def test_a_stop_string_the_last_allowed_token_completes_still_cuts_the_text(engine):
+    """max_tokens ends the sequence on the token that completes a stop string: the text ends
+    before the string and the finish is a stop, as vLLM's output processor answers."""
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    full = _generate(engine, ["Count: 1, 2, 3,"], greedy, "full")[0].outputs[0]
+    ids = list(full.token_ids)
+    k = next(k for k in range(1, len(ids) + 1) if " 5," in engine.tokenizer.decode(ids[:k]))
+    params = SamplingParams(temperature=0, max_tokens=k, ignore_eos=True, stop=[" 5,"])
+    out = _generate(engine, ["Count: 1, 2, 3,"], params, "cut")[0].outputs[0]
+    assert list(out.token_ids) == ids[:k]
+    assert out.text == full.text[: full.text.index(" 5,")]
+    assert (out.finish_reason, out.stop_reason) == ("stop", " 5,")
+
+
 def test_n_samples_share_the_prompt(engine):
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
     out = _generate(engine, [SYSTEM + "Say something."], params, "n")[0]

@@ -105,6 +105,13 @@ async def test_stop_strings_cut_text_and_never_leak_while_streaming():
                 "/v1/completions", json={"prompt": "abcdef", "max_tokens": 7, "stop": "zz"}
             )
         ).json()
+        # The 4th and last allowed token completes "cd": still a stop, cut before it.
+        at_length = {**body, "max_tokens": 4}
+        last = await (await client.post("/v1/completions", json=at_length)).json()
+        last_events = await stream_events(client, "/v1/completions", at_length)
+    choice = last["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("ab", "stop", "cd")
+    assert _streamed_text(last_events) == "ab"
     choice = full["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("ab", "stop", "cd")
     assert full["usage"]["completion_tokens"] == 4  # a, b, c, d were generated
