@@ -103,6 +103,8 @@ class SamplingParams:
     `top_k` 0 (or -1) and `top_p` 1 and `min_p` 0 switch those filters off.
     `stop` holds at most MAX_STOP_STRINGS (128) non-empty strings, each at most
     MAX_STOP_STRING_LENGTH (512) characters and MAX_STOP_TOTAL_LENGTH (2048) in all.
+    `include_stop_str_in_output` (vLLM's) keeps the matched stop string, or the text of the
+    stop token that ended a sample, at the end of its text; by default both are left out.
     """
 
     n: int = 1
@@ -123,6 +125,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if self.stop is None:

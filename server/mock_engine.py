@@ -5,9 +5,11 @@
   not a Unicode scalar value (a surrogate, or past U+10FFFF) decodes to U+FFFD.
 - Generation: choice j of a request with prompt ids P emits, at step k, token P[(j + k) % len(P)]
   (the prompt repeated, choice j starting j characters in). Sampling settings other than n,
-  max_tokens, min_tokens, stop, stop_token_ids and logprobs are accepted and ignored.
+  max_tokens, min_tokens, stop, stop_token_ids, include_stop_str_in_output and logprobs are
+  accepted and ignored.
 - Stopping: the engine's own rules (jserve.core.stopping: stop ids, max_tokens, stop strings from
-  min_tokens on, held-back text); there is no EOS.
+  min_tokens on, held-back text, a stop token's text left out unless
+  include_stop_str_in_output asks for it); there is no EOS.
 - Logprobs: the sampled token has -0.5; with logprobs=k the alternatives are the next k-1 ids
   after it, with -1.5, -2.5, ... Prompt logprobs (prompt_logprobs=k): None for the first
   prompt token; prompt token t has -0.25 and rank 1, and the next k-1 ids after it -1.25,
@@ -304,13 +306,20 @@ class MockEngine:
                 }
             )
         num_tokens = len(choice.token_ids)
-        full_text = self.tokenizer.decode(choice.token_ids)
-        check = request.stop_searches[choice.index].add_text(chr(token), num_tokens)
+        include_stop = params.include_stop_str_in_output
         by_token = request.stop.after_token(token, num_tokens)
-        decision = request.stop.decide(token, by_token, check.stop, False)
-        if decision is None or isinstance(decision.stop_reason, str):  # held back, or cut
-            choice.text = full_text[: check.end]
-        else:  # no token is special here: a stop token's text stays
+        if by_token is FinishReason.STOP and not include_stop:  # a stop token adds no text
+            full_text, end, stop_string = self.tokenizer.decode(choice.token_ids[:-1]), 0, None
+        else:
+            full_text = self.tokenizer.decode(choice.token_ids)
+            check = request.stop_searches[choice.index].add_text(chr(token), num_tokens)
+            end, stop_string = check.end, check.stop
+        decision = request.stop.decide(token, by_token, stop_string, False)
+        if decision is None:  # the rest may begin a stop string
+            choice.text = full_text[:end]
+        elif stop_string is not None and decision.stop_reason == stop_string:
+            choice.text = full_text[: end + (len(stop_string) if include_stop else 0)]
+        else:  # ended by a token: nothing is held back
             choice.text = full_text
         if decision is not None:
             choice.finish_reason, choice.stop_reason = decision.reason, decision.stop_reason

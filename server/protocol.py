@@ -49,7 +49,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "stop", "stop_token_ids",
-    "ignore_eos", "skip_special_tokens",
+    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
 )  # fmt: skip
 _SAMPLING_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 

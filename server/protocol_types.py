@@ -179,6 +179,7 @@ class GenerationRequest(_Body):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
+    include_stop_str_in_output: bool | None = None
     # Output constraints: at most one of these (server/structured_outputs.py).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None

@@ -4,14 +4,16 @@ A sequence finishes, checked after each generated token, by these rules:
 1. a stop token: the token is in `stop_token_ids` (EOS unless `ignore_eos`, plus the user's
    `stop_token_ids`) and the sequence has at least `min_tokens` tokens -> STOP, `stop_reason`
    is None for one of the model's own stop tokens (EOS, and the end-of-turn tokens the
-   tokenizer adds to it) and the token id for one of the user's `stop_token_ids` only (its
-   text stays in the output unless it is a special token). This is vLLM's rule (its EOS check
-   comes first and leaves stop_reason None), held to every model stop token: which of them a
-   GGUF or an HF checkpoint declares as *the* EOS differs, and the answer must not;
+   tokenizer adds to it) and the token id for one of the user's `stop_token_ids` only. This
+   is vLLM's rule (its EOS check comes first and leaves stop_reason None), held to every model
+   stop token: which of them a GGUF or an HF checkpoint declares as *the* EOS differs, and the
+   answer must not. The stop token's text is left out of the output, as vLLM leaves it out,
+   unless the request sets `include_stop_str_in_output`;
 2. `max_tokens` tokens -> LENGTH (an unset max_tokens was resolved to what max_model_len
    leaves, so this also covers the context limit);
 3. a stop string: one of `stop` occurs in the text, searched only from `min_tokens` tokens on
-   -> STOP, `stop_reason` is the string and the text ends right before it;
+   -> STOP, `stop_reason` is the string and the text ends right before it (right after it
+   with `include_stop_str_in_output`);
 4. a complete grammar: the request's output constraint admits no further token (only EOS)
    -> STOP, `stop_reason` is None.
 Below `min_tokens` the sampler also bans EOS and the stop ids (`min_tokens_banned_ids`), as

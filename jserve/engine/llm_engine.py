@@ -574,15 +574,17 @@ class LLMEngine:
         it on the first that a stop rule ends it on."""
         for j, (token, top) in enumerate(tokens):
             self._num_generation_tokens += 1
+            last = by_token if j == len(tokens) - 1 else None
             try:
-                stop_string = child.state.add_token(child.index, token, top)
+                stop_string = child.state.add_token(
+                    child.index, token, top, stop_token=last is FinishReason.STOP
+                )
                 complete = child.matcher is not None and self.structured.advance(
                     child.matcher, token
                 )
             except Exception as e:  # detokenizing, a stop check or the grammar of it failed
                 self._fail(rid, f"{type(e).__name__}: {e}", changed)
                 return
-            last = by_token if j == len(tokens) - 1 else None
             decision = child.state.stop.decide(token, last, stop_string, complete)
             if decision is None:
                 continue

@@ -115,11 +115,14 @@ class RequestState:
         index: int,
         token_id: int,
         top_logprobs: list[tuple[int, float]] | None = None,
+        stop_token: bool = False,
     ) -> str | None:
         """Record sample `index`'s new token; returns the stop string it completed, if any
         (the rule: jserve.core.stopping).
 
-        `top_logprobs` lists (token id, logprob) pairs, the sampled token first.
+        `top_logprobs` lists (token id, logprob) pairs, the sampled token first. A
+        `stop_token` (one that ends the sample: EOS or one of the request's stop_token_ids)
+        adds no text unless the request asked for include_stop_str_in_output, as in vLLM.
         """
         now = time.monotonic()
         m = self.metrics
@@ -135,10 +138,15 @@ class RequestState:
                     for tid, lp in top_logprobs
                 }
             )
+        include_stop = self.params.include_stop_str_in_output
+        if stop_token and not include_stop:
+            return None
         new_text = sample.detokenizer.add_token(token_id)
         sample.text.append(new_text)
         check = sample.stop_search.add_text(new_text, len(sample.token_ids))
         sample.text_end = check.end
+        if check.stop is not None and include_stop:
+            sample.text_end += len(check.stop)
         return check.stop
 
     @property

@@ -97,6 +97,25 @@ def test_a_stop_string_the_last_allowed_token_completes_still_cuts_the_text(engi
     assert (out.finish_reason, out.stop_reason) == ("stop", " 5,")
 
 
+def test_a_stop_tokens_text_and_a_stop_string_are_left_out_unless_asked_for(engine):
+    """As vLLM: neither the text of the stop token that ends a sample nor the stop string is
+    in its text; include_stop_str_in_output keeps both."""
+    greedy = dict(temperature=0, max_tokens=40, ignore_eos=True)
+    full = _generate(engine, ["Count: 1, 2, 3,"], SamplingParams(**greedy), "full")[0].outputs[0]
+    ids, decode = list(full.token_ids), engine.tokenizer.decode
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # stops there, not before
+    for include, text in ((False, decode(ids[:k])), (True, decode(ids[: k + 1]))):
+        params = SamplingParams(
+            **greedy, stop_token_ids=[ids[k]], include_stop_str_in_output=include
+        )
+        out = _generate(engine, ["Count: 1, 2, 3,"], params, f"id{include}")[0].outputs[0]
+        assert list(out.token_ids) == ids[: k + 1]
+        assert (out.text, out.finish_reason, out.stop_reason) == (text, "stop", ids[k])
+    params = SamplingParams(**greedy, stop=[" 5,"], include_stop_str_in_output=True)
+    out = _generate(engine, ["Count: 1, 2, 3,"], params, "str")[0].outputs[0]
+    assert (out.text, out.stop_reason) == (full.text[: full.text.index(" 5,") + 3], " 5,")
+
+
 def test_n_samples_share_the_prompt(engine):
     params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=8)
     out = _generate(engine, [SYSTEM + "Say something."], params, "n")[0]

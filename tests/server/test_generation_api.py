@@ -130,10 +130,39 @@ async def test_stop_token_and_stop_string_count_from_min_tokens_as_in_the_engine
     async with serve(_fast_mock()) as client:
         by_token = await (await client.post("/v1/completions", json=token)).json()
         by_text = await (await client.post("/v1/completions", json=text)).json()
-    choice = by_token["choices"][0]
-    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("ab", "stop", 98)
+    choice = by_token["choices"][0]  # the stop token's text is left out, as vLLM leaves it
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("a", "stop", 98)
     choice = by_text["choices"][0]
     assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("abc", "stop", "ab")
+
+
+async def test_include_stop_str_in_output_keeps_the_stop_string_and_the_stop_tokens_text():
+    # Tokens a, b, c, d, ...: "cd" ends with the 4th token; "c" (99) is the 3rd.
+    by_text = {
+        "prompt": "abcdef",
+        "max_tokens": 10,
+        "stop": ["cd"],
+        "include_stop_str_in_output": True,
+    }
+    by_token = {
+        "prompt": "abcdef",
+        "max_tokens": 10,
+        "stop_token_ids": [99],
+        "include_stop_str_in_output": True,
+    }
+    async with serve(_fast_mock()) as client:
+        text = await (await client.post("/v1/completions", json=by_text)).json()
+        token = await (await client.post("/v1/completions", json=by_token)).json()
+        events = await stream_events(client, "/v1/completions", by_text)
+    choice = text["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == (
+        "abcd",
+        "stop",
+        "cd",
+    )
+    assert _streamed_text(events) == "abcd"
+    choice = token["choices"][0]
+    assert (choice["text"], choice["finish_reason"], choice["stop_reason"]) == ("abc", "stop", 99)
 
 
 async def test_completion_logprobs_legacy_shape():
