@@ -58,7 +58,8 @@ def _is_scalar_value(code_point: int) -> bool:
 
 
 class CharTokenizer:
-    """One token per character; the chat template is "role: content" lines."""
+    """One token per character; the chat template is "role: content" lines, after a
+    "name=value" line for each extra template variable (chat_template_kwargs)."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
@@ -71,8 +72,10 @@ class CharTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        **variables: Any,
     ) -> str:
-        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        text = "".join(f"{name}={value}\n" for name, value in sorted(variables.items()))
+        text += "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return text + ("assistant:" if add_generation_prompt else "")
 
 

@@ -83,9 +83,40 @@ class ParsedRequest:
     # The request's field for each SamplingParams name where they differ (for errors).
     fields: dict[str, str] = dataclasses.field(default_factory=dict)
     echo: bool = False  # completions: the prompt leads the text (and the logprobs)
+    # chat: end with the assistant's header; more template variables (chat_template_kwargs)
+    add_generation_prompt: bool = True
+    template_kwargs: dict[str, Any] | None = None
+
+
+# vLLM's request extensions jserve does not honour, and the values that change nothing (vLLM's
+# defaults): any other value is a 400 naming the field rather than an answer that ignored it.
+VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,),
+    "length_penalty": (1.0,),
+    "allowed_token_ids": ([],),
+    "bad_words": ([],),
+    "truncate_prompt_tokens": (),
+    "spaces_between_special_tokens": (True,),
+    "return_tokens_as_token_ids": (False,),
+    "logits_processors": ([],),
+    "cache_salt": (),
+    "continue_final_message": (False,),  # chat
+    "chat_template": (),  # chat
+    "documents": ([],),  # chat
+}
+# Template variables a request's chat_template_kwargs may not set: the server sets them.
+_RESERVED_TEMPLATE_VARIABLES = frozenset(
+    {"messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token"}
+)
 
 
 def _refuse_unsupported(body: GenerationRequest) -> None:
+    for name, harmless in VLLM_UNHONOURED.items():
+        value = getattr(body, name, None)  # chat's fields are absent from completions
+        if value is not None and value not in harmless:
+            raise APIError(
+                400, f"'{name}' (a vLLM extension) is not supported; leave it out", param=name
+            )
     if body.suffix:
         raise APIError(400, "'suffix' is not supported", param="suffix")
     if body.logit_bias:
@@ -287,12 +318,20 @@ def render_chat(
     messages: list[dict[str, str]],
     add_generation_prompt: bool = True,
     tools: ToolRequest | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> str:
     """The chat template applied to `messages`; a template that rejects them is a 400.
 
     Tools go through the template when it renders `tools`, else into the system message.
+    `template_kwargs` (vLLM's chat_template_kwargs) are more variables for the template; one
+    the server sets itself is a 400.
     """
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = dict(template_kwargs or {})
+    if reserved := sorted(_RESERVED_TEMPLATE_VARIABLES & extra.keys()):
+        raise APIError(
+            400, f"chat_template_kwargs may not set {reserved}: the server sets them",
+            param="chat_template_kwargs",
+        )  # fmt: skip
     if tools is not None:
         if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
             extra["tools"] = tools.tools
@@ -365,7 +404,8 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
     stream, include_usage, lane, timeout = _request_options(body)
     return ParsedRequest(
         None, messages, params, body.model, stream, include_usage, lane, timeout, top_logprobs,
-        tools, fields,
+        tools, fields, add_generation_prompt=body.add_generation_prompt is not False,
+        template_kwargs=body.chat_template_kwargs,
     )  # fmt: skip
 
 
@@ -377,7 +417,10 @@ def encode_prompt(tokenizer: TokenizerLike, parsed: ParsedRequest, vocab_size: i
     tokenized without adding special tokens again (the template holds them).
     """
     if parsed.messages is not None:
-        text = render_chat(tokenizer, parsed.messages, tools=parsed.tools)
+        text = render_chat(
+            tokenizer, parsed.messages, parsed.add_generation_prompt, parsed.tools,
+            parsed.template_kwargs,
+        )  # fmt: skip
         ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(parsed.prompt, str):
         ids = tokenizer.encode(parsed.prompt)

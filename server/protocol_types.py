@@ -201,6 +201,17 @@ class GenerationRequest(_Body):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     functions: Any = None
+    # vLLM's extensions jserve does not honour: refused unless left at vLLM's default
+    # (server/protocol.py:VLLM_UNHONOURED), never silently ignored.
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    truncate_prompt_tokens: int | None = None
+    spaces_between_special_tokens: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    logits_processors: Any = None
+    cache_salt: str | None = None
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):
@@ -223,6 +234,12 @@ class ChatRequest(GenerationRequest, kw_only=True):
     tools: Annotated[list[Tool], msgspec.Meta(min_length=1)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # vLLM's chat template controls.
+    add_generation_prompt: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    continue_final_message: bool | None = None  # refused unless false (VLLM_UNHONOURED)
+    chat_template: str | None = None  # refused: the model's own template is used
+    documents: Any = None  # refused
 
 
 class EncodingFormat(StrEnum):

@@ -201,6 +201,22 @@ async def test_chat_exact_message_and_usage():
     }  # fmt: skip
 
 
+async def test_chat_template_controls_and_vllm_defaults_that_change_nothing():
+    """add_generation_prompt=false leaves the assistant header out; chat_template_kwargs reach
+    the template; vLLM's unhonoured extensions at their defaults are accepted."""
+    body = {
+        "messages": USER_HI, "max_tokens": 3, "add_generation_prompt": False,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "use_beam_search": False, "length_penalty": 1, "allowed_token_ids": [],
+        "spaces_between_special_tokens": True, "continue_final_message": False,
+    }  # fmt: skip
+    async with serve(_fast_mock()) as client:
+        answer = await (await client.post("/v1/chat/completions", json=body)).json()
+    prompt = "enable_thinking=False\n" + chat_prompt(USER_HI).removesuffix("assistant:")
+    assert answer["choices"][0]["message"]["content"] == echo_text(prompt, 3)
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+
+
 async def test_chat_stream_role_first_then_content_then_usage():
     prompt = chat_prompt(USER_HI)
     body = {"messages": USER_HI, "max_completion_tokens": 4, "max_tokens": 99,
