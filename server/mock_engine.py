@@ -7,8 +7,8 @@
   (the prompt repeated, choice j starting j characters in). Sampling settings other than n,
   max_tokens, min_tokens, stop, stop_token_ids, include_stop_str_in_output and logprobs are
   accepted and ignored.
-- Stopping: the engine's own rules (jserve.core.stopping: stop ids, max_tokens, stop strings from
-  min_tokens on, held-back text, a stop token's text left out unless
+- Stopping: the engine's own rules (jserve.core.stopping: stop ids, max_tokens, stop strings
+  ending after the first min_tokens tokens, held-back text, a stop token's text left out unless
   include_stop_str_in_output asks for it); there is no EOS.
 - Logprobs: the sampled token has -0.5; with logprobs=k the alternatives are the next k-1 ids
   after it, with -1.5, -2.5, ... Prompt logprobs (prompt_logprobs=k): None for the first

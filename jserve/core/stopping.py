@@ -11,9 +11,9 @@ A sequence finishes, checked after each generated token, by these rules:
    unless the request sets `include_stop_str_in_output`;
 2. `max_tokens` tokens -> LENGTH (an unset max_tokens was resolved to what max_model_len
    leaves, so this also covers the context limit);
-3. a stop string: one of `stop` occurs in the text, searched only from `min_tokens` tokens on
-   -> STOP, `stop_reason` is the string and the text ends right before it (right after it
-   with `include_stop_str_in_output`);
+3. a stop string: one of `stop` ends in the text of a token after the first `min_tokens`
+   (vLLM's rule; it may begin earlier) -> STOP, `stop_reason` is the string and the text ends
+   right before it (right after it with `include_stop_str_in_output`);
 4. a complete grammar: the request's output constraint admits no further token (only EOS)
    -> STOP, `stop_reason` is None.
 Below `min_tokens` the sampler also bans EOS and the stop ids (`min_tokens_banned_ids`), as
@@ -186,7 +186,7 @@ def _partial_suffix_length(text: str, stop: str) -> int:
 class StopStringSearch:
     """Rule 3 for one sample, fed its text piece by piece: `add_text(new_text, n)` answers as
     `check_stop_strings(text, stop_strings, search_from=len(text) - len(new_text))` would
-    (`text` being all the pieces so far), or, below `min_tokens` (n output tokens), with no
+    (`text` being all the pieces so far), or, up to `min_tokens` (n output tokens), with no
     stop and all of `text`. A piece costs O(its length) amortized: the sample keeps only its
     place in the request's automaton and the length of its text.
     """
@@ -206,7 +206,7 @@ class StopStringSearch:
         self._length += len(new_text)
         if self._automaton is None:
             return StopStringCheck(stop=None, end=self._length)
-        searching = num_output_tokens >= self._min_tokens
+        searching = num_output_tokens > self._min_tokens
         self._state, found = self._automaton.advance(self._state, new_text, report=searching)
         if found is not None:
             offset, index = found

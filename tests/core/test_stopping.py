@@ -42,15 +42,15 @@ def test_ignore_eos_still_bans_eos_below_min_tokens_as_vllm_does():
     assert stop.banned_ids(2) == ()
 
 
-def test_stop_strings_are_searched_from_min_tokens_on():
+def test_stop_strings_must_end_after_the_first_min_tokens_tokens():
     stop = StopConditions.from_params(SamplingParams(min_tokens=3, stop=["ab"]), [], 16)
     search = stop.stop_string_search()
     steps = [search.add_text(text, n) for text, n in [("x", 1), ("ab", 2), ("a", 3), ("b", 4)]]
     assert [(c.stop, c.end) for c in steps] == [
         (None, 1),
-        (None, 3),  # below min_tokens: all text, nothing held
-        (None, 3),  # "ab" was before the search began; the tail "a" is held
-        ("ab", 3),
+        (None, 3),  # within min_tokens: all text, nothing held
+        (None, 4),  # the 3rd token is still within min_tokens (vLLM's rule): "ab" is not sought
+        ("ab", 3),  # a stop string may begin within min_tokens and end after it
     ]
 
 
@@ -171,14 +171,14 @@ def test_search_answers_as_the_one_shot_check_and_emits_the_text_before_the_firs
     chunks, stops, min_tokens
 ):
     """Piece by piece, `StopStringSearch` answers exactly as `check_stop_strings` on the whole
-    text (below min_tokens: no stop, nothing held); from min_tokens 0 the emitted text is the
+    text (up to min_tokens: no stop, nothing held); from min_tokens 0 the emitted text is the
     direct reference's, and what is held back is shorter than the longest stop string."""
     search = StopConditions(min_tokens=min_tokens, stop_strings=tuple(stops)).stop_string_search()
     text, emitted = "", ""
     for n, chunk in enumerate(chunks, 1):
         text += chunk
         check = search.add_text(chunk, n)
-        if n >= min_tokens:
+        if n > min_tokens:
             expected = check_stop_strings(text, stops, search_from=len(text) - len(chunk))
         else:
             expected = check_stop_strings(text, [], 0)
