@@ -320,8 +320,8 @@ class MockEngine:
         decision = request.stop.decide(token, by_token, stop_string, False)
         if decision is None:  # the rest may begin a stop string
             choice.text = full_text[:end]
-        elif stop_string is not None and decision.stop_reason == stop_string:
-            choice.text = full_text[: end + (len(stop_string) if include_stop else 0)]
+        elif isinstance(decision.stop_reason, str):  # cut at the stop string, as the engine
+            choice.text = full_text[: end + (len(decision.stop_reason) if include_stop else 0)]
         else:  # ended by a token: nothing is held back
             choice.text = full_text
         if decision is not None:
