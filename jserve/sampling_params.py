@@ -14,7 +14,7 @@ from enum import StrEnum
 
 from jserve.config.grammar_size import check_grammar
 from jserve.config.regex_size import check_json_schema, check_regex
-from jserve.config.validation import INT64_MAX, INT64_MIN, check_float, check_int, show
+from jserve.config.validation import INT64_MAX, INT64_MIN, check_float, check_int, is_int, show
 
 MAX_LOGPROBS = 20
 
@@ -30,6 +30,30 @@ MAX_STOP_TOTAL_LENGTH = 2048  # characters, all the strings together
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _check_truncate_prompt_tokens(value: object) -> None:
+    _check(
+        value is None or (is_int(value) and (value == -1 or value >= 1)),  # type: ignore[operator]
+        f"truncate_prompt_tokens must be -1 (the model's max_model_len) or an integer >= 1, "
+        f"got {show(value)}",
+    )
+
+
+def truncate_prompt(ids: list[int], keep: int | None, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the last `keep` ids of a prompt (left truncation, so
+    the text nearest the answer stays), all of them if it is shorter or `keep` is None; -1 keeps
+    up to max_model_len. More than max_model_len is a ValueError: no request could use them."""
+    _check_truncate_prompt_tokens(keep)
+    if keep is None:
+        return ids
+    keep = max_model_len if keep == -1 else keep
+    _check(
+        keep <= max_model_len,
+        f"truncate_prompt_tokens ({keep}) must be at most max_model_len ({max_model_len}); "
+        f"send a smaller truncation size, or -1 for max_model_len",
+    )
+    return ids[-keep:]
 
 
 class StructuredKind(StrEnum):
@@ -105,6 +129,7 @@ class SamplingParams:
     MAX_STOP_STRING_LENGTH (512) characters and MAX_STOP_TOTAL_LENGTH (2048) in all.
     `include_stop_str_in_output` (vLLM's) keeps the matched stop string, or the text of the
     stop token that ended a sample, at the end of its text; by default both are left out.
+    `truncate_prompt_tokens` (vLLM's) serves only the prompt's last tokens (`truncate_prompt`).
     """
 
     n: int = 1
@@ -126,6 +151,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -165,6 +191,7 @@ class SamplingParams:
         check_float("presence_penalty", self.presence_penalty, -2.0, 2.0)
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
+        _check_truncate_prompt_tokens(self.truncate_prompt_tokens)
 
     def _validate_stop(self) -> None:
         _check(
@@ -202,11 +229,13 @@ class PoolingType(StrEnum):
 class PoolingParams:
     """An embedding request (vLLM's PoolingParams, embed task): its prompt is prefilled, its
     final hidden states (after the final norm) pooled by `pooling_type` and L2-normalized,
-    and nothing is generated."""
+    and nothing is generated. `truncate_prompt_tokens` as SamplingParams'."""
 
     pooling_type: PoolingType = PoolingType.LAST
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
+        _check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         try:
             object.__setattr__(self, "pooling_type", PoolingType(self.pooling_type))
         except ValueError:

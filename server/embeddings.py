@@ -20,7 +20,7 @@ from aiohttp import web
 from jserve.config.validation import check_token_ids
 from jserve.errors import RequestRejected
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import PoolingParams, SamplingParams
+from jserve.sampling_params import PoolingParams, SamplingParams, truncate_prompt
 from jserve.server.api_errors import APIError, rejection_to_api_error
 from jserve.server.decoding import decode_request
 from jserve.server.engine_client import EngineClient, TokenizerLike
@@ -136,6 +136,11 @@ async def embeddings(request: web.Request) -> web.Response:
     tenant = request_tenant(request.headers.get("X-Tenant"), body.user)
     inputs = _inputs(body.input)
     prompts = await asyncio.to_thread(_encode, engine.tokenizer, inputs, engine.vocab_size)
+    try:
+        keep = body.truncate_prompt_tokens
+        prompts = [truncate_prompt(p, keep, engine.max_model_len) for p in prompts]
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="truncate_prompt_tokens") from exc
     pooling = PoolingParams(state.settings.pooling_type)
     vectors = await _embed_all(engine, prompts, pooling, tenant)
     encoding = body.encoding_format or EncodingFormat.FLOAT

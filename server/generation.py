@@ -223,7 +223,9 @@ async def prompt_ids_of(
     its model is checked; a refusal is counted as an invalid request of its lane and tenant."""
     state.check_model(parsed.model)
     try:
-        return await asyncio.to_thread(encode_prompt, engine.tokenizer, parsed, engine.vocab_size)
+        return await asyncio.to_thread(
+            encode_prompt, engine.tokenizer, parsed, engine.vocab_size, engine.max_model_len
+        )
     except APIError:
         state.metrics.rejected(RejectReason.INVALID, parsed.lane, tenant)
         raise
@@ -262,10 +264,11 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
 
 
 def _echo_text(parsed: ParsedRequest, engine: EngineClient, prompt_ids: list[int]) -> str | None:
-    """The prompt as `echo` puts it before the output (completions), or None without echo."""
+    """The prompt as `echo` puts it before the output (completions), or None without echo:
+    the prompt as sent, or, with truncate_prompt_tokens, the ids served, decoded."""
     if not parsed.echo:
         return None
-    if isinstance(parsed.prompt, str):
+    if isinstance(parsed.prompt, str) and parsed.params.truncate_prompt_tokens is None:
         return parsed.prompt
     return engine.tokenizer.decode(prompt_ids, skip_special_tokens=False)
 

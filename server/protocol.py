@@ -30,7 +30,12 @@ from jserve.config.regex_size import check_json_schema
 from jserve.config.scheduler import Lane
 from jserve.config.validation import FLOAT32_MAX, check_float, check_int, check_token_ids, show
 from jserve.core.tenants import DEFAULT_TENANT, check_tenant_name
-from jserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from jserve.sampling_params import (
+    MAX_LOGPROBS,
+    SamplingParams,
+    StructuredOutputsParams,
+    truncate_prompt,
+)
 from jserve.server.api_errors import APIError
 from jserve.server.engine_client import TokenizerLike
 from jserve.server.protocol_types import (
@@ -49,7 +54,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "stop", "stop_token_ids",
-    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output",
+    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
 )  # fmt: skip
 _SAMPLING_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -95,7 +100,6 @@ VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
     "length_penalty": (1.0,),
     "allowed_token_ids": ([],),
     "bad_words": ([],),
-    "truncate_prompt_tokens": (),
     "spaces_between_special_tokens": (True,),
     "return_tokens_as_token_ids": (False,),
     "logits_processors": ([],),
@@ -409,8 +413,11 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
     )  # fmt: skip
 
 
-def encode_prompt(tokenizer: TokenizerLike, parsed: ParsedRequest, vocab_size: int) -> list[int]:
-    """The request's prompt token ids, every id (stop ids too) checked against the vocabulary.
+def encode_prompt(
+    tokenizer: TokenizerLike, parsed: ParsedRequest, vocab_size: int, max_model_len: int
+) -> list[int]:
+    """The request's prompt token ids, every id (stop ids too) checked against the vocabulary,
+    cut to the last `truncate_prompt_tokens` (jserve.sampling_params.truncate_prompt).
 
     Slow for long prompts (megabytes of text): the server runs it in a worker
     thread, never on the event loop. Chat messages are rendered with the chat template and
@@ -427,7 +434,10 @@ def encode_prompt(tokenizer: TokenizerLike, parsed: ParsedRequest, vocab_size: i
     else:
         ids = _checked(check_token_ids, "prompt", parsed.prompt or [], vocab_size)
     _checked(check_token_ids, "stop_token_ids", parsed.params.stop_token_ids, vocab_size)
-    return ids
+    try:
+        return truncate_prompt(ids, parsed.params.truncate_prompt_tokens, max_model_len)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="truncate_prompt_tokens") from exc
 
 
 def request_tenant(header: str | None, user: str | None) -> str:

@@ -180,6 +180,7 @@ class GenerationRequest(_Body):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: serve only the prompt's last tokens
     # Output constraints: at most one of these (server/structured_outputs.py).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -207,7 +208,6 @@ class GenerationRequest(_Body):
     length_penalty: float | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
-    truncate_prompt_tokens: int | None = None
     spaces_between_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     logits_processors: Any = None
@@ -258,6 +258,7 @@ class EmbeddingRequest(_Body):
     encoding_format: EncodingFormat | None = None
     dimensions: int | None = None  # only the model's hidden size
     user: str | None = None
+    truncate_prompt_tokens: int | None = None  # vLLM's: embed only each input's last tokens
 
 
 class TokenizeRequest(_Body):

@@ -62,7 +62,7 @@ from jserve.runtime.model_runner import StepOutput
 from jserve.runtime.sampler import NEUTRAL_ROW, SampledTokens
 from jserve.runtime.sampling_tensors import SamplingRow
 from jserve.runtime.step_inputs import StepInputBuilder, StepInputs
-from jserve.sampling_params import PoolingParams, SamplingParams
+from jserve.sampling_params import PoolingParams, SamplingParams, truncate_prompt
 from jserve.structured.decoding import SequenceMatcher, StructuredDecoding
 
 log = logging.getLogger(__name__)
@@ -237,6 +237,7 @@ class LLMEngine:
         without it a constrained request's grammar is compiled here, through the same cache.
         With `pooling` it is an embedding request: `params` are not used, its prompt is
         prefilled and pooled (jserve.engine.pooling), and its output's `embedding` is set.
+        The params' (or the pooling's) `truncate_prompt_tokens` cuts the prompt's ids first.
         """
         params = _POOLING_PARAMS if pooling is not None else params or SamplingParams()
         if request_id in self._states:
@@ -245,6 +246,9 @@ class LLMEngine:
                 f"request id {request_id!r} is already in use; use a unique id",
             )
         text, ids = self._prompt_ids(prompt)
+        with invalid_param("truncate_prompt_tokens"):  # the text stays as given, as vLLM's
+            keep = (pooling or params).truncate_prompt_tokens
+            ids = truncate_prompt(ids, keep, self.max_model_len)
         stop = self._stop_conditions(params, len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         matchers = self._matchers(params, grammar)

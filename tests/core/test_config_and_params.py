@@ -23,7 +23,7 @@ from jserve.config.scheduler import (
     SchedulingPolicy,
 )
 from jserve.config.settings import InvalidSetting
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import PoolingParams, SamplingParams, truncate_prompt
 
 from .helpers import make_request, make_scheduler
 
@@ -224,6 +224,13 @@ def test_sampling_params_normalises_stop_and_top_k():
             {"repetition_penalty": 1e-300},
             "repetition_penalty must be a finite number in (0, 2] (as float32), got 1e-300",
         ),
+        (
+            {"truncate_prompt_tokens": 0},
+            "truncate_prompt_tokens must be -1 (the model's max_model_len) or an integer >= 1, "
+            "got 0",
+        ),
+        ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be -1"),
+        ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens must be -1"),
     ],
 )
 def test_sampling_params_rejects(kwargs, message):
@@ -319,3 +326,19 @@ def test_a_lane_given_by_name_becomes_its_member_and_long_prompts_move_lane():
         scheduler.add_request(request)
     assert (short.lane, long.lane, batch.lane) == (Lane.INTERACTIVE, Lane.LONG, Lane.BATCH)
     assert all(type(r.lane) is Lane for r in (short, long, batch))
+
+
+def test_truncate_prompt_keeps_the_last_tokens():
+    """vLLM's left truncation: the last k ids, all of a shorter prompt, -1 = max_model_len."""
+    ids = list(range(10))
+    assert truncate_prompt(ids, None, 8) == ids
+    assert truncate_prompt(ids, 3, 8) == [7, 8, 9]
+    assert truncate_prompt(ids, 8, 8) == ids[2:]
+    assert truncate_prompt(ids, -1, 4) == [6, 7, 8, 9]
+    assert truncate_prompt(ids[:2], 5, 8) == [0, 1]
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens \(9\) must be at most "):
+        truncate_prompt(ids, 9, 8)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
+        truncate_prompt(ids, 0, 8)
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be -1"):
+        PoolingParams(truncate_prompt_tokens=-5)

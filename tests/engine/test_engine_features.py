@@ -11,7 +11,7 @@ import torch
 from jserve.core.step_costs import load_bucket_report
 from jserve.errors import RequestRejected
 from jserve.runtime.compilation import forbid_compilation
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import PoolingParams, SamplingParams
 from tests.shared_engine import make_engine, run_to_completion
 
 SYSTEM = (
@@ -190,6 +190,27 @@ def expire_waiting_and_running(engine):
     final = run_to_completion(engine)["running"].outputs[0]
     assert final.finish_reason == "timeout"  # ...and was ended while running
     assert final.token_ids[: len(streamed)] == streamed and len(final.token_ids) < 200
+
+
+def test_a_truncated_prompt_is_served_as_its_last_tokens(engine):
+    """truncate_prompt_tokens (vLLM's): the prompt's last k ids are served, token for token as
+    if they had been sent; a prompt past max_model_len is served cut instead of refused; the
+    output keeps the prompt text as given; embeddings are cut the same way."""
+    text = SYSTEM * 16  # past max_model_len (512)
+    ids = engine.tokenizer.encode(text)
+    assert len(ids) > engine.max_model_len
+    greedy = dict(temperature=0, max_tokens=8, ignore_eos=True)
+    cut = _generate(engine, [text], SamplingParams(**greedy, truncate_prompt_tokens=40), "t")[0]
+    sent = _generate(engine, [{"prompt_token_ids": ids[-40:]}], SamplingParams(**greedy), "s")[0]
+    assert cut.prompt_token_ids == ids[-40:] and cut.prompt == text
+    assert cut.outputs[0].token_ids == sent.outputs[0].token_ids
+    with pytest.raises(RequestRejected, match=r"at most max_model_len \(512\)") as refused:
+        engine.add_request("over", text, SamplingParams(truncate_prompt_tokens=513))
+    assert refused.value.param == "truncate_prompt_tokens"
+    engine.add_request("e0", text, pooling=PoolingParams(truncate_prompt_tokens=40))
+    engine.add_request("e1", {"prompt_token_ids": ids[-40:]}, pooling=PoolingParams())
+    final = run_to_completion(engine)
+    assert final["e0"].embedding == final["e1"].embedding
 
 
 def test_request_ids_are_checked_once_and_sample_ids_never_collide(engine):

@@ -50,9 +50,25 @@ async def test_mean_pooling_setting_and_base64_encoding():
     assert list(struct.unpack("<8f", raw)) == pytest.approx(_expected(3), abs=1e-7)
 
 
+async def test_truncate_prompt_tokens_embeds_each_inputs_last_tokens():
+    """vLLM's truncate_prompt_tokens: each input's last k ids are pooled (mean of [6, 7] is
+    6.5, of [1, 2, 6, 7] 4) and counted; an input past max_model_len (256) is embedded cut."""
+    async with serve(MockEngine(), pooling_type="mean") as client:
+        body = {"input": [[1, 2, 6, 7], [7] * 300], "truncate_prompt_tokens": 2}
+        cut = (await _embed(client, body))[1]
+    assert [d["embedding"] for d in cut["data"]] == [_expected(6.5), _expected(7)]
+    assert cut["usage"]["prompt_tokens"] == 4
+
+
 @pytest.mark.parametrize(
     ("body", "param", "message"),
     [
+        ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be -1"),
+        (
+            {"input": "a", "truncate_prompt_tokens": 257},
+            "truncate_prompt_tokens",
+            "at most max_model_len (256)",
+        ),
         ({"input": []}, "input", "'input' must be"),
         ({"input": [1, "a"]}, "input", "'input' must be"),
         ({"input": ["a", ""]}, "input[1]", "input[1] is empty"),

@@ -7,6 +7,7 @@ from server_harness import chat_prompt, echo_text, serve, stream_events
 from jserve.server.mock_engine import MockEngine
 
 USER_HI = [{"role": "user", "content": "Hi"}]
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 
 
 def _fast_mock(**kwargs) -> MockEngine:
@@ -330,6 +331,31 @@ async def test_completion_echo_leads_text_and_logprobs_with_the_prompt():
         for key in merged:
             merged[key] += c["logprobs"][key]
     assert merged == ECHO_LOGPROBS  # the prompt's in the first chunk, offsets keep counting
+
+
+async def test_truncate_prompt_tokens_serves_the_prompts_last_tokens():
+    """vLLM's truncate_prompt_tokens: only the prompt's last k tokens are served (the mock
+    repeats what it was given), counted in usage and echoed; for chat, the last k of the
+    rendered template; a prompt past max_model_len (256) is served cut, and -1 cuts to it."""
+    cut = {"prompt": "Hello world", "max_tokens": 4, "truncate_prompt_tokens": 5, "echo": True}
+    chat = {"messages": USER_HI, "max_tokens": 3, "truncate_prompt_tokens": 4}
+    long = {"prompt": "x" * 300, "max_tokens": 2, "truncate_prompt_tokens": 10}
+    whole = {"prompt": "y" * 300, "max_tokens": 2, "truncate_prompt_tokens": -1}
+    async with serve(_fast_mock()) as client:
+        answers = [
+            await client.post(path, json=body)
+            for path, body in [(COMPLETIONS, cut), (CHAT, chat), (COMPLETIONS, long),
+                               (COMPLETIONS, whole)]
+        ]  # fmt: skip
+        cut_body, chat_body, long_body = [await a.json() for a in answers[:3]]
+        whole_error = await answers[3].json()
+    assert cut_body["choices"][0]["text"] == "world" + echo_text("world", 4)
+    assert cut_body["usage"]["prompt_tokens"] == 5
+    assert chat_body["choices"][0]["message"]["content"] == echo_text("ant:", 3)
+    assert chat_body["usage"]["prompt_tokens"] == 4
+    assert long_body["usage"]["prompt_tokens"] == 10
+    # -1 keeps max_model_len tokens, which leaves no room for an output: the usual refusal.
+    assert answers[3].status == 400 and "max_model_len" in whole_error["error"]["message"]
 
 
 async def test_completion_prompt_logprobs_vllm_shape():
