@@ -32,7 +32,9 @@ class TokenizerLike(Protocol):
 class EngineClient(Protocol):
     """What the server needs from an engine.
 
-    `generate` yields cumulative RequestOutputs (per CompletionOutput: `text` extends the
+    `generate`'s prompt is text, token ids, or vLLM's dict (`{"prompt_token_ids": ids}` with an
+    optional "cache_salt": its prefix-cache blocks are shared only with requests of that salt).
+    It yields cumulative RequestOutputs (per CompletionOutput: `text` extends the
     previous text, `token_ids` and `logprobs` grow); the last one has `finished=True`. It raises
     `jserve.errors.RequestRejected` at the first iteration when the request is not admitted,
     `lane` is a jserve.config.scheduler.Lane, `tenant` names who it is served for,
@@ -66,7 +68,7 @@ class EngineClient(Protocol):
 
     def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict,
         params: SamplingParams,
         request_id: str,
         *,

@@ -91,8 +91,9 @@ class Generation:
         self.tracker = RequestTracker(metrics, parsed.lane, tenant)
         self.final: RequestOutput | None = None
         self.rejected = False
+        salted = {"prompt_token_ids": prompt_ids, "cache_salt": parsed.cache_salt}
         self.outputs = engine.generate(
-            prompt_ids,
+            prompt_ids if parsed.cache_salt is None else salted,
             parsed.params,
             request_id,
             lane=parsed.lane,

@@ -144,7 +144,7 @@ class MockEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict,
         params: SamplingParams,
         request_id: str,
         *,
@@ -162,6 +162,8 @@ class MockEngine:
             raise RequestRejected(
                 RejectReason.INVALID, f"n must be at most {self.max_n}, got {params.n}", param="n"
             )
+        if isinstance(prompt, dict):  # the server's form: ids, and a cache salt (no cache here)
+            prompt = prompt["prompt_token_ids"]
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         max_tokens = 1 if pooling else params.max_tokens or self.max_model_len - len(ids)
         if max_tokens < 1 or len(ids) + max_tokens > self.max_model_len:

@@ -91,6 +91,8 @@ class ParsedRequest:
     # chat: end with the assistant's header; more template variables (chat_template_kwargs)
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] | None = None
+    # vLLM's: the prompt's prefix-cache blocks are shared only with requests of this salt
+    cache_salt: str | None = None
 
 
 # vLLM's request extensions jserve does not honour, and the values that change nothing (vLLM's
@@ -103,7 +105,6 @@ VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
     "return_tokens_as_token_ids": (False,),
     "logits_processors": ([],),
-    "cache_salt": (),
     "continue_final_message": (False,),  # chat
     "chat_template": (),  # chat
     "documents": ([],),  # chat
@@ -167,6 +168,12 @@ def _checked(check: Callable[..., Any], name: str, *args: Any, **kwargs: Any) ->
         return check(name, *args, **kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc), param=name) from exc
+
+
+def _cache_salt(body: GenerationRequest) -> str | None:
+    if body.cache_salt == "":
+        raise APIError(400, "'cache_salt' must be a non-empty string", param="cache_salt")
+    return body.cache_salt
 
 
 def _request_options(body: GenerationRequest) -> tuple[bool, bool, Lane, float | None]:
@@ -251,6 +258,7 @@ def parse_completion(
     return ParsedRequest(
         prompt, None, params, body.model, stream, include_usage, lane, timeout,
         fields=_constraint_fields(constraint_field(body)), echo=echo,
+        cache_salt=_cache_salt(body),
     )  # fmt: skip
 
 
@@ -409,7 +417,7 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
     return ParsedRequest(
         None, messages, params, body.model, stream, include_usage, lane, timeout, top_logprobs,
         tools, fields, add_generation_prompt=body.add_generation_prompt is not False,
-        template_kwargs=body.chat_template_kwargs,
+        template_kwargs=body.chat_template_kwargs, cache_salt=_cache_salt(body),
     )  # fmt: skip
 
 

@@ -195,6 +195,7 @@ class GenerationRequest(_Body):
     priority: int | None = None  # vLLM's; only its default 0 is accepted
     timeout: float | None = None
     user: str | None = None
+    cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only with this salt
     echo: bool | None = None  # completions: the prompt first in text and logprobs
     prompt_logprobs: int | None = None  # vLLM's, completions: every prompt token's top-k
     # Refused when set: jserve cannot honour them.
@@ -211,7 +212,6 @@ class GenerationRequest(_Body):
     spaces_between_special_tokens: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     logits_processors: Any = None
-    cache_salt: str | None = None
 
 
 class CompletionRequest(GenerationRequest, kw_only=True):

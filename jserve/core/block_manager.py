@@ -207,9 +207,11 @@ class BlockManager:
         size = self.block_size
         while len(hashes) <= index:
             start = len(hashes) * size
-            parent = hashes[-1] if hashes else None
             tokens = request.all_token_ids[start : start + size]
-            hashes.append(hash_block_tokens(parent, tokens))
+            if hashes:
+                hashes.append(hash_block_tokens(hashes[-1], tokens))
+            else:
+                hashes.append(hash_block_tokens(None, tokens, request.cache_salt))
         return hashes[index]
 
     def _take_free_block(self) -> int:

@@ -1,9 +1,11 @@
 """Content-addressed index of full KV blocks, with LRU eviction of the unreferenced ones.
 
-A block's key chains its parent's key, its own token ids and an optional extra key, so equal
-keys mean equal prefixes. The key is a 128-bit BLAKE2b digest: a collision would need a
-cryptographic break (Python's `hash()` can be steered by a client choosing tokens), and a hit
-still compares the block's token ids as a second guard.
+A block's key chains its parent's key and its own token ids, so equal keys mean equal
+prefixes; a request's `cache_salt` (vLLM's) goes into its first block's key, so requests share
+blocks only with requests of the same salt (a tenant with a secret salt cannot be probed, by
+another's cache hits or their timing, for the prompts it sent). The key is a 128-bit BLAKE2b
+digest: a collision would need a cryptographic break (Python's `hash()` can be steered by a
+client choosing tokens), and a hit still compares the block's token ids as a second guard.
 
 The cache holds no references: a cached block is "in use" through the ref counts of the
 request tables that hold it, and "evictable" (listed here, LRU first) once none do. The block
@@ -20,10 +22,15 @@ from collections.abc import Sequence
 _ROOT_HASH = b"\0" * 16
 
 
-def hash_block_tokens(parent_hash: bytes | None, token_ids: Sequence[int]) -> bytes:
-    """Key of one full block. `parent_hash` is None for a sequence's first block."""
+def hash_block_tokens(
+    parent_hash: bytes | None, token_ids: Sequence[int], salt: str | None = None
+) -> bytes:
+    """Key of one full block. `parent_hash` is None for a sequence's first block, the only one
+    whose key takes the `salt` (after the block's fixed number of tokens: no ambiguity)."""
     digest = hashlib.blake2b(parent_hash or _ROOT_HASH, digest_size=16)
     digest.update(token_ids if isinstance(token_ids, array) else array("q", token_ids))
+    if salt is not None:
+        digest.update(salt.encode("utf-8", "surrogatepass"))
     return digest.digest()
 
 

@@ -38,16 +38,17 @@ class Request:
     scheduler rejected is FINISHED with no finish reason. `deadline` is absolute, on the
     `time.monotonic()` clock (what it means: `jserve.core.deadlines`). `lane` may be given by
     name; the scheduler makes it a `Lane` when it queues the request, or refuses an unknown
-    one. `tenant` names who
-    it is served for (fair share and caps: `jserve.core.fairness`). With `can_speculate` (and
-    speculation configured) its decodes carry draft tokens (jserve.core.planner). Siblings
-    of an `n > 1` request share a `group_id` and the same prompt. With `prompt_rows` (prompt
-    logprobs, mean pooling) each step computes a row of logits and hidden state at every
-    prompt position it computes, so its chunks are bounded by the step's free rows
-    (max_num_seqs in all) and its admission takes no cached prefix (whose rows nobody
-    computes); the scheduler clears it once the prompt is computed. Request ids must be unique among
-    unfinished requests: the engine checks that once, for its users' ids, and derives these
-    ids from them (jserve.engine.llm_engine.child_ids).
+    one. `tenant` names who it is served for (fair share and caps: `jserve.core.fairness`).
+    With `can_speculate` (and speculation configured) its decodes carry draft tokens
+    (jserve.core.planner). Siblings of an `n > 1` request share a `group_id` and the same
+    prompt. With `prompt_rows` (prompt logprobs, mean pooling) each step computes a row of
+    logits and hidden state at every prompt position it computes, so its chunks are bounded by
+    the step's free rows (max_num_seqs in all) and its admission takes no cached prefix (whose
+    rows nobody computes); the scheduler clears it once the prompt is computed. `cache_salt`
+    (vLLM's) keys its prefix-cache blocks apart from those of requests with another salt or
+    none (jserve.core.prefix_cache). Request ids must be unique among unfinished requests: the
+    engine checks that once, for its users' ids, and derives these ids from them
+    (jserve.engine.llm_engine.child_ids).
     """
 
     __slots__ = (
@@ -55,6 +56,7 @@ class Request:
         "arrival_time",
         "block_hashes",
         "block_ids",
+        "cache_salt",
         "can_speculate",
         "deadline",
         "draft_acceptance",
@@ -92,8 +94,10 @@ class Request:
         tenant: str = DEFAULT_TENANT,
         can_speculate: bool = False,
         prompt_rows: bool = False,
+        cache_salt: str | None = None,
     ) -> None:
         self.request_id = request_id
+        self.cache_salt = cache_salt
         self.prompt_rows = prompt_rows
         # Whether drafts may be verified for it (the engine's call: unconstrained).
         self.can_speculate = can_speculate

@@ -49,7 +49,7 @@ from jserve.config.engine_args import EngineArgs
 from jserve.config.scheduler import Lane
 from jserve.config.validation import show
 from jserve.core.tenants import DEFAULT_TENANT
-from jserve.engine.llm_engine import LLMEngine
+from jserve.engine.llm_engine import LLMEngine, Prompt
 from jserve.errors import EngineDeadError, RejectReason, RequestRejected, invalid_param
 from jserve.outputs import EngineState, EngineStats, RequestOutput
 from jserve.sampling_params import PoolingParams, SamplingParams
@@ -103,7 +103,7 @@ class AsyncLLMEngine:
 
     async def generate(
         self,
-        prompt: str | list[int],
+        prompt: Prompt,
         params: SamplingParams,
         request_id: str,
         *,

@@ -47,8 +47,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs in prompt order.
 
-        A prompt is a string or {"prompt_token_ids": [...]}; `sampling_params` is one for all
-        or a list with one per prompt.
+        A prompt is a string, or vLLM's dict: {"prompt": text} or {"prompt_token_ids": [...]},
+        with an optional "cache_salt" (prefix-cache blocks shared only with its salt's
+        requests); `sampling_params` is one for all or a list with one per prompt.
         """
         if isinstance(prompts, str | dict):
             prompts = [prompts]

@@ -67,6 +67,8 @@ from jserve.structured.decoding import SequenceMatcher, StructuredDecoding
 
 log = logging.getLogger(__name__)
 
+# A prompt: its text, its token ids, or vLLM's dict ({"prompt": text} or {"prompt_token_ids":
+# ids}, with an optional "cache_salt": jserve.core.prefix_cache).
 Prompt = str | list[int] | dict
 # An embedding request's sampling: its one sampled token (from its last prompt row) ends it
 # and is dropped; the embedding is its output.
@@ -245,7 +247,7 @@ class LLMEngine:
                 RejectReason.INVALID,
                 f"request id {request_id!r} is already in use; use a unique id",
             )
-        text, ids = self._prompt_ids(prompt)
+        text, ids, salt = self._prompt_ids(prompt)
         with invalid_param("truncate_prompt_tokens"):  # the text stays as given, as vLLM's
             keep = (pooling or params).truncate_prompt_tokens
             ids = truncate_prompt(ids, keep, self.max_model_len)
@@ -263,7 +265,7 @@ class LLMEngine:
             req = Request(
                 child_id, ids, stop=stop, arrival_time=arrival, lane=lane, deadline=deadline,
                 group_id=request_id if params.n > 1 else None, tenant=tenant,
-                can_speculate=speculate, prompt_rows=state.wants_prompt_rows,
+                can_speculate=speculate, prompt_rows=state.wants_prompt_rows, cache_salt=salt,
             )  # fmt: skip
             try:
                 self.scheduler.add_request(req, now=arrival)
@@ -317,17 +319,30 @@ class LLMEngine:
             )
         return [self.structured.new_matcher(template) for _ in range(params.n)]
 
-    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int], str | None]:
+        """(text, ids, cache salt) of a prompt: its text, its token ids, or vLLM's dict of
+        either ("prompt" or "prompt_token_ids") with an optional "cache_salt"."""
+        salt = None
         if isinstance(prompt, dict):
-            if "prompt_token_ids" not in prompt:
+            forms = [key for key in ("prompt", "prompt_token_ids") if key in prompt]
+            if len(forms) != 1:
                 raise RequestRejected(
-                    RejectReason.INVALID, "a dict prompt needs 'prompt_token_ids'", param="prompt"
+                    RejectReason.INVALID,
+                    "a dict prompt needs exactly one of 'prompt' and 'prompt_token_ids'",
+                    param="prompt",
                 )
-            prompt = prompt["prompt_token_ids"]
+            salt = prompt.get("cache_salt")
+            if salt is not None and not (isinstance(salt, str) and salt):
+                raise RequestRejected(
+                    RejectReason.INVALID,
+                    "cache_salt must be a non-empty string",
+                    param="cache_salt",
+                )
+            prompt = prompt[forms[0]]
         if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt)
+            return prompt, self.tokenizer.encode(prompt), salt
         with invalid_param("prompt"):
-            return None, check_token_ids("prompt", list(prompt), self.vocab_size)
+            return None, check_token_ids("prompt", list(prompt), self.vocab_size), salt
 
     def abort_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT

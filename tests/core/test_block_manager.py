@@ -92,12 +92,28 @@ def test_hash_chains_the_parent():
 
 def test_token_equality_guards_against_a_hash_collision(monkeypatch):
     monkeypatch.setattr(
-        "jserve.core.block_manager.hash_block_tokens", lambda parent, tokens: b"same"
+        "jserve.core.block_manager.hash_block_tokens", lambda parent, tokens, salt=None: b"same"
     )
     manager = BlockManager(num_blocks=8, block_size=2, enable_prefix_caching=True)
     compute(manager, request("a", [1, 2, 3]), 3)
     assert manager.lookup_prefix(request("b", [5, 6, 7])) == []  # same key, other tokens
     assert manager.lookup_prefix(request("c", [1, 2, 9])) != []
+
+
+def test_a_cache_salt_shares_blocks_only_with_its_own_salt():
+    """vLLM's cache_salt: the same tokens under another salt (or none) find nothing cached,
+    under the same salt all of it; the salt keys the first block and the chain carries it."""
+    manager = BlockManager(num_blocks=16, block_size=2, enable_prefix_caching=True)
+    tokens = [1, 2, 3, 4, 5]
+    compute(manager, Request("a", tokens, cache_salt="s3cret"), 5)
+    assert len(manager.lookup_prefix(Request("same", tokens, cache_salt="s3cret"))) == 2
+    for other in (None, "other", "s3cre"):
+        assert manager.lookup_prefix(Request("b", tokens, cache_salt=other)) == [], other
+    compute(manager, request("c", tokens), 5)  # unsalted: its own blocks, found unsalted
+    assert len(manager.lookup_prefix(request("d", tokens))) == 2
+    assert hash_block_tokens(None, [1, 2], "x") not in (
+        hash_block_tokens(None, [1, 2]), hash_block_tokens(None, [1, 2], "y")
+    )  # fmt: skip
 
 
 def test_output_blocks_are_cached_once_full():

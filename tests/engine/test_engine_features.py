@@ -213,6 +213,26 @@ def test_a_truncated_prompt_is_served_as_its_last_tokens(engine):
     assert final["e0"].embedding == final["e1"].embedding
 
 
+def test_a_cache_salt_hits_only_its_own_salts_blocks(engine):
+    """vLLM's cache_salt (a dict prompt's): the same prompt under another salt, or none, hits
+    nothing cached; under its own salt it hits; the tokens are the same every time."""
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompt = SYSTEM + "When do you open?"
+
+    def run(tag: str, salt: str | None) -> tuple[int, list[int]]:
+        before = engine.stats().prefix_cache_hits
+        form = {"prompt": prompt} if salt is None else {"prompt": prompt, "cache_salt": salt}
+        out = _generate(engine, [form], greedy, tag)[0]
+        return engine.stats().prefix_cache_hits - before, list(out.outputs[0].token_ids)
+
+    runs = [run(tag, salt) for tag, salt in [("a", "alice"), ("b", "bob"), ("n", None),
+                                             ("a2", "alice"), ("n2", None)]]  # fmt: skip
+    assert [hits > 0 for hits, _ in runs] == [False, False, False, True, True]
+    assert all(tokens == runs[0][1] for _, tokens in runs)
+    with pytest.raises(RequestRejected, match="cache_salt must be a non-empty string"):
+        engine.add_request("bad", {"prompt": prompt, "cache_salt": ""})
+
+
 def test_request_ids_are_checked_once_and_sample_ids_never_collide(engine):
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     engine.add_request("dup", "Hi", params)

@@ -358,6 +358,37 @@ async def test_truncate_prompt_tokens_serves_the_prompts_last_tokens():
     assert answers[3].status == 400 and "max_model_len" in whole_error["error"]["message"]
 
 
+class _RecordingMock(MockEngine):
+    """The mock, keeping every prompt the server hands it."""
+
+    def __init__(self) -> None:
+        super().__init__(token_delay=0.001)
+        self.prompts: list = []
+
+    def generate(self, prompt, *args, **kwargs):
+        self.prompts.append(prompt)
+        return super().generate(prompt, *args, **kwargs)
+
+
+async def test_cache_salt_reaches_the_engine_with_the_prompt_ids():
+    """vLLM's cache_salt goes to the engine in its dict prompt (the engine keys the prompt's
+    prefix-cache blocks with it); without one the ids go as they are."""
+    engine = _RecordingMock()
+    async with serve(engine) as client:
+        for path, body in [
+            (COMPLETIONS, {"prompt": "Hi", "max_tokens": 1, "cache_salt": "k1"}),
+            (CHAT, {"messages": USER_HI, "max_tokens": 1, "cache_salt": "k2"}),
+            (COMPLETIONS, {"prompt": "Hi", "max_tokens": 1}),
+        ]:
+            assert (await client.post(path, json=body)).status == 200
+    chat_ids = [ord(c) for c in chat_prompt(USER_HI)]
+    assert engine.prompts == [
+        {"prompt_token_ids": [72, 105], "cache_salt": "k1"},
+        {"prompt_token_ids": chat_ids, "cache_salt": "k2"},
+        [72, 105],
+    ]
+
+
 async def test_completion_prompt_logprobs_vllm_shape():
     body = {"prompt": "Hi!", "max_tokens": 1, "prompt_logprobs": 1}
     expected = [
