@@ -247,10 +247,7 @@ class LLMEngine:
                 RejectReason.INVALID,
                 f"request id {request_id!r} is already in use; use a unique id",
             )
-        text, ids, salt = self._prompt_ids(prompt)
-        with invalid_param("truncate_prompt_tokens"):  # the text stays as given, as vLLM's
-            keep = (pooling or params).truncate_prompt_tokens
-            ids = truncate_prompt(ids, keep, self.max_model_len)
+        text, ids, salt = self._prompt_ids(prompt, (pooling or params).truncate_prompt_tokens)
         stop = self._stop_conditions(params, len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         matchers = self._matchers(params, grammar)
@@ -319,30 +316,37 @@ class LLMEngine:
             )
         return [self.structured.new_matcher(template) for _ in range(params.n)]
 
-    def _prompt_ids(self, prompt: Prompt) -> tuple[str | None, list[int], str | None]:
+    def _prompt_ids(
+        self, prompt: Prompt, keep: int | None
+    ) -> tuple[str | None, list[int], str | None]:
         """(text, ids, cache salt) of a prompt: its text, its token ids, or vLLM's dict of
-        either ("prompt" or "prompt_token_ids") with an optional "cache_salt"."""
-        salt = None
-        if isinstance(prompt, dict):
-            forms = [key for key in ("prompt", "prompt_token_ids") if key in prompt]
-            if len(forms) != 1:
-                raise RequestRejected(
-                    RejectReason.INVALID,
-                    "a dict prompt needs exactly one of 'prompt' and 'prompt_token_ids'",
-                    param="prompt",
-                )
-            salt = prompt.get("cache_salt")
-            if salt is not None and not (isinstance(salt, str) and salt):
-                raise RequestRejected(
-                    RejectReason.INVALID,
-                    "cache_salt must be a non-empty string",
-                    param="cache_salt",
-                )
-            prompt = prompt[forms[0]]
-        if isinstance(prompt, str):
-            return prompt, self.tokenizer.encode(prompt), salt
-        with invalid_param("prompt"):
-            return None, check_token_ids("prompt", list(prompt), self.vocab_size), salt
+        either ("prompt" or "prompt_token_ids") with an optional "cache_salt"; the ids cut to
+        the last `keep` (truncate_prompt_tokens), the text left as given (as vLLM leaves it)."""
+        given, salt = self._prompt_dict(prompt) if isinstance(prompt, dict) else (prompt, None)
+        if isinstance(given, str):
+            text, ids = given, self.tokenizer.encode(given)
+        else:
+            with invalid_param("prompt"):
+                text, ids = None, check_token_ids("prompt", list(given), self.vocab_size)
+        with invalid_param("truncate_prompt_tokens"):
+            return text, truncate_prompt(ids, keep, self.max_model_len), salt
+
+    @staticmethod
+    def _prompt_dict(prompt: dict) -> tuple[str | list[int], str | None]:
+        """(text or token ids, cache salt) of vLLM's dict prompt."""
+        forms = [key for key in ("prompt", "prompt_token_ids") if key in prompt]
+        if len(forms) != 1:
+            raise RequestRejected(
+                RejectReason.INVALID,
+                "a dict prompt needs exactly one of 'prompt' and 'prompt_token_ids'",
+                param="prompt",
+            )
+        salt = prompt.get("cache_salt")
+        if salt is not None and not (isinstance(salt, str) and salt):
+            raise RequestRejected(
+                RejectReason.INVALID, "cache_salt must be a non-empty string", param="cache_salt"
+            )
+        return prompt[forms[0]], salt
 
     def abort_request(
         self, request_id: str, reason: FinishReason = FinishReason.ABORT
