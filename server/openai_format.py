@@ -18,7 +18,7 @@ rank, decoded_token), in the first chunk of a stream.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -38,15 +38,26 @@ def usage(output: RequestOutput) -> dict[str, int]:
     }
 
 
-def _token_text(tokenizer: TokenizerLike, token_id: int, logprob: Logprob) -> str:
-    if logprob.decoded_token is not None:
-        return logprob.decoded_token
-    return tokenizer.decode([token_id], skip_special_tokens=False)
+# How logprobs name a token: (token id, its Logprob if scored) -> the name.
+TokenNamer = Callable[[int, Logprob | None], str]
 
 
-def _ranked(tokenizer: TokenizerLike, alternatives: dict[int, Logprob]) -> list[tuple[str, float]]:
+def token_namer(tokenizer: TokenizerLike, as_ids: bool = False) -> TokenNamer:
+    """Names for logprobs' tokens: each token's text, or with `as_ids` (vLLM's
+    return_tokens_as_token_ids) "token_id:ID", which names a token whose text alone is not
+    valid UTF-8 or is shared with another token."""
+
+    def text(token_id: int, logprob: Logprob | None) -> str:
+        if logprob is not None and logprob.decoded_token is not None:
+            return logprob.decoded_token
+        return tokenizer.decode([token_id], skip_special_tokens=False)
+
+    return (lambda token_id, _: f"token_id:{token_id}") if as_ids else text
+
+
+def _ranked(name: TokenNamer, alternatives: dict[int, Logprob]) -> list[tuple[str, float]]:
     ranked = sorted(alternatives.items(), key=lambda item: -item[1].logprob)
-    return [(_token_text(tokenizer, tid, lp), lp.logprob) for tid, lp in ranked]
+    return [(name(tid, lp), lp.logprob) for tid, lp in ranked]
 
 
 @dataclass
@@ -61,7 +72,7 @@ class ChoiceCursor:
 
 
 def completion_logprobs(
-    tokenizer: TokenizerLike, out: CompletionOutput, cursor: ChoiceCursor, end: int
+    name: TokenNamer, out: CompletionOutput, cursor: ChoiceCursor, end: int
 ) -> dict[str, list] | None:
     """Legacy completions logprobs for tokens [cursor.num_tokens, end); advances text_offset."""
     if out.logprobs is None:
@@ -74,10 +85,10 @@ def completion_logprobs(
     }
     for i in range(cursor.num_tokens, end):
         token_id, alternatives = out.token_ids[i], out.logprobs[i]
-        token = _token_text(tokenizer, token_id, alternatives[token_id])
+        token = name(token_id, alternatives[token_id])
         result["tokens"].append(token)
         result["token_logprobs"].append(alternatives[token_id].logprob)
-        result["top_logprobs"].append(dict(_ranked(tokenizer, alternatives)))
+        result["top_logprobs"].append(dict(_ranked(name, alternatives)))
         result["text_offset"].append(cursor.text_offset)
         cursor.text_offset += len(token)
     return result
@@ -101,7 +112,7 @@ def prompt_logprobs_json(scored: PromptLogprobs) -> list[dict[int, dict] | None]
 
 
 def echo_logprobs(
-    tokenizer: TokenizerLike,
+    name: TokenNamer,
     prompt_ids: Sequence[int],
     scored: PromptLogprobs,
     cursor: ChoiceCursor,
@@ -116,13 +127,13 @@ def echo_logprobs(
     }
     for token_id, entry in zip(prompt_ids, scored, strict=True):
         if entry is None:
-            token = tokenizer.decode([token_id], skip_special_tokens=False)
+            token = name(token_id, None)
             result["token_logprobs"].append(None)
             result["top_logprobs"].append(None)
         else:
-            token = _token_text(tokenizer, token_id, entry[token_id])
+            token = name(token_id, entry[token_id])
             result["token_logprobs"].append(entry[token_id].logprob)
-            result["top_logprobs"].append(dict(_ranked(tokenizer, entry)))
+            result["top_logprobs"].append(dict(_ranked(name, entry)))
         result["tokens"].append(token)
         result["text_offset"].append(cursor.text_offset)
         cursor.text_offset += len(token)
@@ -130,7 +141,7 @@ def echo_logprobs(
 
 
 def chat_logprobs(
-    tokenizer: TokenizerLike, out: CompletionOutput, start: int, end: int, top_n: int
+    name: TokenNamer, out: CompletionOutput, start: int, end: int, top_n: int
 ) -> dict[str, list] | None:
     """Chat logprobs ({"content": [...]}) for tokens [start, end)."""
     if out.logprobs is None:
@@ -143,8 +154,8 @@ def chat_logprobs(
     for i in range(start, end):
         token_id, alternatives = out.token_ids[i], out.logprobs[i]
         sampled = alternatives[token_id]
-        item = entry(_token_text(tokenizer, token_id, sampled), sampled.logprob)
-        item["top_logprobs"] = [entry(t, lp) for t, lp in _ranked(tokenizer, alternatives)][:top_n]
+        item = entry(name(token_id, sampled), sampled.logprob)
+        item["top_logprobs"] = [entry(t, lp) for t, lp in _ranked(name, alternatives)][:top_n]
         content.append(item)
     return {"content": content}
 
@@ -175,13 +186,15 @@ class ResponseBuilder:
         top_logprobs: int = 0,
         tools: ToolRequest | None = None,
         echo: str | None = None,
+        tokens_as_ids: bool = False,
     ) -> None:
-        """`echo`: the prompt's text, which leads each choice's (completions' `echo`)."""
+        """`echo`: the prompt's text, which leads each choice's (completions' `echo`);
+        `tokens_as_ids`: logprobs name tokens "token_id:ID" (token_namer)."""
         self.kind = kind
         self.echo = echo
         self.request_id = request_id
         self.model = model
-        self.tokenizer = tokenizer
+        self.token_name = token_namer(tokenizer, tokens_as_ids)
         self.top_logprobs = top_logprobs
         self.tools = tools if kind == Endpoint.CHAT else None
         self.created = int(time.time())
@@ -197,8 +210,8 @@ class ResponseBuilder:
 
     def _logprobs(self, out: CompletionOutput, cursor: ChoiceCursor, end: int) -> dict | None:
         if self.kind == Endpoint.COMPLETION:
-            return completion_logprobs(self.tokenizer, out, cursor, end)
-        return chat_logprobs(self.tokenizer, out, cursor.num_tokens, end, self.top_logprobs)
+            return completion_logprobs(self.token_name, out, cursor, end)
+        return chat_logprobs(self.token_name, out, cursor.num_tokens, end, self.top_logprobs)
 
     def _lead(
         self, request: RequestOutput, out: CompletionOutput, cursor: ChoiceCursor
@@ -211,7 +224,7 @@ class ResponseBuilder:
             return "", None, fields
         logprobs = None
         if out.logprobs is not None and scored is not None:
-            logprobs = echo_logprobs(self.tokenizer, request.prompt_token_ids, scored, cursor)
+            logprobs = echo_logprobs(self.token_name, request.prompt_token_ids, scored, cursor)
         return self.echo, logprobs, fields
 
     def _content(self, out: CompletionOutput) -> tuple[int, list[dict[str, Any]]]:

@@ -93,6 +93,7 @@ class ParsedRequest:
     template_kwargs: dict[str, Any] | None = None
     # vLLM's: the prompt's prefix-cache blocks are shared only with requests of this salt
     cache_salt: str | None = None
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
 
 
 # vLLM's request extensions jserve does not honour, and the values that change nothing (vLLM's
@@ -103,7 +104,6 @@ VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
     "allowed_token_ids": ([],),
     "bad_words": ([],),
     "spaces_between_special_tokens": (True,),
-    "return_tokens_as_token_ids": (False,),
     "logits_processors": ([],),
     "continue_final_message": (False,),  # chat
     "chat_template": (),  # chat
@@ -258,7 +258,7 @@ def parse_completion(
     return ParsedRequest(
         prompt, None, params, body.model, stream, include_usage, lane, timeout,
         fields=_constraint_fields(constraint_field(body)), echo=echo,
-        cache_salt=_cache_salt(body),
+        cache_salt=_cache_salt(body), tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )  # fmt: skip
 
 
@@ -418,6 +418,7 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
         None, messages, params, body.model, stream, include_usage, lane, timeout, top_logprobs,
         tools, fields, add_generation_prompt=body.add_generation_prompt is not False,
         template_kwargs=body.chat_template_kwargs, cache_salt=_cache_salt(body),
+        tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )  # fmt: skip
 
 

@@ -196,6 +196,7 @@ class GenerationRequest(_Body):
     timeout: float | None = None
     user: str | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only with this salt
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name "token_id:ID"
     echo: bool | None = None  # completions: the prompt first in text and logprobs
     prompt_logprobs: int | None = None  # vLLM's, completions: every prompt token's top-k
     # Refused when set: jserve cannot honour them.
@@ -210,7 +211,6 @@ class GenerationRequest(_Body):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     spaces_between_special_tokens: bool | None = None
-    return_tokens_as_token_ids: bool | None = None
     logits_processors: Any = None
 
 

@@ -99,8 +99,6 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": "a", "cache_salt": ""}, 400, "cache_salt",
      "'cache_salt' must be a non-empty string"),
     (COMPLETIONS, {"prompt": "a", "length_penalty": 0.5}, 400, "length_penalty", "not supported"),
-    (COMPLETIONS, {"prompt": "a", "return_tokens_as_token_ids": True}, 400,
-     "return_tokens_as_token_ids", "not supported"),
     (CHAT, {"messages": HI, "continue_final_message": True}, 400, "continue_final_message",
      "not supported"),
     (CHAT, {"messages": HI, "chat_template": "{{ messages }}"}, 400, "chat_template",

@@ -389,6 +389,30 @@ async def test_cache_salt_reaches_the_engine_with_the_prompt_ids():
     ]
 
 
+async def test_return_tokens_as_token_ids_names_logprobs_tokens_by_id():
+    """vLLM's return_tokens_as_token_ids: every token in logprobs (sampled, alternatives, the
+    echoed prompt's) is "token_id:ID", offsets count those names; the text is unchanged."""
+    completion = {"prompt": "Hi!", "max_tokens": 2, "logprobs": 2, "echo": True,
+                  "return_tokens_as_token_ids": True}  # fmt: skip
+    chat = {"messages": USER_HI, "max_tokens": 1, "logprobs": True, "top_logprobs": 2,
+            "return_tokens_as_token_ids": True}  # fmt: skip
+    async with serve(_fast_mock()) as client:
+        done = await (await client.post(COMPLETIONS, json=completion)).json()
+        said = await (await client.post(CHAT, json=chat)).json()
+    logprobs = done["choices"][0]["logprobs"]
+    assert done["choices"][0]["text"] == "Hi!Hi"
+    names = {c: f"token_id:{ord(c)}" for c in 'Hi!Ij"'}
+    assert logprobs["tokens"] == [names[c] for c in "Hi!Hi"]
+    assert logprobs["top_logprobs"] == [
+        None if top is None else {names[t]: lp for t, lp in top.items()}
+        for top in ECHO_LOGPROBS["top_logprobs"]
+    ]
+    assert logprobs["text_offset"] == [0, 11, 23, 34, 45]  # "token_id:105" is 12 characters
+    item = said["choices"][0]["logprobs"]["content"][0]
+    assert (item["token"], item["bytes"]) == ("token_id:117", list(b"token_id:117"))
+    assert [t["token"] for t in item["top_logprobs"]] == ["token_id:117", "token_id:118"]
+
+
 async def test_completion_prompt_logprobs_vllm_shape():
     body = {"prompt": "Hi!", "max_tokens": 1, "prompt_logprobs": 1}
     expected = [
