@@ -130,6 +130,8 @@ class SamplingParams:
     `include_stop_str_in_output` (vLLM's) keeps the matched stop string, or the text of the
     stop token that ended a sample, at the end of its text; by default both are left out.
     `truncate_prompt_tokens` (vLLM's) serves only the prompt's last tokens (`truncate_prompt`).
+    `allowed_token_ids` (vLLM's) restricts every sampled token to those ids (logprobs stay the
+    model's own, as vLLM's raw logprobs).
     """
 
     n: int = 1
@@ -152,6 +154,7 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -161,6 +164,8 @@ class SamplingParams:
         else:
             self.stop = list(self.stop)
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -192,6 +197,22 @@ class SamplingParams:
         check_float("frequency_penalty", self.frequency_penalty, -2.0, 2.0)
         check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
         _check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        self._validate_allowed_token_ids()
+
+    def _validate_allowed_token_ids(self) -> None:
+        if self.allowed_token_ids is None:
+            return
+        _check(
+            len(self.allowed_token_ids) > 0,
+            "allowed_token_ids must hold at least one token id (leave it out to allow all)",
+        )
+        for i, token in enumerate(self.allowed_token_ids):
+            check_int(f"allowed_token_ids[{i}]", token, 0)
+        _check(
+            self.structured_outputs is None,
+            "allowed_token_ids cannot be combined with structured outputs: the constraint "
+            "decides which tokens may come next",
+        )
 
     def _validate_stop(self) -> None:
         _check(
@@ -236,6 +257,22 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         _check_truncate_prompt_tokens(self.truncate_prompt_tokens)
+        self._validate_allowed_token_ids()
+
+    def _validate_allowed_token_ids(self) -> None:
+        if self.allowed_token_ids is None:
+            return
+        _check(
+            len(self.allowed_token_ids) > 0,
+            "allowed_token_ids must hold at least one token id (leave it out to allow all)",
+        )
+        for i, token in enumerate(self.allowed_token_ids):
+            check_int(f"allowed_token_ids[{i}]", token, 0)
+        _check(
+            self.structured_outputs is None,
+            "allowed_token_ids cannot be combined with structured outputs: the constraint "
+            "decides which tokens may come next",
+        )
         try:
             object.__setattr__(self, "pooling_type", PoolingType(self.pooling_type))
         except ValueError:

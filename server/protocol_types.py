@@ -181,6 +181,7 @@ class GenerationRequest(_Body):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: serve only the prompt's last tokens
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only these ids
     # Output constraints: at most one of these (server/structured_outputs.py).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -208,7 +209,6 @@ class GenerationRequest(_Body):
     # (server/protocol.py:VLLM_UNHONOURED), never silently ignored.
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     spaces_between_special_tokens: bool | None = None
     logits_processors: Any = None

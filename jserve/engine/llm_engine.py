@@ -60,7 +60,7 @@ from jserve.runtime.compilation import (
 )
 from jserve.runtime.model_runner import StepOutput
 from jserve.runtime.sampler import NEUTRAL_ROW, SampledTokens
-from jserve.runtime.sampling_tensors import SamplingRow
+from jserve.runtime.sampling_tensors import SamplingRow, token_bitmask
 from jserve.runtime.step_inputs import StepInputBuilder, StepInputs
 from jserve.sampling_params import PoolingParams, SamplingParams, truncate_prompt
 from jserve.structured.decoding import SequenceMatcher, StructuredDecoding
@@ -89,6 +89,7 @@ class _Child:
     index: int
     seed: int
     matcher: SequenceMatcher | None = None  # its grammar state, if the request is constrained
+    allowed: np.ndarray | None = None  # the packed mask of its allowed_token_ids, if it has any
 
 
 @dataclass
@@ -107,7 +108,8 @@ def _sampling_rows(
     """The sampler's rows of one seq: one; for a decode with drafts one per draft plus
     one, each with the drafts before it in its output (penalties, min_tokens see them); for
     an `every_row` chunk its prompt rows (`_prompt_rows`), then the sampled one if it ends
-    the prompt."""
+    the prompt. `allowed_tokens` (a grammar's mask, or the fixed one of allowed_token_ids:
+    never both) applies to every row that samples."""
     params, stop, prompt = child.state.params, child.state.stop, seq.prompt_token_ids
     output = seq.output_token_ids
     if seq.every_row:
@@ -125,7 +127,9 @@ def _sampling_rows(
     drafts = seq.token_ids[1:]
     histories = [output, *(output + drafts[:j] for j in range(1, seq.num_drafts + 1))]
     return [
-        SamplingRow(params, child.seed, prompt, history, stop.banned_ids(len(history)))
+        SamplingRow(
+            params, child.seed, prompt, history, stop.banned_ids(len(history)), allowed_tokens
+        )
         for history in histories
     ]
 
@@ -250,7 +254,7 @@ class LLMEngine:
         text, ids, salt = self._prompt_ids(prompt, (pooling or params).truncate_prompt_tokens)
         stop = self._stop_conditions(params, len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        matchers = self._matchers(params, grammar)
+        matchers, allowed = self._matchers(params, grammar), self._allowed_tokens(params)
         state = RequestState.create(
             request_id, text, ids, params, stop, self.tokenizer, arrival, pooling
         )
@@ -273,7 +277,7 @@ class LLMEngine:
                 raise
             children.append(child_id)
             seed = (base_seed + 7919 * i) & 0x7FFFFFFF
-            self._children[child_id] = _Child(state, i, seed, matchers[i])
+            self._children[child_id] = _Child(state, i, seed, matchers[i], allowed)
         self._states[request_id] = state
         self._num_prompt_tokens += len(ids)
 
@@ -287,6 +291,15 @@ class LLMEngine:
             stop = StopConditions.from_params(params, self.tokenizer.stop_token_ids, max_tokens)
             self.sampler.check_banned_ids(stop.banned_ids(0))
         return stop
+
+    def _allowed_tokens(self, params: SamplingParams) -> np.ndarray | None:
+        """The packed mask of the request's allowed_token_ids (each checked against the
+        vocabulary), which every row it samples applies; None if it has none."""
+        if params.allowed_token_ids is None:
+            return None
+        with invalid_param("allowed_token_ids"):
+            ids = check_token_ids("allowed_token_ids", params.allowed_token_ids, self.vocab_size)
+        return token_bitmask(ids, self.vocab_size)
 
     def _check_prompt_rows(self, state: RequestState) -> None:
         """A request with a row at every prompt position (prompt logprobs, mean pooling)
@@ -506,7 +519,8 @@ class LLMEngine:
             if child is None:
                 rows.extend([NEUTRAL_ROW] * seq.num_rows)
                 continue
-            rows.extend(_sampling_rows(seq, child, masks.get(firsts[i] + seq.sample_row)))
+            mask = masks.get(firsts[i] + seq.sample_row, child.allowed)
+            rows.extend(_sampling_rows(seq, child, mask))
             if seq.every_row or child.state.pooler is not None:
                 kept.append((i, firsts[i], child))
         result = self.sampler.sample(output.logits, rows)

@@ -104,6 +104,14 @@ def bitmask_width(vocab_size: int) -> int:
     return -(-vocab_size // 32)
 
 
+def token_bitmask(token_ids: Sequence[int], vocab_size: int) -> np.ndarray:
+    """[W] int32 packed bitmask allowing exactly `token_ids` (ids in [0, vocab_size))."""
+    words = np.zeros(bitmask_width(vocab_size), np.uint32)
+    ids = np.asarray(token_ids, np.int64)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return words.view(np.int32)
+
+
 class SamplingTensorBuilder:
     """Fills SamplingTensors for one step; owns the staging buffers.
 

@@ -23,7 +23,12 @@ from jserve.config.scheduler import (
     SchedulingPolicy,
 )
 from jserve.config.settings import InvalidSetting
-from jserve.sampling_params import PoolingParams, SamplingParams, truncate_prompt
+from jserve.sampling_params import (
+    PoolingParams,
+    SamplingParams,
+    StructuredOutputsParams,
+    truncate_prompt,
+)
 
 from .helpers import make_request, make_scheduler
 
@@ -230,6 +235,12 @@ def test_sampling_params_normalises_stop_and_top_k():
             "got 0",
         ),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens must be -1"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must hold at least one token id"),
+        ({"allowed_token_ids": [3, -1]}, "allowed_token_ids[1] must be an integer in [0, "),
+        (
+            {"allowed_token_ids": [3], "structured_outputs": StructuredOutputsParams(regex="a")},
+            "allowed_token_ids cannot be combined with structured outputs",
+        ),
         ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens must be -1"),
     ],
 )

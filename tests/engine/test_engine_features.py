@@ -141,6 +141,33 @@ def test_greedy_logprobs_match_transformers(engine, hf_default_model):
         assert list(entry)[:5] == top5.tolist() or set(entry) == set(top5.tolist())
 
 
+def test_allowed_token_ids_restrict_every_sampled_token(engine, hf_default_model):
+    """vLLM's allowed_token_ids: greedy takes, at every step, transformers' argmax over the
+    allowed ids alone; a seeded sample (two samples, n=2) only ever takes allowed ids; the
+    logprobs stay the model's own (raw)."""
+    prompt = "The capital of France is"
+    allowed = [11, 12, 13, 314, 2761, 9284]  # mostly tokens the model would not pick here
+    params = SamplingParams(
+        temperature=0, max_tokens=5, ignore_eos=True, allowed_token_ids=allowed, logprobs=0
+    )
+    out = _generate(engine, [prompt], params, "al")[0].outputs[0]
+    ids = engine.tokenizer.encode(prompt) + list(out.token_ids)
+    with torch.no_grad():
+        logits = hf_default_model(torch.tensor([ids])).logits[0].double()
+    n_prompt = len(ids) - len(out.token_ids)
+    ref = torch.log_softmax(logits, -1).numpy()
+    for i, token in enumerate(out.token_ids):
+        row = ref[n_prompt - 1 + i]
+        assert token == allowed[int(np.argmax(row[allowed]))]
+        assert abs(out.logprobs[i][token].logprob - row[token]) < 1e-3  # raw, not renormalized
+    sampled = SamplingParams(n=2, temperature=1.0, seed=3, max_tokens=12, allowed_token_ids=allowed)
+    for sample in _generate(engine, [prompt], sampled, "as")[0].outputs:
+        assert set(sample.token_ids) <= set(allowed)
+    with pytest.raises(RequestRejected, match=r"allowed_token_ids\[0\] must be") as refused:
+        engine.add_request("big", prompt, SamplingParams(allowed_token_ids=[10**6]))
+    assert refused.value.param == "allowed_token_ids"
+
+
 def test_abort_frees_blocks_and_is_not_reported_again(engine):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     engine.add_request("a", "Once upon a time", params)

@@ -89,8 +89,10 @@ BAD_INPUTS = [
     # vLLM's extensions jserve does not honour: refused unless at vLLM's default.
     (COMPLETIONS, {"prompt": "a", "use_beam_search": True}, 400, "use_beam_search",
      "'use_beam_search' (a vLLM extension) is not supported"),
-    (COMPLETIONS, {"prompt": "a", "allowed_token_ids": [1]}, 400, "allowed_token_ids",
-     "not supported"),
+    (COMPLETIONS, {"prompt": "a", "allowed_token_ids": []}, 400, "allowed_token_ids",
+     "allowed_token_ids must hold at least one token id"),
+    (COMPLETIONS, {"prompt": "a", "allowed_token_ids": [-1]}, 400, "allowed_token_ids[0]",
+     "allowed_token_ids[0] must be an integer"),
     (COMPLETIONS, {"prompt": "a", "bad_words": ["x"]}, 400, "bad_words", "not supported"),
     (COMPLETIONS, {"prompt": "a", "truncate_prompt_tokens": 0}, 400, "truncate_prompt_tokens",
      "truncate_prompt_tokens must be -1 (the model's max_model_len) or an integer >= 1"),

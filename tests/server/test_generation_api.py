@@ -195,7 +195,7 @@ async def test_chat_template_controls_and_vllm_defaults_that_change_nothing():
     body = {
         "messages": USER_HI, "max_tokens": 3, "add_generation_prompt": False,
         "chat_template_kwargs": {"enable_thinking": False},
-        "use_beam_search": False, "length_penalty": 1, "allowed_token_ids": [],
+        "use_beam_search": False, "length_penalty": 1,
         "spaces_between_special_tokens": True, "continue_final_message": False,
     }  # fmt: skip
     async with serve(_fast_mock()) as client:
