@@ -257,22 +257,6 @@ class PoolingParams:
 
     def __post_init__(self) -> None:
         _check_truncate_prompt_tokens(self.truncate_prompt_tokens)
-        self._validate_allowed_token_ids()
-
-    def _validate_allowed_token_ids(self) -> None:
-        if self.allowed_token_ids is None:
-            return
-        _check(
-            len(self.allowed_token_ids) > 0,
-            "allowed_token_ids must hold at least one token id (leave it out to allow all)",
-        )
-        for i, token in enumerate(self.allowed_token_ids):
-            check_int(f"allowed_token_ids[{i}]", token, 0)
-        _check(
-            self.structured_outputs is None,
-            "allowed_token_ids cannot be combined with structured outputs: the constraint "
-            "decides which tokens may come next",
-        )
         try:
             object.__setattr__(self, "pooling_type", PoolingType(self.pooling_type))
         except ValueError:
