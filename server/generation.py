@@ -91,9 +91,11 @@ class Generation:
         self.tracker = RequestTracker(metrics, parsed.lane, tenant)
         self.final: RequestOutput | None = None
         self.rejected = False
-        salted = {"prompt_token_ids": prompt_ids, "cache_salt": parsed.cache_salt}
+        prompt: list[int] | dict = prompt_ids
+        if parsed.cache_salt is not None:  # the engine's dict form carries it
+            prompt = {"prompt_token_ids": prompt_ids, "cache_salt": parsed.cache_salt}
         self.outputs = engine.generate(
-            prompt_ids if parsed.cache_salt is None else salted,
+            prompt,
             parsed.params,
             request_id,
             lane=parsed.lane,
