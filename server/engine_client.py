@@ -25,6 +25,7 @@ class TokenizerLike(Protocol):
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        continue_final_message: bool = False,  # end inside the final message (transformers')
         **variables: Any,
     ) -> str: ...
 

@@ -72,10 +72,13 @@ class CharTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        continue_final_message: bool = False,
         **variables: Any,
     ) -> str:
         text = "".join(f"{name}={value}\n" for name, value in sorted(variables.items()))
         text += "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        if continue_final_message:  # the final message's line left open
+            return text.removesuffix("\n")
         return text + ("assistant:" if add_generation_prompt else "")
 
 

@@ -92,6 +92,7 @@ class ParsedRequest:
     # chat: end with the assistant's header; more template variables (chat_template_kwargs)
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] | None = None
+    continue_final_message: bool = False  # chat: the final message is continued, not closed
     # vLLM's: the prompt's prefix-cache blocks are shared only with requests of this salt
     cache_salt: str | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
@@ -105,7 +106,6 @@ VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
     "bad_words": ([],),
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
-    "continue_final_message": (False,),  # chat
     "chat_template": (),  # chat
     "documents": ([],),  # chat
 }
@@ -168,6 +168,19 @@ def _checked(check: Callable[..., Any], name: str, *args: Any, **kwargs: Any) ->
         return check(name, *args, **kwargs)
     except ValueError as exc:
         raise APIError(400, str(exc), param=name) from exc
+
+
+def _adds_generation_prompt(body: ChatRequest) -> bool:
+    """Whether the rendered chat ends with the assistant's header: by default, and never when
+    the final message is continued (asking for both is a 400, as in vLLM)."""
+    if body.continue_final_message and body.add_generation_prompt:
+        raise APIError(
+            400,
+            "continue_final_message and add_generation_prompt cannot both be true: one goes on "
+            "with the final message, the other starts a new one",
+            param="continue_final_message",
+        )
+    return body.add_generation_prompt is not False and not body.continue_final_message
 
 
 def _cache_salt(body: GenerationRequest) -> str | None:
@@ -331,12 +344,14 @@ def render_chat(
     add_generation_prompt: bool = True,
     tools: ToolRequest | None = None,
     template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
 ) -> str:
     """The chat template applied to `messages`; a template that rejects them is a 400.
 
     Tools go through the template when it renders `tools`, else into the system message.
     `template_kwargs` (vLLM's chat_template_kwargs) are more variables for the template; one
-    the server sets itself is a 400.
+    the server sets itself is a 400. With `continue_final_message` the text ends inside the
+    final message (TokenizerLike.apply_chat_template).
     """
     extra: dict[str, Any] = dict(template_kwargs or {})
     if reserved := sorted(_RESERVED_TEMPLATE_VARIABLES & extra.keys()):
@@ -351,8 +366,9 @@ def render_chat(
             messages = with_tool_prompt(messages, tools.tools)
     try:
         return tokenizer.apply_chat_template(
-            messages, add_generation_prompt=add_generation_prompt, tokenize=False, **extra
-        )
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False,
+            continue_final_message=continue_final_message, **extra,
+        )  # fmt: skip
     except ValueError as exc:  # loaders' ChatTemplateError is a ValueError
         raise APIError(400, f"cannot format the conversation: {exc}", param="messages") from exc
 
@@ -414,9 +430,11 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
         body, max_tokens, logprobs, constraint, renamed, policy.sampling_defaults
     )
     stream, include_usage, lane, timeout = _request_options(body)
+    continued = bool(body.continue_final_message)
     return ParsedRequest(
         None, messages, params, body.model, stream, include_usage, lane, timeout, top_logprobs,
-        tools, fields, add_generation_prompt=body.add_generation_prompt is not False,
+        tools, fields, add_generation_prompt=_adds_generation_prompt(body),
+        continue_final_message=continued,
         template_kwargs=body.chat_template_kwargs, cache_salt=_cache_salt(body),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )  # fmt: skip
@@ -435,7 +453,7 @@ def encode_prompt(
     if parsed.messages is not None:
         text = render_chat(
             tokenizer, parsed.messages, parsed.add_generation_prompt, parsed.tools,
-            parsed.template_kwargs,
+            parsed.template_kwargs, parsed.continue_final_message,
         )  # fmt: skip
         ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(parsed.prompt, str):

@@ -237,7 +237,7 @@ class ChatRequest(GenerationRequest, kw_only=True):
     # vLLM's chat template controls.
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
-    continue_final_message: bool | None = None  # refused unless false (VLLM_UNHONOURED)
+    continue_final_message: bool | None = None  # go on with the final (assistant) message
     chat_template: str | None = None  # refused: the model's own template is used
     documents: Any = None  # refused
 

@@ -98,14 +98,20 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Apply the model's chat template to each conversation, then generate."""
+        """Apply the model's chat template to each conversation, then generate; with
+        `continue_final_message` each goes on with its final message (a prefilled answer)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
         prompts = [
             {
                 "prompt_token_ids": tok.encode(
-                    tok.apply_chat_template(conv, add_generation_prompt=add_generation_prompt),
+                    tok.apply_chat_template(
+                        conv,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                    ),
                     add_special_tokens=False,
                 )
             }

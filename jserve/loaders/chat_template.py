@@ -122,6 +122,32 @@ def render_chat_template(
         raise ChatTemplateError(f"chat template rejected the conversation: {err}") from err
 
 
+def continued_final_message(rendered: str, messages: Sequence[Mapping[str, Any]]) -> str:
+    """`rendered` (the conversation rendered without a generation prompt) cut right after the
+    final message's content, so the model goes on with that message instead of starting a new
+    one: a prefilled start of its answer (transformers' and vLLM's continue_final_message,
+    whose cut this is, trailing spaces included where the template kept them).
+
+    Raises:
+        ChatTemplateError: the final message has no text, or the template did not write it.
+    """
+    final = messages[-1].get("content") if messages else None
+    if not isinstance(final, str) or not final.strip():
+        raise ChatTemplateError(
+            "continue_final_message needs a final message with text to continue"
+        )
+    at = rendered.rfind(final.strip())
+    if at < 0:
+        raise ChatTemplateError(
+            "continue_final_message: the chat template did not write the final message's "
+            "content as given, so it cannot be continued"
+        )
+    kept = final.lstrip()
+    if rendered[at : at + len(kept)] == kept:
+        return rendered[: at + len(kept)]
+    return rendered[: at + len(final.strip())]
+
+
 _JINJA_CHARS = frozenset("{}\n")
 
 

@@ -15,7 +15,11 @@ from typing import Any
 import gguf
 from tokenizers import Tokenizer as BackendTokenizer
 
-from jserve.loaders.chat_template import ChatTemplateError, render_chat_template
+from jserve.loaders.chat_template import (
+    ChatTemplateError,
+    continued_final_message,
+    render_chat_template,
+)
 from jserve.loaders.gguf_tokenizer import build_gguf_tokenizer, gguf_path
 
 # Special tokens that end a turn in common chat formats. llama.cpp treats these as end of
@@ -172,11 +176,14 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
+        continue_final_message: bool = False,
         **variables: Any,
     ) -> str | list[int]:
         """The model's prompt for a conversation, as text or (tokenize=True) ids.
 
-        Tokenizing adds no BOS/EOS beyond what the template writes, as in transformers.
+        Tokenizing adds no BOS/EOS beyond what the template writes, as in transformers. With
+        `continue_final_message` (transformers') the prompt ends inside the final message, which
+        the model continues (chat_template.continued_final_message; no generation prompt).
 
         Raises:
             ChatTemplateError: the model has no chat template, or it rejects the conversation.
@@ -190,10 +197,12 @@ class Tokenizer:
         text = render_chat_template(
             self.chat_template,
             messages,
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt and not continue_final_message,
             tools=tools,
             **{**{k: v for k, v in specials.items() if v is not None}, **variables},
         )
+        if continue_final_message:
+            text = continued_final_message(text, messages)
         return self.encode(text, add_special_tokens=False) if tokenize else text
 
 

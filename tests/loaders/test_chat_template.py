@@ -75,6 +75,22 @@ def test_smollm2_template_matches_transformers(
     assert ids == expected_ids
 
 
+@pytest.mark.parametrize("answer", ["Sure, here", "Sure, here ", " a\nb", "Hi"])
+def test_continue_final_message_matches_transformers(answer, smollm2_tokenizer, hf_gguf_tokenizer):
+    """The prompt ends inside the final (assistant) message, as transformers cuts it: trailing
+    spaces kept where the template kept them, the last occurrence of the text taken."""
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": answer}]
+    ours = smollm2_tokenizer.apply_chat_template(messages, continue_final_message=True)
+    theirs = hf_gguf_tokenizer.apply_chat_template(
+        messages, continue_final_message=True, add_generation_prompt=False, tokenize=False
+    )
+    assert ours == theirs and answer.strip() in ours[-len(answer) - 1 :]
+    with pytest.raises(ChatTemplateError, match="needs a final message with text"):
+        smollm2_tokenizer.apply_chat_template(
+            [*messages[:1], {"role": "assistant", "content": " "}], continue_final_message=True
+        )
+
+
 def test_smollm2_template_exact_text(smollm2_tokenizer):
     text = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text == (

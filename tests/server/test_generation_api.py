@@ -196,13 +196,29 @@ async def test_chat_template_controls_and_vllm_defaults_that_change_nothing():
         "messages": USER_HI, "max_tokens": 3, "add_generation_prompt": False,
         "chat_template_kwargs": {"enable_thinking": False},
         "use_beam_search": False, "length_penalty": 1,
-        "spaces_between_special_tokens": True, "continue_final_message": False,
+        "spaces_between_special_tokens": True,
     }  # fmt: skip
     async with serve(_fast_mock()) as client:
         answer = await (await client.post("/v1/chat/completions", json=body)).json()
     prompt = "enable_thinking=False\n" + chat_prompt(USER_HI).removesuffix("assistant:")
     assert answer["choices"][0]["message"]["content"] == echo_text(prompt, 3)
     assert answer["usage"]["prompt_tokens"] == len(prompt)
+
+
+async def test_continue_final_message_goes_on_with_the_assistants_message():
+    """vLLM's continue_final_message: the prompt ends inside the final message (the mock's
+    template leaves its line open) instead of opening a new turn; with add_generation_prompt
+    also true it is a 400, as in vLLM."""
+    messages = [*USER_HI, {"role": "assistant", "content": "Sure"}]
+    body = {"messages": messages, "max_tokens": 3, "continue_final_message": True}
+    async with serve(_fast_mock()) as client:
+        answer = await (await client.post(CHAT, json=body)).json()
+        both = await client.post(CHAT, json={**body, "add_generation_prompt": True})
+        error = await both.json()
+    prompt = "user: Hi\nassistant: Sure"
+    assert answer["choices"][0]["message"]["content"] == echo_text(prompt, 3)
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+    assert both.status == 400 and error["error"]["param"] == "continue_final_message"
 
 
 async def test_chat_stream_role_first_then_content_then_usage():
