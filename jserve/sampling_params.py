@@ -131,7 +131,8 @@ class SamplingParams:
     stop token that ended a sample, at the end of its text; by default both are left out.
     `truncate_prompt_tokens` (vLLM's) serves only the prompt's last tokens (`truncate_prompt`).
     `allowed_token_ids` (vLLM's) restricts every sampled token to those ids (logprobs stay the
-    model's own, as vLLM's raw logprobs).
+    model's own, as vLLM's raw logprobs); `bad_words` (vLLM's) are never generated
+    (jserve.core.bad_words).
     """
 
     n: int = 1
@@ -155,6 +156,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -166,6 +168,8 @@ class SamplingParams:
         self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.bad_words is not None:
+            self.bad_words = list(self.bad_words)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -198,6 +202,10 @@ class SamplingParams:
         check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
         _check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         self._validate_allowed_token_ids()
+        _check(
+            self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words),
+            f"bad_words must be a list of words (non-blank strings), got {show(self.bad_words)}",
+        )
 
     def _validate_allowed_token_ids(self) -> None:
         if self.allowed_token_ids is None:

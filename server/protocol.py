@@ -55,7 +55,7 @@ _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "stop", "stop_token_ids",
     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
-    "allowed_token_ids",
+    "allowed_token_ids", "bad_words",
 )  # fmt: skip
 _SAMPLING_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -103,7 +103,6 @@ class ParsedRequest:
 VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,),
     "length_penalty": (1.0,),
-    "bad_words": ([],),
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
     "chat_template": (),  # chat

@@ -182,6 +182,7 @@ class GenerationRequest(_Body):
     include_stop_str_in_output: bool | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: serve only the prompt's last tokens
     allowed_token_ids: list[int] | None = None  # vLLM's: sample only these ids
+    bad_words: list[str] | None = None  # vLLM's: words never generated
     # Output constraints: at most one of these (server/structured_outputs.py).
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
@@ -209,7 +210,6 @@ class GenerationRequest(_Body):
     # (server/protocol.py:VLLM_UNHONOURED), never silently ignored.
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    bad_words: list[str] | None = None
     spaces_between_special_tokens: bool | None = None
     logits_processors: Any = None
 

@@ -26,6 +26,7 @@ import logging
 import random
 import time
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,7 @@ import numpy as np
 from jserve.config.engine_args import EngineArgs
 from jserve.config.scheduler import Lane
 from jserve.config.validation import check_int, check_token_ids
+from jserve.core.bad_words import NO_BAD_WORDS, BadWords
 from jserve.core.control import apply_changes, current_settings
 from jserve.core.plan import PLACEHOLDER_TOKEN, ScheduledSeq, StepPlan
 from jserve.core.request import Request
@@ -90,6 +92,7 @@ class _Child:
     seed: int
     matcher: SequenceMatcher | None = None  # its grammar state, if the request is constrained
     allowed: np.ndarray | None = None  # the packed mask of its allowed_token_ids, if it has any
+    bad_words: BadWords = NO_BAD_WORDS  # its bad_words as token sequences
 
 
 @dataclass
@@ -110,28 +113,27 @@ def _sampling_rows(
     an `every_row` chunk its prompt rows (`_prompt_rows`), then the sampled one if it ends
     the prompt. `allowed_tokens` (a grammar's mask, or the fixed one of allowed_token_ids:
     never both) applies to every row that samples."""
-    params, stop, prompt = child.state.params, child.state.stop, seq.prompt_token_ids
-    output = seq.output_token_ids
+    params, prompt, output = child.state.params, seq.prompt_token_ids, seq.output_token_ids
     if seq.every_row:
         rows = _prompt_rows(seq, child)
         if seq.sample:
-            banned = stop.banned_ids(len(output))
+            banned = _banned_ids(child, output)
             rows.append(SamplingRow(params, child.seed, prompt, output, banned, allowed_tokens))
         return rows
     if not seq.num_drafts:
-        return [
-            SamplingRow(
-                params, child.seed, prompt, output, stop.banned_ids(len(output)), allowed_tokens
-            )
-        ]
+        banned = _banned_ids(child, output)
+        return [SamplingRow(params, child.seed, prompt, output, banned, allowed_tokens)]
     drafts = seq.token_ids[1:]
     histories = [output, *(output + drafts[:j] for j in range(1, seq.num_drafts + 1))]
     return [
-        SamplingRow(
-            params, child.seed, prompt, history, stop.banned_ids(len(history)), allowed_tokens
-        )
-        for history in histories
+        SamplingRow(params, child.seed, prompt, h, _banned_ids(child, h), allowed_tokens)
+        for h in histories
     ]
+
+
+def _banned_ids(child: _Child, output: Sequence[int]) -> list[int]:
+    """Ids the token after `output` must not be: min_tokens' stop ids, then bad words'."""
+    return [*child.state.stop.banned_ids(len(output)), *child.bad_words.banned(output)]
 
 
 def _prompt_rows(seq: ScheduledSeq, child: _Child) -> list[SamplingRow]:
@@ -254,7 +256,7 @@ class LLMEngine:
         text, ids, salt = self._prompt_ids(prompt, (pooling or params).truncate_prompt_tokens)
         stop = self._stop_conditions(params, len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
-        matchers, allowed = self._matchers(params, grammar), self._allowed_tokens(params)
+        matchers, (allowed, bad) = self._matchers(params, grammar), self._token_rules(params, stop)
         state = RequestState.create(
             request_id, text, ids, params, stop, self.tokenizer, arrival, pooling
         )
@@ -277,7 +279,7 @@ class LLMEngine:
                 raise
             children.append(child_id)
             seed = (base_seed + 7919 * i) & 0x7FFFFFFF
-            self._children[child_id] = _Child(state, i, seed, matchers[i], allowed)
+            self._children[child_id] = _Child(state, i, seed, matchers[i], allowed, bad)
         self._states[request_id] = state
         self._num_prompt_tokens += len(ids)
 
@@ -292,14 +294,32 @@ class LLMEngine:
             self.sampler.check_banned_ids(stop.banned_ids(0))
         return stop
 
-    def _allowed_tokens(self, params: SamplingParams) -> np.ndarray | None:
-        """The packed mask of the request's allowed_token_ids (each checked against the
-        vocabulary), which every row it samples applies; None if it has none."""
-        if params.allowed_token_ids is None:
-            return None
-        with invalid_param("allowed_token_ids"):
-            ids = check_token_ids("allowed_token_ids", params.allowed_token_ids, self.vocab_size)
-        return token_bitmask(ids, self.vocab_size)
+    def _token_rules(
+        self, params: SamplingParams, stop: StopConditions
+    ) -> tuple[np.ndarray | None, BadWords]:
+        """What every row the request samples applies: the packed mask of its allowed_token_ids
+        (each checked against the vocabulary; None without them), and its bad words, whose
+        bans must fit the sampler's beside min_tokens' (checked here, at admission)."""
+        allowed = None
+        if params.allowed_token_ids is not None:
+            with invalid_param("allowed_token_ids"):
+                ids = check_token_ids(
+                    "allowed_token_ids", params.allowed_token_ids, self.vocab_size
+                )
+            allowed = token_bitmask(ids, self.vocab_size)
+        bad = BadWords.from_words(
+            params.bad_words or (),
+            lambda word: self.tokenizer.encode(word, add_special_tokens=False),
+        )
+        room = self.sampler.builder.max_banned_ids - len(stop.banned_ids(0))
+        if len(bad.sequences) > room:
+            raise RequestRejected(
+                RejectReason.INVALID,
+                f"bad_words make {len(bad.sequences)} token sequences to ban; the sampler has "
+                f"room for {room} beside min_tokens' bans: send fewer words",
+                param="bad_words",
+            )
+        return allowed, bad
 
     def _check_prompt_rows(self, state: RequestState) -> None:
         """A request with a row at every prompt position (prompt logprobs, mean pooling)

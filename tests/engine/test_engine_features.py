@@ -168,6 +168,37 @@ def test_allowed_token_ids_restrict_every_sampled_token(engine, hf_default_model
     assert refused.value.param == "allowed_token_ids"
 
 
+def test_bad_words_are_never_generated(engine, hf_default_model):
+    """vLLM's bad_words: greedy is transformers' greedy with, at every step, each word's last
+    token banned where the output ends with the rest of it (the word as it stands and after a
+    space, vLLM's rule, worked out here from the tokenizer); the words never appear."""
+    prompt, words = "The capital of France is", ["Paris", "the city"]
+    greedy = dict(temperature=0, max_tokens=10, ignore_eos=True)
+    free = _generate(engine, [prompt], SamplingParams(**greedy), "bw0")[0].outputs[0]
+    assert "Paris" in free.text  # the ban has something to remove
+    out = _generate(engine, [prompt], SamplingParams(**greedy, bad_words=words), "bw1")[0]
+    assert not any(w in out.outputs[0].text for w in words)
+
+    def encode(text: str) -> list[int]:
+        return engine.tokenizer.encode(text, add_special_tokens=False)
+
+    sequences = []
+    for word in words:
+        plain, spaced = encode(word), encode(" " + word)
+        sequences += [plain] + (
+            [spaced] if len(spaced) == len(plain) != 0 and spaced[0] != plain[0] else []
+        )
+    ids, output = engine.tokenizer.encode(prompt), []
+    with torch.no_grad():
+        for _ in range(10):
+            logits = hf_default_model(torch.tensor([ids + output])).logits[0, -1].double()
+            for seq in sequences:
+                if len(seq) == 1 or output[len(output) - len(seq) + 1 :] == seq[:-1]:
+                    logits[seq[-1]] = -torch.inf
+            output.append(int(logits.argmax()))
+    assert list(out.outputs[0].token_ids) == output
+
+
 def test_abort_frees_blocks_and_is_not_reported_again(engine):
     params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     engine.add_request("a", "Once upon a time", params)
