@@ -429,11 +429,10 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
         body, max_tokens, logprobs, constraint, renamed, policy.sampling_defaults
     )
     stream, include_usage, lane, timeout = _request_options(body)
-    continued = bool(body.continue_final_message)
     return ParsedRequest(
         None, messages, params, body.model, stream, include_usage, lane, timeout, top_logprobs,
         tools, fields, add_generation_prompt=_adds_generation_prompt(body),
-        continue_final_message=continued,
+        continue_final_message=bool(body.continue_final_message),
         template_kwargs=body.chat_template_kwargs, cache_salt=_cache_salt(body),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )  # fmt: skip

@@ -131,9 +131,12 @@ def _sampling_rows(
     ]
 
 
-def _banned_ids(child: _Child, output: Sequence[int]) -> list[int]:
+def _banned_ids(child: _Child, output: Sequence[int]) -> Sequence[int]:
     """Ids the token after `output` must not be: min_tokens' stop ids, then bad words'."""
-    return [*child.state.stop.banned_ids(len(output)), *child.bad_words.banned(output)]
+    banned = child.state.stop.banned_ids(len(output))
+    if not child.bad_words.sequences:  # most requests: no list to build for every row
+        return banned
+    return [*banned, *child.bad_words.banned(output)]
 
 
 def _prompt_rows(seq: ScheduledSeq, child: _Child) -> list[SamplingRow]:
