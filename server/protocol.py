@@ -43,6 +43,7 @@ from jserve.server.protocol_types import (
     CompletionRequest,
     GenerationRequest,
     Message,
+    TokenizeRequest,
     ToolChoiceMode,
 )
 from jserve.server.structured_outputs import constraint_field, output_constraint
@@ -169,7 +170,7 @@ def _checked(check: Callable[..., Any], name: str, *args: Any, **kwargs: Any) ->
         raise APIError(400, str(exc), param=name) from exc
 
 
-def _adds_generation_prompt(body: ChatRequest) -> bool:
+def adds_generation_prompt(body: ChatRequest | TokenizeRequest) -> bool:
     """Whether the rendered chat ends with the assistant's header: by default, and never when
     the final message is continued (asking for both is a 400, as in vLLM)."""
     if body.continue_final_message and body.add_generation_prompt:
@@ -431,7 +432,7 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
     stream, include_usage, lane, timeout = _request_options(body)
     return ParsedRequest(
         None, messages, params, body.model, stream, include_usage, lane, timeout, top_logprobs,
-        tools, fields, add_generation_prompt=_adds_generation_prompt(body),
+        tools, fields, add_generation_prompt=adds_generation_prompt(body),
         continue_final_message=bool(body.continue_final_message),
         template_kwargs=body.chat_template_kwargs, cache_salt=_cache_salt(body),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),

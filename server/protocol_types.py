@@ -269,6 +269,7 @@ class TokenizeRequest(_Body):
     add_special_tokens: bool | None = None
     messages: Annotated[list[Message], msgspec.Meta(min_length=1)] | None = None
     add_generation_prompt: bool | None = None
+    continue_final_message: bool | None = None
 
 
 class DetokenizeRequest(_Body):

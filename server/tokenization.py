@@ -13,7 +13,7 @@ from aiohttp import web
 from jserve.config.validation import check_token_ids
 from jserve.server.api_errors import APIError
 from jserve.server.decoding import decode_request
-from jserve.server.protocol import chat_messages, render_chat
+from jserve.server.protocol import adds_generation_prompt, chat_messages, render_chat
 from jserve.server.protocol_types import DetokenizeRequest, TokenizeRequest
 from jserve.server.responses import json_response
 from jserve.server.state import STATE, read_body
@@ -28,10 +28,13 @@ async def tokenize(request: web.Request) -> web.Response:
     tokenizer = engine.tokenizer
     if body.messages is not None:
         messages = chat_messages(body.messages)
-        add_generation_prompt = body.add_generation_prompt is not False
+        add_generation_prompt = adds_generation_prompt(body)
+        continued = bool(body.continue_final_message)
 
         def encode() -> list[int]:
-            text = render_chat(tokenizer, messages, add_generation_prompt)
+            text = render_chat(
+                tokenizer, messages, add_generation_prompt, continue_final_message=continued
+            )
             return tokenizer.encode(text, add_special_tokens=False)
 
     elif body.prompt is not None:

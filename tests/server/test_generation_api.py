@@ -313,9 +313,13 @@ async def test_tokenize_and_detokenize():
     async with serve(_fast_mock()) as client:
         tokens = await (await client.post("/tokenize", json={"prompt": "Hi"})).json()
         chat = await (await client.post("/tokenize", json={"messages": USER_HI})).json()
+        held = {"messages": [*USER_HI, {"role": "assistant", "content": "Su"}],
+                "continue_final_message": True}  # fmt: skip
+        continued = await (await client.post("/tokenize", json=held)).json()
         text = await (await client.post("/detokenize", json={"tokens": [72, 105]})).json()
     assert tokens == {"count": 2, "max_model_len": 256, "tokens": [72, 105]}
     assert chat["tokens"] == [ord(c) for c in chat_prompt(USER_HI)]
+    assert continued["tokens"] == [ord(c) for c in "user: Hi\nassistant: Su"]
     assert text == {"prompt": "Hi"}
 
 
