@@ -25,7 +25,10 @@ exactly the longest run of the next tokens that occurs anywhere in its text so f
 earlier prompts and outputs, its prompt, its output so far), or any shorter prefix of it. No
 drafter that copies from that text can be faster, and this one knows the future, so the bound
 is generous: a proposer's measured speedup over the bound says how much of the reachable gain
-it takes.
+it takes. Beside the bound, each method is replayed on the same outputs and step costs:
+jserve's own scheduler plans the request alone with the recorded output standing in for the
+model, so a change to a proposer or to the pricing of drafts shows its gain without the
+model's timing noise (`--verify-step-ms` and `--between-ms` fix the costs across runs).
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ import jax
 from bench.bucket_costs import chunk_inputs
 from bench.report_writer import write_json
 from jserve.config.engine_args import EngineArgs
+from jserve.config.scheduler import SchedulerConfig
+from jserve.core.request import Request
+from jserve.core.scheduler import Scheduler
+from jserve.core.step_costs import StepCosts
+from jserve.core.stopping import StopConditions
 from jserve.engine.llm_engine import LLMEngine
 from jserve.sampling_params import SamplingParams
 
@@ -279,9 +287,57 @@ def fastest_seconds(history: bytes, out: list[int], step: list[float]) -> float:
     return best[len(out)]
 
 
-def bound_table(engine: LLMEngine, args: argparse.Namespace) -> list[dict]:
-    """Each prompt's speedup bound at concurrency 1 (module docstring), and each workload's."""
-    step = verify_step_seconds(engine, args.k, args.bound_context)
+def replayed_seconds(
+    engine: LLMEngine,
+    config: SchedulerConfig,
+    prompt: list[int],
+    out: list[int],
+    step: list[float],
+    between: float,
+) -> float:
+    """Seconds the method of `config` takes to produce `out` after its first token, replayed:
+    jserve's own scheduler (proposer, pricing, acceptance) plans every step of the request
+    alone, the recorded greedy output stands in for the model (each draft accepted while it
+    matches, then `out`'s next token sampled), and a step verifying d drafts costs step[d]
+    plus `between` (the engine's time between steps), which the scheduler's step-cost table
+    holds as the engine's would have learned them."""
+    costs = engine.scheduler.step_costs
+    table = StepCosts(costs.token_buckets, costs.seq_buckets)
+    for d, seconds in enumerate(step):
+        table.observe(d + 1, d + 1, seconds)
+    table.between_steps = between
+    scheduler = Scheduler(config, engine.scheduler.cache_config, None, table)
+    stop = StopConditions(max_tokens=len(out))
+    scheduler.add_request(Request("r", prompt, stop=stop, arrival_time=0.0, can_speculate=True))
+    total = 0.0
+    while scheduler.has_unfinished_requests():
+        plan = scheduler.schedule(0.0)
+        (seq,) = plan.seqs
+        done = len(seq.output_token_ids)
+        drafts = seq.token_ids[len(seq.token_ids) - seq.num_drafts :]
+        accepted = 0
+        while accepted < seq.num_drafts and drafts[accepted] == out[done + accepted]:
+            accepted += 1
+        sampled = {"r": out[done + accepted]} if seq.sample else {}
+        for request in scheduler.update_from_output(plan, sampled, {"r": accepted}):
+            scheduler.finish_request(request.request_id, request.finish_reason)
+        if done:  # after the first token: what TPOT counts
+            total += step[seq.num_drafts] + between
+    return total
+
+
+def _speedups(seconds: dict[str, float]) -> dict[str, float]:
+    """Each entry's speedup over seconds["off"]."""
+    return {key: seconds["off"] / value for key, value in seconds.items() if key != "off"}
+
+
+def bound_table(engine: LLMEngine, configs: dict, args: argparse.Namespace) -> list[dict]:
+    """Each prompt's speedup bound at concurrency 1 (module docstring), and each workload's,
+    beside each method's replayed speedup on the same outputs and step costs."""
+    if args.verify_step_ms:  # another run's costs: replays then compare across code changes
+        step = [ms / 1000 for ms in args.verify_step_ms]
+    else:
+        step = verify_step_seconds(engine, args.k, args.bound_context)
     print("verify step ms by drafts:", [round(1000 * t, 2) for t in step], flush=True)
     rows, history = [], b""
     for workload, makers in WORKLOADS.items():
@@ -289,23 +345,36 @@ def bound_table(engine: LLMEngine, args: argparse.Namespace) -> list[dict]:
         engine.reset()
         runs = [_run_batch(engine, [p], args.max_tokens) for p in prompts]
         between = statistics.mean(t for run in runs for t in run.tpot_ms) / 1000 - step[0]
+        if args.between_ms is not None:
+            between = args.between_ms / 1000
         costs = [t + between for t in step]
-        totals = [0.0, 0.0]
+        totals = dict.fromkeys(["off", "bound", *configs], 0.0)
+        tpots = dict.fromkeys(totals, 0.0)  # sums of each request's time per output token
         for maker, prompt, run in zip(makers, prompts, runs, strict=True):
             out = next(iter(run.tokens.values()))
-            off = (len(out) - 1) * costs[0]
-            fastest = fastest_seconds(history + array.array("q", prompt).tobytes(), out, costs)
+            seconds = {"off": (len(out) - 1) * costs[0]}
+            seconds["bound"] = fastest_seconds(
+                history + array.array("q", prompt).tobytes(), out, costs
+            )
             history += array.array("q", prompt + out).tobytes()
-            totals = [totals[0] + off, totals[1] + fastest]
+            for method, config in configs.items():
+                seconds[method] = replayed_seconds(engine, config, prompt, out, step, between)
+            totals = {key: totals[key] + seconds[key] for key in totals}
+            tpots = {key: tpots[key] + seconds[key] / max(1, len(out) - 1) for key in tpots}
             name = maker.__name__.strip("_")
-            rows.append({"workload": workload, "prompt": name, "tokens": len(out),
-                         "bound": off / fastest})  # fmt: skip
-            print(f"{workload:9} {name:10} {len(out):4} tokens  bound {off / fastest:.2f}x")
-        rows.append({"workload": workload, "prompt": "all", "bound": totals[0] / totals[1],
-                     "between_steps_ms": 1000 * between,
+            rows.append({"workload": workload, "prompt": name, "tokens": len(out)})
+            rows[-1].update(_speedups(seconds))
+            print(f"{workload:9} {name:10} {len(out):4} tokens  " + _line(_speedups(seconds)))
+        rows.append({"workload": workload, "prompt": "all", **_speedups(totals),
+                     "mean_tpot": _speedups(tpots), "between_steps_ms": 1000 * between,
                      "verify_step_ms": [1000 * t for t in step]})  # fmt: skip
-        print(f"{workload:9} all        bound {totals[0] / totals[1]:.2f}x", flush=True)
+        print(f"{workload:9} all (time)       " + _line(_speedups(totals)))
+        print(f"{workload:9} all (mean TPOT)  " + _line(_speedups(tpots)), flush=True)
     return rows
+
+
+def _line(speedups: dict[str, float]) -> str:
+    return "  ".join(f"{key} {value:.2f}x" for key, value in speedups.items())
 
 
 def main() -> None:
@@ -326,22 +395,27 @@ def main() -> None:
     )
     parser.add_argument("--bound-context", type=int, default=256,
                         help="context of the timed verify steps")  # fmt: skip
+    parser.add_argument("--verify-step-ms", type=float, nargs="+",
+                        help="--bound: these step costs of d = 0..k drafts, not timed")  # fmt: skip
+    parser.add_argument("--between-ms", type=float,
+                        help="--bound: this time between steps, not measured")  # fmt: skip
     args = parser.parse_args()
-    if args.bound:
-        rows = bound_table(_engine(1, args.quantization), args)
-        if args.json:
-            write_json(args.json, {"machine": platform.processor() or platform.machine(),
-                                   "k": args.k, "rows": rows})  # fmt: skip
-        return
-    engine = _engine(max(args.concurrency), args.quantization)
+    engine = _engine(1 if args.bound else max(args.concurrency), args.quantization)
     plain = dataclasses.replace(engine.scheduler.config, speculative_config=None)
-    configs = {"off": plain} | {
+    speculating = {
         method: dataclasses.replace(
             plain,
             speculative_config=json.dumps({"method": method, "num_speculative_tokens": args.k}),
         )
         for method in args.methods
     }
+    if args.bound:
+        rows = bound_table(engine, speculating, args)
+        if args.json:
+            write_json(args.json, {"machine": platform.processor() or platform.machine(),
+                                   "k": args.k, "rows": rows})  # fmt: skip
+        return
+    configs = {"off": plain} | speculating
     # First-use costs out of the way, and the verify steps' buckets measured once, so the
     # step-cost rule (docs/speculative.md) starts from measured costs in every cell.
     _cell(engine, configs, [_prompt_ids(engine, _copy(100))], 1, 16)

@@ -1,12 +1,19 @@
-"""bench.speculative's bound: the copy search and the shortest path, against brute force."""
+"""bench.speculative's bound (the copy search and the shortest path, against brute force) and
+its replay of jserve's scheduler on recorded outputs (against the bound)."""
 
 from __future__ import annotations
 
 import array
 import functools
+import json
 import random
+from types import SimpleNamespace
 
-from bench.speculative import fastest_seconds, longest_copy
+import pytest
+
+from bench.speculative import fastest_seconds, longest_copy, replayed_seconds
+from jserve.config.scheduler import CacheConfig, SchedulerConfig
+from jserve.core.step_costs import StepCosts
 
 
 def _occurs(text: list[int], run: list[int]) -> bool:
@@ -58,3 +65,45 @@ def test_fastest_seconds_matches_exhaustive_search():
         step = sorted(rng.uniform(1.0, 3.0) for _ in range(rng.randrange(1, 4)))
         got = fastest_seconds(_as_bytes(history), out, step)
         assert abs(got - _exhaustive(history, out, step)) < 1e-9, (history, out, step)
+
+
+TOKENS, SEQS = (1, 2, 4, 8, 16, 32, 64), (1, 2, 4, 8)
+STEP = [0.010, 0.011, 0.013, 0.015, 0.019]  # d = 0..4 drafts: each a little dearer
+BETWEEN = 0.001
+
+
+def _replay(method: str | None, prompt: list[int], out: list[int]) -> float:
+    spec = method and json.dumps({"method": method, "num_speculative_tokens": 4})
+    config = SchedulerConfig(
+        max_num_seqs=8, max_num_batched_tokens=64, max_model_len=256, speculative_config=spec
+    )
+    engine = SimpleNamespace(  # what the replay reads of an engine
+        scheduler=SimpleNamespace(
+            step_costs=StepCosts(TOKENS, SEQS), cache_config=CacheConfig(16, 64)
+        )
+    )
+    return replayed_seconds(engine, config, prompt, out, STEP, BETWEEN)
+
+
+def test_a_replay_without_speculation_takes_one_decode_a_token():
+    out = [5, 6, 7, 8, 9]
+    assert _replay(None, [1, 2, 3], out) == pytest.approx(4 * (STEP[0] + BETWEEN))
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_a_replay_never_beats_the_bound_and_gains_on_a_copy(method):
+    """The replayed scheduler drafts only copies from the text so far, so it cannot be faster
+    than the bound's drafter, which also knows which copy is right; on random text it loses
+    little, and copying a repeated pattern it gains."""
+    costs = [s + BETWEEN for s in STEP]
+    rng = random.Random(2)
+    for _ in range(40):
+        prompt = [rng.randrange(4) for _ in range(rng.randrange(1, 20))]
+        out = [rng.randrange(4) for _ in range(rng.randrange(2, 40))]
+        bound = fastest_seconds(_as_bytes(prompt), out, costs)
+        assert _replay(method, prompt, out) >= bound - 1e-12, (prompt, out)
+    pattern = [10, 11, 12, 13, 14, 15]
+    prompt, out = pattern * 4, pattern * 8
+    off = (len(out) - 1) * costs[0]
+    replay = _replay(method, prompt, out)
+    assert fastest_seconds(_as_bytes(prompt), out, costs) <= replay < off / 2
