@@ -17,11 +17,10 @@ threshold.
 
 from __future__ import annotations
 
-from array import array
 from typing import Protocol
 
 from jserve.config.speculative import SpeculativeConfig, SpeculativeMethod
-from jserve.core.ngram import propose_ngram
+from jserve.core.ngram import Draft, propose_ngram
 from jserve.core.request import Request
 from jserve.core.step_costs import StepCosts
 from jserve.core.suffix import SuffixProposer
@@ -34,8 +33,9 @@ RETRY_AFTER = 256
 class DraftProposer(Protocol):
     """Guesses a sequence's next tokens; the planner verifies them in the next step."""
 
-    def propose(self, request: Request, k: int) -> array:
-        """Up to `k` draft tokens continuing `request`'s tokens (an int64 array; empty: none)."""
+    def propose(self, request: Request, k: int) -> Draft:
+        """Up to `k` draft tokens continuing `request`'s tokens (int64; none: empty), and how
+        many of its last tokens their source matched."""
         ...
 
     def on_finish(self, request: Request) -> None:
@@ -50,7 +50,7 @@ class NgramProposer:
         self.min_n = spec.prompt_lookup_min
         self.max_n = spec.prompt_lookup_max
 
-    def propose(self, request: Request, k: int) -> array:
+    def propose(self, request: Request, k: int) -> Draft:
         return propose_ngram(request.all_token_ids, k, self.min_n, self.max_n)
 
     def on_finish(self, request: Request) -> None:

@@ -7,12 +7,15 @@ bytes, searched backwards with `bytes.rfind` for the n-gram's bytes, keeping onl
 token boundary, so a proposal over thousands of tokens costs microseconds of host time.
 
 Drafts cost a verify step's extra tokens whether accepted or not, so a sequence whose drafts
-keep being rejected pauses drafting (`drafts_pay`) and tries again after a while.
+keep being rejected pauses drafting (`drafts_pay`) and tries again after a while. What every
+method shares lives here: the `Draft` a proposer returns, its kind (guess or copy), and the
+acceptance average each kind keeps per sequence.
 """
 
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 _ITEM = array("q").itemsize
 
@@ -29,6 +32,30 @@ ACCEPTANCE_WEIGHT = 0.3
 ACCEPTANCE_FLOOR = 0.3
 RETRY_STEP = 0.005
 
+# A draft whose source matched only the sequence's last token is a guess (common tokens recur
+# with many continuations); one whose source matched COPY_MATCH tokens or more is a copy, and
+# is accepted far more often. A sequence keeps one acceptance average per kind
+# (`Request.draft_acceptance`), so rejected guesses do not price out the copies that follow
+# them, nor accepted copies buy room for guesses.
+GUESS, COPY = 0, 1
+COPY_MATCH = 2
+
+
+@dataclass(frozen=True)
+class Draft:
+    """A proposal: its tokens, and how many of the sequence's last tokens its source matched."""
+
+    tokens: array
+    matched: int = 0
+
+    @property
+    def kind(self) -> int:
+        """GUESS or COPY: which of the sequence's acceptance averages prices this draft."""
+        return COPY if self.matched >= COPY_MATCH else GUESS
+
+
+NO_DRAFT = Draft(array("q"))
+
 
 def note_acceptance(acceptance: float, num_drafts: int, num_accepted: int) -> float:
     """A sequence's average acceptance after a verify step of `num_drafts` drafts of which the
@@ -42,12 +69,12 @@ def drafts_pay(acceptance: float) -> bool:
     return acceptance >= ACCEPTANCE_FLOOR
 
 
-def propose_ngram(tokens: array, k: int, min_n: int, max_n: int) -> array:
-    """Up to `k` draft tokens continuing `tokens` (an int64 array: prompt then output), or an
-    empty array when no n-gram of `min_n..max_n` of its end occurs earlier."""
+def propose_ngram(tokens: array, k: int, min_n: int, max_n: int) -> Draft:
+    """Up to `k` draft tokens continuing `tokens` (an int64 array: prompt then output), matched
+    on n tokens; none when no n-gram of `min_n..max_n` of its end occurs earlier."""
     num_tokens = len(tokens)
     if k <= 0 or num_tokens < 2:
-        return array("q")
+        return NO_DRAFT
     data = tokens.tobytes()
     # An occurrence must end before the last token, so at least one token follows it.
     search_end = (num_tokens - 1) * _ITEM
@@ -60,6 +87,6 @@ def propose_ngram(tokens: array, k: int, min_n: int, max_n: int) -> array:
                 break
             if hit % _ITEM == 0:
                 start = hit // _ITEM + n
-                return tokens[start : start + k]
+                return Draft(tokens[start : start + k], n)
             end = hit + len(pattern) - 1  # a misaligned hit: look again just before it
-    return array("q")
+    return NO_DRAFT

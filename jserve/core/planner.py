@@ -281,11 +281,6 @@ class _Planner:
                 break
             if request.request_id in self.preempted:
                 continue
-            # Measured step costs price the drafts against their acceptance; without them
-            # the acceptance floor stands in.
-            if drafting.costs is None and not drafts_pay(request.draft_acceptance):
-                request.draft_acceptance += RETRY_STEP  # it tries again after a while
-                continue
             k = min(
                 spec.num_speculative_tokens, self.budget, rows_left,
                 request.stop.max_tokens - request.num_output_tokens - 1,  # the last is sampled
@@ -294,19 +289,26 @@ class _Planner:
             if k <= 0:
                 continue
             drafts = drafting.proposer.propose(request, k)
-            if not drafts:
+            if not drafts.tokens:
                 continue
-            tokens = self.step_budget - self.budget
-            k = num_drafts_that_pay(
-                drafting.costs, tokens, rows + added, request.draft_acceptance, len(drafts)
-            )
+            # Drafts are priced by the acceptance of their kind (guess or copy): against the
+            # measured step costs, or without them by the acceptance floor.
+            acceptance, kind = request.draft_acceptance, drafts.kind
+            if drafting.costs is None and not drafts_pay(acceptance[kind]):
+                k = 0
+            else:
+                tokens = self.step_budget - self.budget
+                k = num_drafts_that_pay(
+                    drafting.costs, tokens, rows + added, acceptance[kind], len(drafts.tokens)
+                )
             if k == 0:  # too rarely accepted to pay now: it tries again after a while
-                request.draft_acceptance = min(1.0, request.draft_acceptance + RETRY_STEP)
+                acceptance[kind] = min(1.0, acceptance[kind] + RETRY_STEP)
                 continue
             k = self._draft_room(request, k)
             if k == 0:
                 continue
-            seq.token_ids = seq.token_ids + drafts[:k]
+            request.draft_kind = kind
+            seq.token_ids = seq.token_ids + drafts.tokens[:k]
             seq.num_drafts = k
             self.budget -= k
             rows_left -= k

@@ -60,6 +60,7 @@ class Request:
         "can_speculate",
         "deadline",
         "draft_acceptance",
+        "draft_kind",
         "enqueued_step",
         "finish_reason",
         "group_id",
@@ -102,8 +103,10 @@ class Request:
         # Whether drafts may be verified for it (the engine's call: unconstrained).
         self.can_speculate = can_speculate
         # Its drafts' recent acceptance, each given the ones before it
-        # (jserve.core.ngram.note_acceptance).
-        self.draft_acceptance = 1.0
+        # (jserve.core.ngram.note_acceptance), one average per kind of draft (guess, copy),
+        # and the kind of the drafts in flight.
+        self.draft_acceptance = [1.0, 1.0]
+        self.draft_kind = 0
         self.prompt_token_ids = tuple(prompt_token_ids)
         self.all_token_ids = array("q", self.prompt_token_ids)
         self.output_token_ids = array("q")

@@ -412,9 +412,8 @@ class Scheduler:
         tokens = [*seq.token_ids[1 : 1 + accepted], _sampled_token(sampled, seq.request_id)]
         # The decode token and the accepted drafts were computed after the right tokens.
         request.num_computed_tokens = seq.start_pos + 1 + accepted
-        request.draft_acceptance = note_acceptance(
-            request.draft_acceptance, seq.num_drafts, accepted
-        )
+        acceptance, kind = request.draft_acceptance, request.draft_kind
+        acceptance[kind] = note_acceptance(acceptance[kind], seq.num_drafts, accepted)
         output = request.output_token_ids
         key = (request.lane, request.tenant)
         decodes[key] = decodes.get(key, 0) + len(tokens)

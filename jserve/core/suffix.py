@@ -29,6 +29,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from jserve.config.speculative import SpeculativeConfig
+from jserve.core.ngram import NO_DRAFT, Draft
 from jserve.core.request import Request
 
 SEPARATOR = -1  # after each output in a history: never a token, so no match spans two
@@ -40,10 +41,12 @@ _ITEM = array("q").itemsize
 
 @dataclass(frozen=True)
 class SuffixDraft:
-    """A proposal from one source: its tokens, and the sum of their estimated probabilities."""
+    """A proposal from one source: its tokens, the sum of their estimated probabilities, and
+    how many of the sequence's last tokens the source matched."""
 
     tokens: array
     score: float = 0.0
+    matched: int = 0
 
 
 _NONE = SuffixDraft(array("q"))
@@ -86,8 +89,11 @@ def _longest_match(context: bytes, source: bytes, tokens: array, end: int, longe
     return lo
 
 
-def _walk(tokens: array, after: list[int], max_drafts: int, min_prob: float) -> SuffixDraft:
-    """Follow the most frequent continuation of the occurrences ending just before `after`."""
+def _walk(
+    tokens: array, after: list[int], max_drafts: int, min_prob: float, matched: int
+) -> SuffixDraft:
+    """Follow the most frequent continuation of the occurrences, of a `matched`-token match,
+    ending just before `after`."""
     drafts, prob, score, n = array("q"), 1.0, 0.0, len(tokens)
     while len(drafts) < max_drafts and after:
         counts: dict[int, int] = {}
@@ -103,7 +109,7 @@ def _walk(tokens: array, after: list[int], max_drafts: int, min_prob: float) -> 
         drafts.append(token)
         score += prob
         after = [q + 1 for q in after if q < n and tokens[q] == token]
-    return SuffixDraft(drafts, score)
+    return SuffixDraft(drafts, score, matched)
 
 
 def suffix_draft(
@@ -133,7 +139,7 @@ def suffix_draft(
     if max_drafts <= 0:
         return _NONE
     after = _occurrences(source_data, tokens, data[len(data) - m * _ITEM :], end, MAX_OCCURRENCES)
-    return _walk(tokens, after, max_drafts, min_token_prob)
+    return _walk(tokens, after, max_drafts, min_token_prob, m)
 
 
 class _History:
@@ -180,7 +186,7 @@ class SuffixProposer:
             spec.suffix_decoding_min_token_prob,
         )
 
-    def propose(self, request: Request, k: int) -> array:
+    def propose(self, request: Request, k: int) -> Draft:
         settings = (k, self.max_depth, self.max_spec_factor, self.min_token_prob)
         context = request.all_token_ids
         draft = suffix_draft(context, None, *settings)
@@ -189,7 +195,7 @@ class SuffixProposer:
             other = suffix_draft(context, history.tokens, *settings, history.data)
             if other.score > draft.score:
                 draft = other
-        return draft.tokens
+        return Draft(draft.tokens, draft.matched) if draft.tokens else NO_DRAFT
 
     def on_finish(self, request: Request) -> None:
         """Keep `request`'s output for its tenant's later requests."""

@@ -24,17 +24,17 @@ from tests.core.helpers import EOS, free_block_ids, make_request, make_scheduler
 SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3})
 
 
-def naive_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> list[int]:
+def naive_ngram(tokens: list[int], k: int, min_n: int, max_n: int) -> tuple[list[int], int]:
     """The longest n in [min_n, max_n] whose last-n-gram occurs earlier (ending before the
-    last token); its latest occurrence's next k tokens."""
+    last token); its latest occurrence's next k tokens, and n."""
     for n in range(max_n, min_n - 1, -1):
         if n >= len(tokens):
             continue
         suffix = tokens[-n:]
         for start in range(len(tokens) - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
-    return []
+                return tokens[start + n : start + n + k], n
+    return [], 0
 
 
 @given(
@@ -49,16 +49,18 @@ def test_proposer_matches_the_naive_reference(tokens, k, min_n, extra):
     byte hits off a token boundary, which must be skipped."""
     max_n = min_n + extra
     got = propose_ngram(array("q", tokens), k, min_n, max_n)
-    assert list(got) == naive_ngram(tokens, k, min_n, max_n)
+    assert (list(got.tokens), got.matched) == naive_ngram(tokens, k, min_n, max_n)
 
 
 def test_proposer_prefers_the_longest_then_the_latest_match():
     tokens = [5, 6, 7, 1, 5, 6, 8, 2, 9, 6, 3, 5, 6]
     # [5, 6] occurs at 0 (then 7) and 4 (then 8): the latest wins.
-    assert list(propose_ngram(array("q", tokens), 2, 1, 2)) == [8, 2]
+    draft = propose_ngram(array("q", tokens), 2, 1, 2)
+    assert (list(draft.tokens), draft.matched) == ([8, 2], 2)
     # With 3-grams allowed, [3, 5, 6] has no earlier match: still the 2-gram.
-    assert list(propose_ngram(array("q", tokens), 2, 1, 3)) == [8, 2]
-    assert list(propose_ngram(array("q", tokens), 2, 3, 3)) == []
+    draft = propose_ngram(array("q", tokens), 2, 1, 3)
+    assert (list(draft.tokens), draft.matched) == ([8, 2], 2)
+    assert list(propose_ngram(array("q", tokens), 2, 3, 3).tokens) == []
 
 
 NGRAM = {"method": "ngram"}
@@ -247,7 +249,7 @@ def test_drafts_stop_while_rejected_and_are_tried_again(accept_all):
         scheduler.update_from_output(plan, {"r": 6}, accepted if seq.num_drafts else None)
     request = tracked(scheduler, "r")
     if accept_all:
-        assert request.draft_acceptance == 1.0
+        assert request.draft_acceptance == [1.0, 1.0]
         assert all(drafted[2:])  # from the first repeated token on, every decode drafts
         return
     verify_steps = [i for i, k in enumerate(drafted) if k]

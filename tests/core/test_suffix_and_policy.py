@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from jserve.config.engine_args import EngineArgs
 from jserve.config.settings import InvalidSetting
 from jserve.core.drafting import RETRY_AFTER, NgramProposer, make_proposer, num_drafts_that_pay
-from jserve.core.ngram import RETRY_STEP
+from jserve.core.ngram import COPY, GUESS, RETRY_STEP, note_acceptance
 from jserve.core.request import Request
 from jserve.core.step_costs import StepCosts
 from jserve.core.stopping import StopConditions
@@ -34,8 +34,9 @@ SEQS = (8, 16, 32, 48, 64)
 
 def naive_suffix(
     context: list[int], source: list[int] | None, k: int, depth: int, factor: float, p_min: float
-) -> tuple[list[int], float]:
-    """The suffix method by brute force over lists (see jserve.core.suffix's docstring)."""
+) -> tuple[list[int], float, int]:
+    """The suffix method by brute force over lists (see jserve.core.suffix's docstring): the
+    drafts, their score, and the length of the match they continue."""
     own = source is None
     src = context if own else source
     longest = min(depth, len(context) - 1 if own else len(context))
@@ -50,7 +51,7 @@ def naive_suffix(
         if afters:
             break
     else:
-        return [], 0.0
+        return [], 0.0, 0
     afters = afters[:MAX_OCCURRENCES]
     drafts: list[int] = []
     prob, score = 1.0, 0.0
@@ -66,7 +67,7 @@ def naive_suffix(
         drafts.append(best)
         score += prob
         afters = [q + 1 for q in afters if q < len(src) and src[q] == best]
-    return drafts, score
+    return drafts, score, m
 
 
 # Small alphabets force many matches; tokens sharing bytes force byte hits off a token boundary.
@@ -78,9 +79,10 @@ PROBS = st.sampled_from([0.0, 0.1, 0.4, 0.7])
 @given(st.lists(ALPHABET, max_size=40), *SETTINGS, PROBS)
 def test_own_tokens_match_the_reference(context, k, depth, factor, p_min):
     got = suffix_draft(array("q", context), None, k, depth, factor, p_min)
-    tokens, score = naive_suffix(context, None, k, depth, factor, p_min)
+    tokens, score, matched = naive_suffix(context, None, k, depth, factor, p_min)
     assert list(got.tokens) == tokens
     assert got.score == pytest.approx(score)
+    assert not tokens or got.matched == matched
 
 
 @given(
@@ -92,9 +94,10 @@ def test_own_tokens_match_the_reference(context, k, depth, factor, p_min):
 def test_a_history_of_outputs_matches_the_reference(context, outputs, k, depth, factor, p_min):
     history = [t for output in outputs for t in (*output, SEPARATOR)]
     got = suffix_draft(array("q", context), array("q", history), k, depth, factor, p_min)
-    tokens, score = naive_suffix(context, history, k, depth, factor, p_min)
+    tokens, score, matched = naive_suffix(context, history, k, depth, factor, p_min)
     assert list(got.tokens) == tokens
     assert got.score == pytest.approx(score)
+    assert not tokens or got.matched == matched
 
 
 def test_the_most_frequent_continuation_wins_and_short_matches_draft_little():
@@ -125,13 +128,16 @@ def test_suffix_drafts_from_its_tenants_recent_outputs_only():
     proposer = SuffixProposer(24, 2, 1.0, 0.1)
     proposer.on_finish(_finished([10, 11, 12, 13, 14, 15]))
     asking = _request([50, 10, 11, 12])
-    assert list(proposer.propose(asking, 4)) == [13, 14, 15]  # 3-token match: 3 drafts
-    assert list(proposer.propose(_request([50, 10, 11, 12], tenant="u"), 4)) == []
+    draft = proposer.propose(asking, 4)
+    assert list(draft.tokens) == [13, 14, 15]  # 3-token match: 3 drafts, a copy
+    assert (draft.matched, draft.kind) == (3, COPY)
+    assert list(proposer.propose(_request([50, 10, 11, 12], tenant="u"), 4).tokens) == []
     # Two outputs kept: a third drops the oldest.
     proposer.on_finish(_finished([20, 21]))
     proposer.on_finish(_finished([30, 31]))
-    assert list(proposer.propose(asking, 4)) == []
-    assert list(proposer.propose(_request([5, 20]), 4)) == [21]
+    assert list(proposer.propose(asking, 4).tokens) == []
+    draft = proposer.propose(_request([5, 20]), 4)
+    assert (list(draft.tokens), draft.matched, draft.kind) == ([21], 1, GUESS)
 
 
 def test_a_tenants_history_stays_within_its_token_bound():
@@ -269,10 +275,30 @@ def test_with_measured_costs_acceptance_is_priced_not_floored(seconds, drafts_at
     scheduler = make_scheduler(speculative_config=json.dumps(SPEC), step_costs=_costs(seconds))
     _decoding(scheduler, 1)
     (request,) = scheduler.running
-    request.draft_acceptance = 0.2
+    request.draft_acceptance = [0.2, 0.2]
     (seq,) = scheduler.schedule(0.0).seqs
     assert seq.num_drafts == drafts_at_low_acceptance
-    assert request.draft_acceptance == (0.2 if drafts_at_low_acceptance else 0.2 + RETRY_STEP)
+    # The drafts are a copy (a 3-gram of the prompt): only the copies' average moves.
+    bumped = 0.2 if drafts_at_low_acceptance else 0.2 + RETRY_STEP
+    assert request.draft_acceptance == [0.2, bumped]
+
+
+@pytest.mark.parametrize(("acceptance", "drafts"), [([0.0, 1.0], 3), ([1.0, 0.0], 0)])
+def test_copies_and_guesses_are_priced_by_their_own_acceptance(acceptance, drafts):
+    """A sequence whose guesses (one-token matches) keep being rejected still drafts the
+    copies (longer matches) that come up, and accepted guesses buy no room for copies; a
+    verify step moves only the average of its drafts' kind."""
+    costs = _costs({(1, 1): 1.0, (2, 2): 1.5, (4, 4): 2.5, (8, 8): 4.5})  # grows with tokens
+    scheduler = make_scheduler(speculative_config=json.dumps(SPEC), step_costs=costs)
+    _decoding(scheduler, 1)  # its drafts continue a 3-gram of its prompt: a copy
+    (request,) = scheduler.running
+    request.draft_acceptance = list(acceptance)
+    plan = scheduler.schedule(0.0)
+    (seq,) = plan.seqs
+    assert seq.num_drafts == drafts
+    if drafts:
+        scheduler.update_from_output(plan, {"r0": 7}, {"r0": 1})
+        assert request.draft_acceptance == [0.0, note_acceptance(1.0, drafts, 1)]
 
 
 @pytest.mark.parametrize(("limit", "drafts"), [(None, [4, 4]), (3, [4, 4]), (2, [0, 0])])
