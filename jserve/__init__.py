@@ -4,9 +4,14 @@
 `import jserve.core` (the pure-Python scheduler) never pulls in JAX.
 """
 
-from jserve.sampling_params import PoolingParams, SamplingParams, StructuredOutputsParams
+from jserve.sampling_params import (
+    BeamSearchParams,
+    PoolingParams,
+    SamplingParams,
+    StructuredOutputsParams,
+)
 
-__all__ = ["LLM", "PoolingParams", "SamplingParams", "StructuredOutputsParams"]
+__all__ = ["LLM", "BeamSearchParams", "PoolingParams", "SamplingParams", "StructuredOutputsParams"]
 
 
 def __getattr__(name: str):

@@ -14,7 +14,15 @@ from enum import StrEnum
 
 from jserve.config.grammar_size import check_grammar
 from jserve.config.regex_size import check_json_schema, check_regex
-from jserve.config.validation import INT64_MAX, INT64_MIN, check_float, check_int, is_int, show
+from jserve.config.validation import (
+    FLOAT32_MAX,
+    INT64_MAX,
+    INT64_MIN,
+    check_float,
+    check_int,
+    is_int,
+    show,
+)
 
 MAX_LOGPROBS = 20
 
@@ -272,3 +280,31 @@ class PoolingParams:
             raise ValueError(
                 f"pooling_type must be one of {names}, got {show(self.pooling_type)}"
             ) from None
+
+
+MAX_BEAM_WIDTH = MAX_LOGPROBS // 2  # a step asks for 2 * beam_width candidates per beam
+
+
+@dataclass(frozen=True)
+class BeamSearchParams:
+    """A beam search (vLLM's BeamSearchParams; jserve.engine.beam_search runs it): the best
+    `beam_width` continuations of at most `max_tokens` tokens by cumulative log-probability,
+    ranked by `cumulative logprob / length ** length_penalty` (length counting the prompt, not
+    a final stop token, as vLLM does). `temperature` samples each step's own token, which
+    joins that step's candidates (vLLM's rule); 0 adds none beyond the top ones. A beam ends
+    at a stop token unless `ignore_eos`; `include_stop_str_in_output` keeps that token's text."""
+
+    beam_width: int
+    max_tokens: int
+    ignore_eos: bool = False
+    temperature: float = 0.0
+    length_penalty: float = 1.0
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        check_int("beam_width", self.beam_width, 1, MAX_BEAM_WIDTH)
+        check_int("max_tokens", self.max_tokens, 1)
+        check_float("temperature", self.temperature, 0.0)
+        check_float("length_penalty", self.length_penalty, -FLOAT32_MAX)
+        for name in ("ignore_eos", "include_stop_str_in_output"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be a bool")

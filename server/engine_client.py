@@ -16,6 +16,8 @@ from jserve.sampling_params import PoolingParams, SamplingParams
 
 
 class TokenizerLike(Protocol):
+    stop_token_ids: frozenset[int]  # the model's own stop tokens (EOS, end of turn)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...

@@ -27,8 +27,10 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from jserve.engine.beam_search import beam_search
 from jserve.errors import EngineDeadError, RejectReason, RequestRejected
 from jserve.outputs import RequestOutput
+from jserve.sampling_params import BeamSearchParams
 from jserve.server.api_errors import APIError, rejection_to_api_error
 from jserve.server.decoding import decode_request
 from jserve.server.engine_client import EngineClient
@@ -70,6 +72,26 @@ def _sse(payload: dict | str) -> bytes:
     return f"data: {data}\n\n".encode()
 
 
+def _beam_search_params(
+    parsed: ParsedRequest, engine: EngineClient, num_prompt_tokens: int
+) -> BeamSearchParams:
+    """The request's beam search: `n` beams of up to max_tokens (None: what the context
+    window leaves) at its temperature; a value out of range is a 400 naming the field."""
+    params = parsed.params
+    max_tokens = params.max_tokens or max(1, engine.max_model_len - num_prompt_tokens)
+    try:
+        return BeamSearchParams(
+            beam_width=params.n, max_tokens=max_tokens, ignore_eos=params.ignore_eos,
+            temperature=params.temperature, length_penalty=parsed.length_penalty,
+            include_stop_str_in_output=params.include_stop_str_in_output,
+        )  # fmt: skip
+    except ValueError as exc:  # the messages start with the field's name
+        field, message = str(exc).split()[0], str(exc)
+        if field == "beam_width":  # the request's n
+            field, message = "n", "n" + message.removeprefix("beam_width")
+        raise APIError(400, message, param=field) from exc
+
+
 class Generation:
     """One engine request: admission, tracked outputs, and abort unless it finished."""
 
@@ -91,6 +113,13 @@ class Generation:
         self.tracker = RequestTracker(metrics, parsed.lane, tenant)
         self.final: RequestOutput | None = None
         self.rejected = False
+        if parsed.use_beam_search:
+            self.outputs = beam_search(
+                engine, prompt_ids, _beam_search_params(parsed, engine, len(prompt_ids)),
+                request_id, cache_salt=parsed.cache_salt, timeout=parsed.timeout,
+                lane=parsed.lane, tenant=tenant,
+            )  # fmt: skip
+            return
         prompt: list[int] | dict = prompt_ids
         if parsed.cache_salt is not None:  # the engine's dict form carries it
             prompt = {"prompt_token_ids": prompt_ids, "cache_salt": parsed.cache_salt}

@@ -61,6 +61,8 @@ class CharTokenizer:
     """One token per character; the chat template is "role: content" lines, after a
     "name=value" line for each extra template variable (chat_template_kwargs)."""
 
+    stop_token_ids: frozenset[int] = frozenset()  # no EOS
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [ord(c) for c in text]
 

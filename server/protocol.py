@@ -97,13 +97,15 @@ class ParsedRequest:
     # vLLM's: the prompt's prefix-cache blocks are shared only with requests of this salt
     cache_salt: str | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
+    # vLLM's use_beam_search: `params.n` beams (jserve.engine.beam_search), their score's
+    # length_penalty
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
 
 # vLLM's request extensions jserve does not honour, and the values that change nothing (vLLM's
 # defaults): any other value is a 400 naming the field rather than an answer that ignored it.
 VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
-    "use_beam_search": (False,),
-    "length_penalty": (1.0,),
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
     "chat_template": (),  # chat
@@ -113,6 +115,34 @@ VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
 _RESERVED_TEMPLATE_VARIABLES = frozenset(
     {"messages", "tools", "add_generation_prompt", "documents", "bos_token", "eos_token"}
 )
+
+
+# What a beam search does not read (it ranks whole beams by log-probability, nothing else): set
+# with use_beam_search, each is a 400 naming it rather than an answer that ignored it.
+_NOT_WITH_BEAM_SEARCH = (
+    "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+    "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "allowed_token_ids",
+    "bad_words", "skip_special_tokens", "response_format", "structured_outputs", "guided_json",
+    "guided_regex", "guided_choice", "guided_grammar", "logprobs", "top_logprobs",
+    "prompt_logprobs", "tools", "tool_choice",
+)  # fmt: skip
+
+
+def _beam_search(body: GenerationRequest) -> tuple[bool, float]:
+    """(use_beam_search, length_penalty) of the request, refusing what a beam search would
+    ignore, and a length_penalty without one."""
+    penalty = 1.0 if body.length_penalty is None else body.length_penalty
+    if not body.use_beam_search:
+        if penalty != 1.0:
+            raise APIError(
+                400, "'length_penalty' applies only with use_beam_search", param="length_penalty"
+            )
+        return False, penalty
+    for name in _NOT_WITH_BEAM_SEARCH:
+        value = getattr(body, name, None)  # chat's and completions' own fields: absent here
+        if value is not None and value is not False and value != []:
+            raise APIError(400, f"'{name}' does not apply with use_beam_search", param=name)
+    return True, penalty
 
 
 def _refuse_unsupported(body: GenerationRequest) -> None:
@@ -268,10 +298,12 @@ def parse_completion(
         prompt_logprobs,
     )  # fmt: skip
     stream, include_usage, lane, timeout = _request_options(body)
+    use_beam_search, length_penalty = _beam_search(body)
     return ParsedRequest(
         prompt, None, params, body.model, stream, include_usage, lane, timeout,
         fields=_constraint_fields(constraint_field(body)), echo=echo,
         cache_salt=_cache_salt(body), tokens_as_ids=bool(body.return_tokens_as_token_ids),
+        use_beam_search=use_beam_search, length_penalty=length_penalty,
     )  # fmt: skip
 
 
@@ -430,12 +462,14 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
         body, max_tokens, logprobs, constraint, renamed, policy.sampling_defaults
     )
     stream, include_usage, lane, timeout = _request_options(body)
+    use_beam_search, length_penalty = _beam_search(body)
     return ParsedRequest(
         None, messages, params, body.model, stream, include_usage, lane, timeout, top_logprobs,
         tools, fields, add_generation_prompt=adds_generation_prompt(body),
         continue_final_message=bool(body.continue_final_message),
         template_kwargs=body.chat_template_kwargs, cache_salt=_cache_salt(body),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
+        use_beam_search=use_beam_search, length_penalty=length_penalty,
     )  # fmt: skip
 
 

@@ -206,10 +206,10 @@ class GenerationRequest(_Body):
     logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     functions: Any = None
+    use_beam_search: bool | None = None  # vLLM's: the n best beams (jserve.engine.beam_search)
+    length_penalty: float | None = None  # vLLM's: a beam's score is logprob / length ** this
     # vLLM's extensions jserve does not honour: refused unless left at vLLM's default
     # (server/protocol.py:VLLM_UNHONOURED), never silently ignored.
-    use_beam_search: bool | None = None
-    length_penalty: float | None = None
     spaces_between_special_tokens: bool | None = None
     logits_processors: Any = None
 

@@ -55,14 +55,7 @@ def check_new_request(
             RejectReason.INVALID, f"lane must be one of {names}, got {request.lane!r}",
             param="lane",
         )  # fmt: skip
-    total = request.num_prompt_tokens + max_tokens
-    if total > config.max_model_len:
-        raise RequestRejected(
-            RejectReason.TOO_LONG,
-            f"the prompt has {request.num_prompt_tokens} tokens and max_tokens is "
-            f"{max_tokens}: {total} tokens exceed max_model_len={config.max_model_len}; "
-            f"shorten the prompt or lower max_tokens",
-        )
+    check_fits(request.num_prompt_tokens, max_tokens, config.max_model_len)
     if num_waiting >= config.max_waiting_requests:
         raise RequestRejected(
             RejectReason.QUEUE_FULL,
@@ -209,4 +202,16 @@ def check_kv_usage(usage: float, config: SchedulerConfig) -> None:
             f"KV cache usage is {usage:.1%}, above the reject watermark "
             f"{config.kv_reject_watermark:.1%} (kv_reject_watermark); retry later",
             retry_after=1.0,
+        )
+
+
+def check_fits(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    """Raise RequestRejected (too long) unless the prompt and max_tokens fit max_model_len."""
+    total = num_prompt_tokens + max_tokens
+    if total > max_model_len:
+        raise RequestRejected(
+            RejectReason.TOO_LONG,
+            f"the prompt has {num_prompt_tokens} tokens and max_tokens is {max_tokens}: "
+            f"{total} tokens exceed max_model_len={max_model_len}; shorten the prompt or "
+            f"lower max_tokens",
         )

@@ -16,9 +16,10 @@ from typing import Any
 from tqdm import tqdm
 
 from jserve.config.engine_args import EngineArgs
+from jserve.engine.beam_search import BeamSearchOutput, beam_search_offline
 from jserve.engine.llm_engine import LLMEngine, Prompt
 from jserve.outputs import RequestOutput
-from jserve.sampling_params import PoolingParams, SamplingParams
+from jserve.sampling_params import BeamSearchParams, PoolingParams, SamplingParams
 
 Conversation = list[dict[str, Any]]
 
@@ -118,6 +119,17 @@ class LLM:
             for conv in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Each prompt's best `params.beam_width` beams (jserve.engine.beam_search), best
+        first, as vLLM's `LLM.beam_search`; every prompt's beams run together, a step a token.
+        A prompt is one `generate` takes (text, ids, or vLLM's dict with an optional
+        "cache_salt"); a beam's `tokens` start with its prompt's."""
+        return beam_search_offline(
+            self.engine, prompts, params, lambda ids: self._run(ids, use_tqdm=False)
+        )
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

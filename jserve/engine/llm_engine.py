@@ -256,7 +256,7 @@ class LLMEngine:
                 RejectReason.INVALID,
                 f"request id {request_id!r} is already in use; use a unique id",
             )
-        text, ids, salt = self._prompt_ids(prompt, (pooling or params).truncate_prompt_tokens)
+        text, ids, salt = self.prompt_ids(prompt, (pooling or params).truncate_prompt_tokens)
         stop = self._stop_conditions(params, len(ids))
         arrival = time.monotonic() if arrival_time is None else arrival_time
         matchers, (allowed, bad) = self._matchers(params, grammar), self._token_rules(params, stop)
@@ -352,8 +352,8 @@ class LLMEngine:
             )
         return [self.structured.new_matcher(template) for _ in range(params.n)]
 
-    def _prompt_ids(
-        self, prompt: Prompt, keep: int | None
+    def prompt_ids(
+        self, prompt: Prompt, keep: int | None = None
     ) -> tuple[str | None, list[int], str | None]:
         """(text, ids, cache salt) of a prompt: its text, its token ids, or vLLM's dict of
         either ("prompt" or "prompt_token_ids") with an optional "cache_salt"; the ids cut to

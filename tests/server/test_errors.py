@@ -87,8 +87,16 @@ BAD_INPUTS = [
     (COMPLETIONS, {"prompt": "a", "logit_bias": {"1": 5}}, 400, "logit_bias", "not supported"),
     (COMPLETIONS, {"prompt": "a", "best_of": 3}, 400, "best_of", "not supported"),
     # vLLM's extensions jserve does not honour: refused unless at vLLM's default.
-    (COMPLETIONS, {"prompt": "a", "use_beam_search": True}, 400, "use_beam_search",
-     "'use_beam_search' (a vLLM extension) is not supported"),
+    (COMPLETIONS, {"prompt": "a", "use_beam_search": True, "stop": ["x"]}, 400, "stop",
+     "'stop' does not apply with use_beam_search"),
+    (CHAT, {"messages": HI, "use_beam_search": True, "logprobs": True}, 400, "logprobs",
+     "'logprobs' does not apply with use_beam_search"),
+    (COMPLETIONS, {"prompt": "a", "use_beam_search": True, "n": 11}, 400, "n",
+     "n must be an integer in [1, 10], got 11"),
+    (COMPLETIONS, {"prompt": "a", "use_beam_search": True, "max_tokens": 10**6}, 400, "prompt",
+     "1000001 tokens exceed max_model_len"),
+    (COMPLETIONS, {"prompt": "a", "use_beam_search": True, "length_penalty": "x"}, 400,
+     "length_penalty", "expected `float | null`, got `str`"),
     (COMPLETIONS, {"prompt": "a", "allowed_token_ids": []}, 400, "allowed_token_ids",
      "allowed_token_ids must hold at least one token id"),
     (COMPLETIONS, {"prompt": "a", "allowed_token_ids": [-1]}, 400, "allowed_token_ids[0]",
@@ -101,7 +109,8 @@ BAD_INPUTS = [
      "truncate_prompt_tokens", "must be at most max_model_len"),
     (COMPLETIONS, {"prompt": "a", "cache_salt": ""}, 400, "cache_salt",
      "'cache_salt' must be a non-empty string"),
-    (COMPLETIONS, {"prompt": "a", "length_penalty": 0.5}, 400, "length_penalty", "not supported"),
+    (COMPLETIONS, {"prompt": "a", "length_penalty": 0.5}, 400, "length_penalty",
+     "'length_penalty' applies only with use_beam_search"),
     (CHAT, {"messages": HI, "continue_final_message": True, "add_generation_prompt": True}, 400,
      "continue_final_message", "cannot both be true"),
     (CHAT, {"messages": HI, "chat_template": "{{ messages }}"}, 400, "chat_template",
@@ -196,8 +205,9 @@ async def test_bad_inputs_table_then_still_healthy():
         ok = await client.post(COMPLETIONS, json={"prompt": "ok", "max_tokens": 3})
         assert (await ok.json())["choices"][0]["text"] == "oko"
         metrics = await (await client.get("/metrics")).text()
-    # The engine refused the two prompt-too-long rows; the server refused the rest itself.
-    assert metric(metrics, "jserve:request_rejected_total", 'reason="too_long"') == 2
+    # The engine refused the two prompt-too-long rows and the beam search (which refuses as
+    # it would); the server refused the rest itself.
+    assert metric(metrics, "jserve:request_rejected_total", 'reason="too_long"') == 3
 
 
 async def test_prompt_too_long_error_code():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from server_harness import chat_prompt, echo_text, serve, stream_events
 
 from jserve.server.mock_engine import MockEngine
@@ -447,3 +449,46 @@ async def test_completion_prompt_logprobs_vllm_shape():
     assert full["choices"][0]["text"] == "H" and full["choices"][0]["logprobs"] is None
     firsts = [e["choices"][0].get("prompt_logprobs") for e in events[:-1]]
     assert firsts[0] == expected and all(p is None for p in firsts[1:])
+
+
+async def test_use_beam_search_returns_the_n_best_beams_streamed_or_not():
+    """vLLM's use_beam_search: n beams, best first. The mock's one-token steps put their
+    prompt's first token at -0.5 and the next ids at -1.5, -2.5, ...: from "xy" the best
+    beams of 3 tokens are "xxx" (-1.5) and then "xxy" (-2.5; "xyx" ties with it and came from
+    the worse beam), and every step ran through the engine's generate."""
+    body = {"prompt": "xy", "max_tokens": 3, "n": 2, "use_beam_search": True}
+    async with serve(_fast_mock()) as client:
+        full = await (await client.post(COMPLETIONS, json=body)).json()
+        events = await stream_events(client, COMPLETIONS, body)
+        chat = {"messages": USER_HI, "max_tokens": 2, "n": 3, "use_beam_search": True}
+        answer = await (await client.post(CHAT, json=chat)).json()
+    assert [c["text"] for c in full["choices"]] == ["xxx", "xxy"]
+    assert [c["finish_reason"] for c in full["choices"]] == ["length", "length"]
+    assert full["usage"]["completion_tokens"] == 6
+    assert [_streamed_text(events, 0), _streamed_text(events, 1)] == ["xxx", "xxy"]
+    first = chat_prompt(USER_HI)[0]  # a step's best token is its prompt's first
+    contents = [c["message"]["content"] for c in answer["choices"]]
+    assert contents[0] == first * 2 and len(contents) == len(set(contents)) == 3
+
+
+async def test_a_client_leaving_a_beam_search_aborts_its_steps_in_flight():
+    engine = MockEngine(token_delay=0.05)
+    body = {"prompt": "xy", "max_tokens": 50, "n": 3, "use_beam_search": True}
+    async with serve(engine) as client:
+        request = asyncio.ensure_future(client.post(COMPLETIONS, json=body))
+        for _ in range(200):  # until a later step's requests (one a beam) are in the engine
+            await asyncio.sleep(0.01)
+            if _in_flight(engine) == 3:
+                break
+        assert _in_flight(engine) == 3
+        request.cancel()
+        for _ in range(100):
+            await asyncio.sleep(0.01)
+            if not _in_flight(engine):
+                break
+        assert _in_flight(engine) == 0
+
+
+def _in_flight(engine: MockEngine) -> int:
+    stats = engine.stats()
+    return stats.num_requests_running + stats.num_requests_waiting

@@ -21,8 +21,9 @@ import openai
 import pytest
 from server_harness import metric, metric_sum
 
-from jserve.sampling_params import SamplingParams
-from tests.shared_engine import SHARED, engine_flags
+from jserve.engine.beam_search import beam_search_offline
+from jserve.sampling_params import BeamSearchParams, SamplingParams
+from tests.shared_engine import SHARED, engine_flags, run_to_completion
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 MAX_MODEL_LEN = SHARED["max_model_len"]
@@ -84,6 +85,25 @@ def test_completions_greedy_match_offline_api(client, engine):
     assert full.usage.completion_tokens == 16 or full.choices[0].finish_reason == "stop"
     chunks = client.completions.create(model=model, prompt=prompt, stream=True, **params)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+
+
+def test_beam_search_matches_the_offline_api(client, engine):
+    """use_beam_search through the server (its steps through the async engine's generate)
+    gives the offline engine's beams (their search is tested against transformers)."""
+    model = client.models.list().data[0].id
+    prompt = "The capital of France is"
+    full = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, n=3, temperature=0.0,
+        extra_body={"use_beam_search": True},
+    )  # fmt: skip
+
+    def run(ids: list[str]) -> list:
+        final = run_to_completion(engine)
+        return [final[i] for i in ids]
+
+    (offline,) = beam_search_offline(engine, [prompt], BeamSearchParams(3, 6), run)
+    assert [c.text for c in full.choices] == [b.text for b in offline.sequences]
+    assert [c.finish_reason for c in full.choices] == [b.finish_reason for b in offline.sequences]
 
 
 def test_chat_greedy_match_offline_api(client, engine):
