@@ -94,6 +94,7 @@ class ParsedRequest:
     add_generation_prompt: bool = True
     template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False  # chat: the final message is continued, not closed
+    documents: list[dict[str, str]] | None = None  # chat: vLLM's, for a RAG template
     # vLLM's: the prompt's prefix-cache blocks are shared only with requests of this salt
     cache_salt: str | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
@@ -109,7 +110,6 @@ VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
     "chat_template": (),  # chat
-    "documents": ([],),  # chat
 }
 # Template variables a request's chat_template_kwargs may not set: the server sets them.
 _RESERVED_TEMPLATE_VARIABLES = frozenset(
@@ -377,13 +377,15 @@ def render_chat(
     tools: ToolRequest | None = None,
     template_kwargs: dict[str, Any] | None = None,
     continue_final_message: bool = False,
+    documents: list[dict[str, str]] | None = None,
 ) -> str:
     """The chat template applied to `messages`; a template that rejects them is a 400.
 
     Tools go through the template when it renders `tools`, else into the system message.
     `template_kwargs` (vLLM's chat_template_kwargs) are more variables for the template; one
     the server sets itself is a 400. With `continue_final_message` the text ends inside the
-    final message (TokenizerLike.apply_chat_template).
+    final message (TokenizerLike.apply_chat_template). `documents` (vLLM's) are the template's
+    `documents` variable: a RAG template lists them, another ignores them.
     """
     extra: dict[str, Any] = dict(template_kwargs or {})
     if reserved := sorted(_RESERVED_TEMPLATE_VARIABLES & extra.keys()):
@@ -391,6 +393,8 @@ def render_chat(
             400, f"chat_template_kwargs may not set {reserved}: the server sets them",
             param="chat_template_kwargs",
         )  # fmt: skip
+    if documents is not None:
+        extra["documents"] = documents
     if tools is not None:
         if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
             extra["tools"] = tools.tools
@@ -469,7 +473,7 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
         continue_final_message=bool(body.continue_final_message),
         template_kwargs=body.chat_template_kwargs, cache_salt=_cache_salt(body),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
-        use_beam_search=use_beam_search, length_penalty=length_penalty,
+        use_beam_search=use_beam_search, length_penalty=length_penalty, documents=body.documents,
     )  # fmt: skip
 
 
@@ -486,7 +490,7 @@ def encode_prompt(
     if parsed.messages is not None:
         text = render_chat(
             tokenizer, parsed.messages, parsed.add_generation_prompt, parsed.tools,
-            parsed.template_kwargs, parsed.continue_final_message,
+            parsed.template_kwargs, parsed.continue_final_message, parsed.documents,
         )  # fmt: skip
         ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(parsed.prompt, str):

@@ -115,6 +115,8 @@ BAD_INPUTS = [
      "continue_final_message", "cannot both be true"),
     (CHAT, {"messages": HI, "chat_template": "{{ messages }}"}, 400, "chat_template",
      "not supported"),
+    (CHAT, {"messages": HI, "documents": [{"title": 1}]}, 400, "documents[0]",
+     "expected `str`, got `int`"),
     (CHAT, {"messages": HI, "chat_template_kwargs": {"messages": []}}, 400,
      "chat_template_kwargs", "may not set ['messages']"),
     (COMPLETIONS, {"prompt": "a", "lane": "urgent"}, 400, "lane", "must be one of"),

@@ -207,6 +207,18 @@ async def test_chat_template_controls_and_vllm_defaults_that_change_nothing():
     assert answer["usage"]["prompt_tokens"] == len(prompt)
 
 
+async def test_documents_reach_the_chat_template():
+    """vLLM's documents (for a RAG template) are the template's `documents` variable; the
+    mock's template writes each variable on a line of its own."""
+    documents = [{"title": "Notes", "text": "The sky is green."}]
+    body = {"messages": USER_HI, "max_tokens": 3, "documents": documents}
+    async with serve(_fast_mock()) as client:
+        answer = await (await client.post(CHAT, json=body)).json()
+    prompt = f"documents={documents}\n" + chat_prompt(USER_HI)
+    assert answer["choices"][0]["message"]["content"] == echo_text(prompt, 3)
+    assert answer["usage"]["prompt_tokens"] == len(prompt)
+
+
 async def test_continue_final_message_goes_on_with_the_assistants_message():
     """vLLM's continue_final_message: the prompt ends inside the final message (the mock's
     template leaves its line open) instead of opening a new turn; with add_generation_prompt
