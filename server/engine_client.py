@@ -28,6 +28,7 @@ class TokenizerLike(Protocol):
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         continue_final_message: bool = False,  # end inside the final message (transformers')
+        chat_template: str | None = None,  # instead of the model's (transformers')
         **variables: Any,
     ) -> str: ...
 

@@ -59,7 +59,8 @@ def _is_scalar_value(code_point: int) -> bool:
 
 class CharTokenizer:
     """One token per character; the chat template is "role: content" lines, after a
-    "name=value" line for each extra template variable (chat_template_kwargs)."""
+    "name=value" line for each extra template variable (chat_template_kwargs, and a request's
+    own chat_template: the mock renders no Jinja)."""
 
     stop_token_ids: frozenset[int] = frozenset()  # no EOS
 
@@ -75,8 +76,11 @@ class CharTokenizer:
         add_generation_prompt: bool = True,
         tokenize: bool = False,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **variables: Any,
     ) -> str:
+        if chat_template is not None:  # the mock renders no Jinja: the template is a variable
+            variables = {**variables, "chat_template": chat_template}
         text = "".join(f"{name}={value}\n" for name, value in sorted(variables.items()))
         text += "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         if continue_final_message:  # the final message's line left open

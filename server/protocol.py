@@ -64,12 +64,14 @@ _SAMPLING_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 @dataclass(frozen=True)
 class RequestPolicy:
     """What the server's settings decide for every request (server/settings.py): the most
-    logprobs one may ask for, whether tool_choice "auto" is served, and the sampling defaults
-    of fields a request leaves out (--generation-config)."""
+    logprobs one may ask for, whether tool_choice "auto" is served, the sampling defaults
+    of fields a request leaves out (--generation-config), and whether a request's own chat
+    template is rendered (--trust-request-chat-template)."""
 
     max_logprobs: int = MAX_LOGPROBS
     auto_tool_choice: bool = True
     sampling_defaults: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    trust_request_chat_template: bool = False
 
 
 _DEFAULT_POLICY = RequestPolicy()
@@ -95,6 +97,7 @@ class ParsedRequest:
     template_kwargs: dict[str, Any] | None = None
     continue_final_message: bool = False  # chat: the final message is continued, not closed
     documents: list[dict[str, str]] | None = None  # chat: vLLM's, for a RAG template
+    chat_template: str | None = None  # chat: the request's own template (trusted requests)
     # vLLM's: the prompt's prefix-cache blocks are shared only with requests of this salt
     cache_salt: str | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
@@ -109,7 +112,6 @@ class ParsedRequest:
 VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
     "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
-    "chat_template": (),  # chat
 }
 # Template variables a request's chat_template_kwargs may not set: the server sets them.
 _RESERVED_TEMPLATE_VARIABLES = frozenset(
@@ -378,6 +380,7 @@ def render_chat(
     template_kwargs: dict[str, Any] | None = None,
     continue_final_message: bool = False,
     documents: list[dict[str, str]] | None = None,
+    chat_template: str | None = None,
 ) -> str:
     """The chat template applied to `messages`; a template that rejects them is a 400.
 
@@ -385,7 +388,8 @@ def render_chat(
     `template_kwargs` (vLLM's chat_template_kwargs) are more variables for the template; one
     the server sets itself is a 400. With `continue_final_message` the text ends inside the
     final message (TokenizerLike.apply_chat_template). `documents` (vLLM's) are the template's
-    `documents` variable: a RAG template lists them, another ignores them.
+    `documents` variable: a RAG template lists them, another ignores them. `chat_template`
+    (a trusted request's own) replaces the model's; then a failure to render names it.
     """
     extra: dict[str, Any] = dict(template_kwargs or {})
     if reserved := sorted(_RESERVED_TEMPLATE_VARIABLES & extra.keys()):
@@ -396,17 +400,45 @@ def render_chat(
     if documents is not None:
         extra["documents"] = documents
     if tools is not None:
-        if "tools" in (getattr(tokenizer, "chat_template", None) or ""):
+        if "tools" in (chat_template or getattr(tokenizer, "chat_template", None) or ""):
             extra["tools"] = tools.tools
         else:
             messages = with_tool_prompt(messages, tools.tools)
     try:
         return tokenizer.apply_chat_template(
             messages, add_generation_prompt=add_generation_prompt, tokenize=False,
-            continue_final_message=continue_final_message, **extra,
+            continue_final_message=continue_final_message, chat_template=chat_template, **extra,
         )  # fmt: skip
     except ValueError as exc:  # loaders' ChatTemplateError is a ValueError
-        raise APIError(400, f"cannot format the conversation: {exc}", param="messages") from exc
+        param = "messages" if chat_template is None else "chat_template"
+        raise APIError(400, f"cannot format the conversation: {exc}", param=param) from exc
+
+
+UNTRUSTED_TEMPLATE = (
+    "Chat template is passed with request, but --trust-request-chat-template is not set. "
+    "Refused request with untrusted chat template."
+)  # vLLM's words
+
+
+def _request_chat_template(
+    body: ChatRequest, policy: RequestPolicy
+) -> tuple[str | None, dict[str, Any] | None]:
+    """(the request's own chat template, the other chat_template_kwargs): vLLM's
+    `chat_template`, or a `chat_template` among the kwargs (the field wins), refused as vLLM
+    refuses it unless the server trusts requests' templates."""
+    kwargs = body.chat_template_kwargs
+    given = kwargs.get("chat_template") if kwargs else None
+    param = "chat_template_kwargs" if body.chat_template is None else "chat_template"
+    template = body.chat_template if body.chat_template is not None else given
+    if kwargs and "chat_template" in kwargs:
+        kwargs = {k: v for k, v in kwargs.items() if k != "chat_template"}
+    if template is None:
+        return None, kwargs
+    if not policy.trust_request_chat_template:
+        raise APIError(400, UNTRUSTED_TEMPLATE, param=param)
+    if not isinstance(template, str) or not template.strip():
+        raise APIError(400, f"{param}'s chat_template must be a non-empty string", param=param)
+    return template, kwargs
 
 
 def _chat_logprobs(body: ChatRequest, policy: RequestPolicy) -> tuple[int | None, int]:
@@ -467,11 +499,12 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
     )
     stream, include_usage, lane, timeout = _request_options(body)
     use_beam_search, length_penalty = _beam_search(body)
+    template, template_kwargs = _request_chat_template(body, policy)
     return ParsedRequest(
         None, messages, params, body.model, stream, include_usage, lane, timeout, top_logprobs,
         tools, fields, add_generation_prompt=adds_generation_prompt(body),
-        continue_final_message=bool(body.continue_final_message),
-        template_kwargs=body.chat_template_kwargs, cache_salt=_cache_salt(body),
+        continue_final_message=bool(body.continue_final_message), chat_template=template,
+        template_kwargs=template_kwargs, cache_salt=_cache_salt(body),
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
         use_beam_search=use_beam_search, length_penalty=length_penalty, documents=body.documents,
     )  # fmt: skip
@@ -491,6 +524,7 @@ def encode_prompt(
         text = render_chat(
             tokenizer, parsed.messages, parsed.add_generation_prompt, parsed.tools,
             parsed.template_kwargs, parsed.continue_final_message, parsed.documents,
+            parsed.chat_template,
         )  # fmt: skip
         ids = tokenizer.encode(text, add_special_tokens=False)
     elif isinstance(parsed.prompt, str):

@@ -238,7 +238,7 @@ class ChatRequest(GenerationRequest, kw_only=True):
     add_generation_prompt: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
     continue_final_message: bool | None = None  # go on with the final (assistant) message
-    chat_template: str | None = None  # refused: the model's own template is used
+    chat_template: str | None = None  # vLLM's: served with --trust-request-chat-template
     documents: list[dict[str, str]] | None = None  # vLLM's: for a RAG template (title, text)
 
 

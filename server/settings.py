@@ -119,6 +119,13 @@ class ServerSettings:
         vllm="--tool-call-parser",
         choices=ToolCallParser,
     )
+    trust_request_chat_template: bool = setting(
+        False,
+        "render a chat request's own chat_template (Jinja, in the sandbox the model's template "
+        "runs in) instead of refusing it with a 400, as vLLM's flag does: a template runs on "
+        "the server's CPU, so set it only for clients you trust",
+        vllm="--trust-request-chat-template",
+    )
     max_logprobs: int = setting(
         MAX_LOGPROBS,
         "most logprobs (completions) or top_logprobs (chat) a request may ask for; more is a 400",

@@ -50,7 +50,7 @@ class ServerState:
         """What the settings decide for every request (server/protocol.py)."""
         return RequestPolicy(
             self.settings.max_logprobs, self.settings.enable_auto_tool_choice,
-            self.sampling_defaults,
+            self.sampling_defaults, self.settings.trust_request_chat_template,
         )  # fmt: skip
 
     @property

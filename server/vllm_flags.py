@@ -91,6 +91,7 @@ VLLM_SERVE_FLAGS: tuple[VllmFlag, ...] = (
     _ok("--enable-auto-tool-choice", "enable_auto_tool_choice"),
     _ok("--tool-call-parser", "tool_call_parser", "hermes"),
     _ok("--max-logprobs", "max_logprobs", "5"),
+    _ok("--trust-request-chat-template", "trust_request_chat_template"),
     _ok("--generation-config", "generation_config", "vllm"),
     _ok("--enable-log-requests", "enable_log_requests"),
     _ok("--uvicorn-log-level", "log_level", "warning"),

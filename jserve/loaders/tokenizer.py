@@ -177,9 +177,11 @@ class Tokenizer:
         tokenize: bool = False,
         tools: Sequence[Mapping[str, Any]] | None = None,
         continue_final_message: bool = False,
+        chat_template: str | None = None,
         **variables: Any,
     ) -> str | list[int]:
-        """The model's prompt for a conversation, as text or (tokenize=True) ids.
+        """The model's prompt for a conversation, as text or (tokenize=True) ids; with
+        `chat_template` (transformers') that template instead of the model's.
 
         Tokenizing adds no BOS/EOS beyond what the template writes, as in transformers. With
         `continue_final_message` (transformers') the prompt ends inside the final message, which
@@ -188,14 +190,15 @@ class Tokenizer:
         Raises:
             ChatTemplateError: the model has no chat template, or it rejects the conversation.
         """
-        if self.chat_template is None:
+        template = self.chat_template if chat_template is None else chat_template
+        if template is None:
             raise ChatTemplateError(
                 f"{self.source}: this model has no chat template, so chat requests cannot be "
                 "formatted; send a plain completion prompt instead"
             )
         specials = {"bos_token": self.bos_token, "eos_token": self.eos_token}
         text = render_chat_template(
-            self.chat_template,
+            template,
             messages,
             add_generation_prompt=add_generation_prompt and not continue_final_message,
             tools=tools,

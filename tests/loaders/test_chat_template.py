@@ -91,6 +91,24 @@ def test_continue_final_message_matches_transformers(answer, smollm2_tokenizer, 
         )
 
 
+def test_a_given_template_replaces_the_models_as_in_transformers(
+    smollm2_tokenizer, hf_gguf_tokenizer
+):
+    """apply_chat_template(chat_template=...) (a trusted request's own template) renders that
+    template with the model's bos/eos and the documents, as transformers does."""
+    documents = [{"title": "Notes", "text": "The sky is green."}]
+    template = (
+        RICH_TEMPLATE + "{% for d in documents or [] %}[{{ d.title }}: {{ d.text }}]{% endfor %}"
+    )
+    ours = smollm2_tokenizer.apply_chat_template(TURNS, chat_template=template, documents=documents)
+    theirs = hf_gguf_tokenizer.apply_chat_template(
+        TURNS, chat_template=template, documents=documents, add_generation_prompt=True,
+        tokenize=False,
+    )  # fmt: skip
+    assert ours == theirs and "[Notes: The sky is green.]" in ours
+    assert ours != smollm2_tokenizer.apply_chat_template(TURNS, documents=documents)
+
+
 def test_smollm2_template_exact_text(smollm2_tokenizer):
     text = smollm2_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text == (

@@ -114,7 +114,7 @@ BAD_INPUTS = [
     (CHAT, {"messages": HI, "continue_final_message": True, "add_generation_prompt": True}, 400,
      "continue_final_message", "cannot both be true"),
     (CHAT, {"messages": HI, "chat_template": "{{ messages }}"}, 400, "chat_template",
-     "not supported"),
+     "--trust-request-chat-template is not set"),
     (CHAT, {"messages": HI, "documents": [{"title": 1}]}, 400, "documents[0]",
      "expected `str`, got `int`"),
     (CHAT, {"messages": HI, "chat_template_kwargs": {"messages": []}}, 400,

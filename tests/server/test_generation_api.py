@@ -219,6 +219,28 @@ async def test_documents_reach_the_chat_template():
     assert answer["usage"]["prompt_tokens"] == len(prompt)
 
 
+async def test_a_requests_chat_template_needs_the_servers_trust():
+    """vLLM's chat_template (or chat_template_kwargs' chat_template): refused with vLLM's words
+    unless --trust-request-chat-template; then it replaces the model's template (the mock
+    writes it as a variable line: it renders no Jinja)."""
+    template = "{{ messages[0]['content'] }}"
+    plain = {"messages": USER_HI, "max_tokens": 3, "chat_template": template}
+    in_kwargs = {"messages": USER_HI, "max_tokens": 3,
+                 "chat_template_kwargs": {"chat_template": template, "x": 1}}  # fmt: skip
+    async with serve(_fast_mock()) as client:
+        for body, param in ((plain, "chat_template"), (in_kwargs, "chat_template_kwargs")):
+            response = await client.post(CHAT, json=body)
+            error = (await response.json())["error"]
+            assert (response.status, error["param"]) == (400, param)
+            assert error["message"].startswith("Chat template is passed with request, but")
+    async with serve(_fast_mock(), trust_request_chat_template=True) as client:
+        answers = [await (await client.post(CHAT, json=b)).json() for b in (plain, in_kwargs)]
+    prompt = f"chat_template={template}\n" + chat_prompt(USER_HI)
+    assert answers[0]["choices"][0]["message"]["content"] == echo_text(prompt, 3)
+    prompt = f"chat_template={template}\nx=1\n" + chat_prompt(USER_HI)
+    assert answers[1]["choices"][0]["message"]["content"] == echo_text(prompt, 3)
+
+
 async def test_continue_final_message_goes_on_with_the_assistants_message():
     """vLLM's continue_final_message: the prompt ends inside the final message (the mock's
     template leaves its line open) instead of opening a new turn; with add_generation_prompt
