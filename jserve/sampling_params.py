@@ -160,6 +160,9 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # vLLM's: False writes an added token right after another without the space the decoder
+    # puts between them (only with skip_special_tokens False; jserve.loaders.detokenizer)
+    spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None

@@ -56,7 +56,7 @@ _SAMPLING_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "min_tokens", "stop", "stop_token_ids",
     "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "truncate_prompt_tokens",
-    "allowed_token_ids", "bad_words",
+    "allowed_token_ids", "bad_words", "spaces_between_special_tokens",
 )  # fmt: skip
 _SAMPLING_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
@@ -110,7 +110,6 @@ class ParsedRequest:
 # vLLM's request extensions jserve does not honour, and the values that change nothing (vLLM's
 # defaults): any other value is a 400 naming the field rather than an answer that ignored it.
 VLLM_UNHONOURED: dict[str, tuple[Any, ...]] = {
-    "spaces_between_special_tokens": (True,),
     "logits_processors": ([],),
 }
 # Template variables a request's chat_template_kwargs may not set: the server sets them.

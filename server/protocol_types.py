@@ -208,9 +208,9 @@ class GenerationRequest(_Body):
     functions: Any = None
     use_beam_search: bool | None = None  # vLLM's: the n best beams (jserve.engine.beam_search)
     length_penalty: float | None = None  # vLLM's: a beam's score is logprob / length ** this
+    spaces_between_special_tokens: bool | None = None  # vLLM's: False joins special tokens
     # vLLM's extensions jserve does not honour: refused unless left at vLLM's default
     # (server/protocol.py:VLLM_UNHONOURED), never silently ignored.
-    spaces_between_special_tokens: bool | None = None
     logits_processors: Any = None
 
 

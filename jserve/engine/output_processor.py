@@ -101,7 +101,9 @@ class RequestState:
         if pooling is not None:
             state.pooler = Pooler(pooling.pooling_type, len(prompt_token_ids))
         for i in range(params.n):
-            detok = IncrementalDetokenizer(tokenizer, params.skip_special_tokens)
+            detok = IncrementalDetokenizer(
+                tokenizer, params.skip_special_tokens, params.spaces_between_special_tokens
+            )
             logprobs = [] if params.logprobs is not None else None
             state.samples.append(SampleState(i, detok, stop.stop_string_search(), logprobs))
         return state

@@ -36,18 +36,38 @@ class IncrementalDetokenizer:
 
     Call `add_token` with each new id, then `finish` once the sequence ends: it releases text
     held back because it ended in U+FFFD (e.g. a last token that stops mid-character for
-    good). The pieces concatenate to `tokenizer.decode(ids, skip_special_tokens)`.
+    good). The pieces concatenate to `tokenizer.decode(ids, skip_special_tokens)`, except
+    with `spaces_between_special_tokens` False (vLLM's rule for its fast detokenizer, which
+    changes nothing unless special tokens are shown): an added token right after another is
+    its bare content, without the space some decoders (WordPiece's) put before it.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+    ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
         self._emitted: list[int] = []  # the ids of the last step that emitted text
         self._pending: list[int] = []  # ids since then: no text of theirs emitted yet
+        spaced = skip_special_tokens or spaces_between_special_tokens
+        self._added = None if spaced else tokenizer.added_tokens  # id -> content
+        self._last_added = False
 
     def add_token(self, token_id: int) -> str:
         """Append an id; return the new text that is certain (possibly "")."""
+        text = self._step(token_id)
+        if self._added is not None:
+            content = self._added.get(token_id)
+            if content is not None and self._last_added:
+                text = content
+            self._last_added = content is not None
+        return text
+
+    def _step(self, token_id: int) -> str:
         self._pending.append(token_id)
         try:
             text = self._stream.step(self._tokenizer.backend, token_id)

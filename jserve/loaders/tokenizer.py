@@ -54,7 +54,9 @@ class Tokenizer:
         self.chat_template = chat_template
         self.source = source
         self._extra_stop_token_ids = frozenset(extra_stop_token_ids)
-        specials = {i for i, t in backend.get_added_tokens_decoder().items() if t.special}
+        added = backend.get_added_tokens_decoder()
+        self.added_tokens: dict[int, str] = {i: t.content for i, t in added.items()}
+        specials = {i for i, t in added.items() if t.special}
         end_of_turn = {i for i in specials if backend.id_to_token(i) in END_OF_TURN_TOKENS}
         declared = {eos_token_id} if eos_token_id is not None else set()
         self.stop_token_ids: frozenset[int] = frozenset(

@@ -161,3 +161,35 @@ def test_sentencepiece_bytes_that_rewrite_earlier_text_restart_the_stream():
     assert detok.finish() == ""
     ids = [hello, 1 + 0xC3, 1 + 0xA9, hello]  # valid bytes: "é" as two byte tokens
     assert check_stream(tokenizer, ids, True) == ["Hello", "", "é", " Hello", ""]
+
+
+def _wordpiece_tokenizer() -> Tokenizer:
+    """A decoder that puts a space between special tokens (WordPiece's), unlike SmolLM2's."""
+    from tokenizers import AddedToken, pre_tokenizers
+
+    backend = BackendTokenizer(
+        models.WordPiece({"[UNK]": 0, "hello": 1, "world": 2, "##s": 3}, unk_token="[UNK]")
+    )
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens([AddedToken("<x>", special=True), AddedToken("<y>", special=True)])
+    return Tokenizer(
+        backend, bos_token_id=None, eos_token_id=None, chat_template=None, source="wordpiece"
+    )
+
+
+@pytest.mark.parametrize(
+    ("skip", "spaces", "pieces"),
+    [
+        (False, True, ["hello", " <x>", " <y>", " world", "s", " <y>"]),  # DecodeStream's own
+        (False, False, ["hello", " <x>", "<y>", " world", "s", " <y>"]),  # <y> right after <x>
+        (True, False, ["hello", "", "", " world", "s", ""]),  # specials hidden: nothing to join
+    ],
+)
+def test_spaces_between_special_tokens_false_joins_consecutive_ones_as_vllm(skip, spaces, pieces):
+    """vLLM's fast-detokenizer rule: with special tokens shown and spaces between them off, an
+    added token right after another is its bare content."""
+    tokenizer = _wordpiece_tokenizer()
+    x, y = tokenizer.backend.token_to_id("<x>"), tokenizer.backend.token_to_id("<y>")
+    detok = IncrementalDetokenizer(tokenizer, skip, spaces)
+    assert [detok.add_token(i) for i in [1, x, y, 2, 3, y]] + [detok.finish()] == [*pieces, ""]
