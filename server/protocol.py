@@ -101,8 +101,8 @@ class ParsedRequest:
     # vLLM's: the prompt's prefix-cache blocks are shared only with requests of this salt
     cache_salt: str | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
-    # vLLM's use_beam_search: `params.n` beams (jserve.engine.beam_search), their score's
-    # length_penalty
+    # vLLM's use_beam_search: `params.n` beams (jserve.engine.beam_search), each scored as
+    # cumulative logprob / length ** length_penalty
     use_beam_search: bool = False
     length_penalty: float = 1.0
 
@@ -119,7 +119,8 @@ _RESERVED_TEMPLATE_VARIABLES = frozenset(
 
 
 # What a beam search does not read (it ranks whole beams by log-probability, nothing else): set
-# with use_beam_search, each is a 400 naming it rather than an answer that ignored it.
+# with use_beam_search to a value that would change an answer (not SamplingParams' default,
+# nor one of _BEAM_HARMLESS), each is a 400 naming it rather than an answer that ignored it.
 _NOT_WITH_BEAM_SEARCH = (
     "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
     "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "allowed_token_ids",
@@ -127,6 +128,24 @@ _NOT_WITH_BEAM_SEARCH = (
     "guided_regex", "guided_choice", "guided_grammar", "logprobs", "top_logprobs",
     "prompt_logprobs", "tools", "tool_choice",
 )  # fmt: skip
+_BEAM_HARMLESS: dict[str, tuple[Any, ...]] = {"logprobs": (False,), "top_logprobs": (0,)}
+_SAMPLING_DEFAULTS = SamplingParams()
+
+
+def _same(value: Any, harmless: Any) -> bool:
+    """Equal, and both or neither a bool (logprobs 0 asks for logprobs; false does not)."""
+    return isinstance(value, bool) == isinstance(harmless, bool) and value == harmless
+
+
+def _changes_nothing(name: str, value: Any) -> bool:
+    """Whether a request field at `value` asks for nothing: absent, empty, SamplingParams'
+    default (top_k -1 is its 0), or one of _BEAM_HARMLESS."""
+    if value is None or value == [] or (name == "top_k" and value == -1):
+        return True
+    if any(_same(value, h) for h in _BEAM_HARMLESS.get(name, ())):
+        return True
+    default = getattr(_SAMPLING_DEFAULTS, name) if name in _SAMPLING_PARAMS else None
+    return default is not None and _same(value, default)
 
 
 def _beam_search(body: GenerationRequest) -> tuple[bool, float]:
@@ -140,8 +159,8 @@ def _beam_search(body: GenerationRequest) -> tuple[bool, float]:
             )
         return False, penalty
     for name in _NOT_WITH_BEAM_SEARCH:
-        value = getattr(body, name, None)  # chat's and completions' own fields: absent here
-        if value is not None and value is not False and value != []:
+        # (chat's and completions' own fields are absent from the other's body)
+        if not _changes_nothing(name, getattr(body, name, None)):
             raise APIError(400, f"'{name}' does not apply with use_beam_search", param=name)
     return True, penalty
 

@@ -494,7 +494,10 @@ async def test_use_beam_search_returns_the_n_best_beams_streamed_or_not():
     async with serve(_fast_mock()) as client:
         full = await (await client.post(COMPLETIONS, json=body)).json()
         events = await stream_events(client, COMPLETIONS, body)
-        chat = {"messages": USER_HI, "max_tokens": 2, "n": 3, "use_beam_search": True}
+        # Fields the search does not read, sent at values that ask for nothing, are accepted.
+        defaults = {"top_p": 1, "top_k": -1, "skip_special_tokens": True, "logprobs": False,
+                    "stop": [], "repetition_penalty": 1.0}  # fmt: skip
+        chat = {"messages": USER_HI, "max_tokens": 2, "n": 3, "use_beam_search": True, **defaults}
         answer = await (await client.post(CHAT, json=chat)).json()
     assert [c["text"] for c in full["choices"]] == ["xxx", "xxy"]
     assert [c["finish_reason"] for c in full["choices"]] == ["length", "length"]
