@@ -400,6 +400,8 @@ def main() -> None:
     parser.add_argument("--between-ms", type=float,
                         help="--bound: this time between steps, not measured")  # fmt: skip
     args = parser.parse_args()
+    if args.verify_step_ms and len(args.verify_step_ms) != args.k + 1:
+        parser.error(f"--verify-step-ms takes k + 1 = {args.k + 1} costs (0..k drafts)")
     engine = _engine(1 if args.bound else max(args.concurrency), args.quantization)
     plain = dataclasses.replace(engine.scheduler.config, speculative_config=None)
     speculating = {
