@@ -53,6 +53,11 @@ class BeamSearchOutput:
     sequences: list[Beam]
 
 
+def _child(beam: Beam, token: int, candidates: dict[int, Logprob], cum_logprob: float) -> Beam:
+    """`beam` extended by `token`, one of the step's `candidates`."""
+    return Beam([*beam.tokens, token], [*beam.logprobs, candidates], cum_logprob)
+
+
 class BeamSearch:
     """One prompt's search: which beams to extend next (`live`), and what each step gave."""
 
@@ -83,28 +88,37 @@ class BeamSearch:
         return not self.live or self.num_steps >= self.params.max_tokens or bool(self.failure)
 
     def score(self, beam: Beam) -> float:
-        length = max(1, len(beam.tokens) - (beam.tokens[-1] in self.stop_ids))
-        return beam.cum_logprob / length**self.params.length_penalty
+        return self._score(beam.cum_logprob, len(beam.tokens), beam.tokens[-1])
+
+    def _score(self, cum_logprob: float, length: int, last: int) -> float:
+        """A beam's score from its log-probability, its token count and its last token."""
+        length = max(1, length - (last in self.stop_ids))
+        return cum_logprob / length**self.params.length_penalty
 
     def advance(self, steps: Sequence[CompletionOutput]) -> None:
         """Take each live beam's step (its one-token output, in `live`'s order); a step that
-        ended without a token (abort, timeout, error) ends the search with that reason."""
+        ended without a token (abort, timeout, error) ends the search with that reason.
+
+        Candidates are ranked before any is built, so only the kept ones copy their parent's
+        tokens; the complete beams are kept to the best `beam_width`, all the result can use."""
         failed = [step for step in steps if not step.logprobs]
         if failed:
             self.failure = failed[0].finish_reason or FinishReason.ERROR
             return
-        grown = []
+        grown: list[tuple[Beam, int, dict[int, Logprob], float]] = []
         for beam, step in zip(self.live, steps, strict=True):
             candidates = step.logprobs[0]
             for token, logprob in candidates.items():
-                child = Beam(
-                    [*beam.tokens, token], [*beam.logprobs, candidates],
-                    beam.cum_logprob + logprob.logprob,
-                )  # fmt: skip
-                ends = token in self.stop_ids and not self.params.ignore_eos
-                (self.complete if ends else grown).append(child)
-        grown.sort(key=self.score, reverse=True)
-        self.live = grown[: self.params.beam_width]
+                grown.append((beam, token, candidates, beam.cum_logprob + logprob.logprob))
+        ends = [] if self.params.ignore_eos else [c for c in grown if c[1] in self.stop_ids]
+        if ends:
+            grown = [c for c in grown if c[1] not in self.stop_ids]
+        grown.sort(key=lambda c: self._score(c[3], len(c[0].tokens) + 1, c[1]), reverse=True)
+        width = self.params.beam_width
+        self.live = [_child(*candidate) for candidate in grown[:width]]
+        if ends:
+            self.complete += [_child(*candidate) for candidate in ends]
+            self.complete = sorted(self.complete, key=self.score, reverse=True)[:width]
         self.num_steps += 1
 
     def best(self, decode: Callable[..., str]) -> list[Beam]:
