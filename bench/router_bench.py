@@ -99,7 +99,10 @@ def run_policy(
     label = policy if kill_after_s is None else f"{policy}-fault"
     print(f"\n### {preset.name} / {label}: {router} policy {policy}", flush=True)
     log_path = out / "logs" / f"router_{label}.log"
-    with ServerProcess(command, log_path, base_url=f"http://127.0.0.1:{port}") as proxy:
+    # Nothing is in flight when the workload has ended, and smg keeps its listener open for 5 s
+    # after SIGTERM (a settle window for load balancers, not a flag): stop it after 1 s.
+    url = f"http://127.0.0.1:{port}"
+    with ServerProcess(command, log_path, base_url=url, stop_timeout=1.0) as proxy:
         specs = asyncio.run(
             preset_workload(preset.build, replicas[0].base_url, seed, args.seed, args.smoke)
         )
