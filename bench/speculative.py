@@ -29,6 +29,12 @@ it takes. Beside the bound, each method is replayed on the same outputs and step
 jserve's own scheduler plans the request alone with the recorded output standing in for the
 model, so a change to a proposer or to the pricing of drafts shows its gain without the
 model's timing noise (`--verify-step-ms` and `--between-ms` fix the costs across runs).
+Last, it prices `--target` (a TPOT speedup) at d = 1..k drafts a step: the speedup if every
+draft were accepted, and the accepted drafts a step must average to reach the target, for a
+drafter that drafts for free (a copy) and for one that pays at least the model's vocabulary
+head per drafted token (any drafter predicting over the model's vocabulary: a draft head, a
+draft model sharing it, the model with layers skipped), with the per-token acceptance that
+gives it.
 """
 
 from __future__ import annotations
@@ -43,8 +49,11 @@ import statistics
 import time
 
 import jax
+import jax.numpy as jnp
+from flax import nnx
 
 from bench.bucket_costs import chunk_inputs
+from bench.kernel_timings import median_seconds
 from bench.report_writer import write_json
 from jserve.config.engine_args import EngineArgs
 from jserve.config.scheduler import SchedulerConfig
@@ -256,6 +265,60 @@ def verify_step_seconds(engine: LLMEngine, k: int, context: int, reps: int = 10)
     return [statistics.median(t) for t in times]
 
 
+def head_seconds(engine: LLMEngine, reps: int = 50) -> float:
+    """Median seconds of the model's vocabulary head (the logits of one row, as the step
+    computes them): the least a drafter predicting over the model's vocabulary pays a token."""
+    runner = engine.runner
+    graphdef, impl = runner.step.graphdef, runner.matmul_impl
+    h = jnp.ones((1, engine.model_config.hidden_size), jnp.float32)
+    head = jax.jit(lambda state, h: nnx.merge(graphdef, state)._logits(h, impl, None))
+    return median_seconds(head, (runner.state, h), reps, warmup=1)[0]
+
+
+def per_token_acceptance(accepted: float, drafts: int) -> float | None:
+    """The a in [0, 1] with a + a^2 + ... + a^drafts = accepted (each draft accepted with
+    chance a once the ones before it are); None when even a = 1 falls short."""
+    if accepted > drafts:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sum(mid**i for i in range(1, drafts + 1)) < accepted else (lo, mid)
+    return hi
+
+
+def target_needs(costs: list[float], head: float, target: float) -> list[dict]:
+    """For d = 1..k drafts a step (costs[d]: a step verifying d drafts, with the time between
+    steps): the speedup over plain decoding (costs[0] a token) if every draft were accepted,
+    and the accepted drafts a step must average for `target`, for a free drafter ("copy") and
+    one paying `head` a drafted token ("model"), with the per-token acceptance that gives it."""
+    rows = []
+    for d in range(1, len(costs)):
+        row: dict = {"drafts": d}
+        for kind, step in (("copy", costs[d]), ("model", costs[d] + d * head)):
+            accepted = target * step / costs[0] - 1
+            row[kind] = {
+                "full_acceptance_speedup": (d + 1) * costs[0] / step,
+                "accepted_drafts_needed": accepted,
+                "per_token_acceptance_needed": per_token_acceptance(accepted, d),
+            }
+        rows.append(row)
+    return rows
+
+
+def _needs_line(row: dict) -> str:
+    cells = []
+    for kind in ("copy", "model"):
+        cell = row[kind]
+        a = cell["per_token_acceptance_needed"]
+        cells.append(
+            f"{kind}: {cell['full_acceptance_speedup']:.2f}x at full acceptance, needs "
+            f"{cell['accepted_drafts_needed']:.2f} accepted a step"
+            + (f" (a = {a:.2f})" if a is not None else " (more than drafted: out of reach)")
+        )
+    return f"d = {row['drafts']}: " + "; ".join(cells)
+
+
 def longest_copy(text: bytes, out: array.array, i: int, k: int) -> int:
     """The largest m <= k such that out[i : i + m] occurs in `text` (int64 tokens as bytes)."""
     m = 0
@@ -339,7 +402,7 @@ def bound_table(engine: LLMEngine, configs: dict, args: argparse.Namespace) -> l
     else:
         step = verify_step_seconds(engine, args.k, args.bound_context)
     print("verify step ms by drafts:", [round(1000 * t, 2) for t in step], flush=True)
-    rows, history = [], b""
+    rows, history, priced = [], b"", None
     for workload, makers in WORKLOADS.items():
         prompts = [_prompt_ids(engine, makers[i % len(makers)](i)) for i in range(len(makers))]
         engine.reset()
@@ -370,6 +433,14 @@ def bound_table(engine: LLMEngine, configs: dict, args: argparse.Namespace) -> l
                      "verify_step_ms": [1000 * t for t in step]})  # fmt: skip
         print(f"{workload:9} all (time)       " + _line(_speedups(totals)))
         print(f"{workload:9} all (mean TPOT)  " + _line(_speedups(tpots)), flush=True)
+        if workload == "grounded":  # the workload the target is set for
+            priced = costs
+    head = head_seconds(engine)
+    print(f"\n{args.target}x at one request, the vocabulary head {1000 * head:.2f} ms a token:")
+    needs = target_needs(priced, head, args.target)
+    for row in needs:
+        print(_needs_line(row))
+    rows.append({"target": args.target, "head_ms": 1000 * head, "needs": needs})
     return rows
 
 
@@ -399,6 +470,8 @@ def main() -> None:
                         help="--bound: these step costs of d = 0..k drafts, not timed")  # fmt: skip
     parser.add_argument("--between-ms", type=float,
                         help="--bound: this time between steps, not measured")  # fmt: skip
+    parser.add_argument("--target", type=float, default=1.8,
+                        help="--bound: the TPOT speedup to price (default 1.8)")  # fmt: skip
     args = parser.parse_args()
     if args.verify_step_ms and len(args.verify_step_ms) != args.k + 1:
         parser.error(f"--verify-step-ms takes k + 1 = {args.k + 1} costs (0..k drafts)")

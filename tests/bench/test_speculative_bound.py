@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.speculative import fastest_seconds, longest_copy, replayed_seconds
+from bench.speculative import fastest_seconds, longest_copy, replayed_seconds, target_needs
 from jserve.config.scheduler import CacheConfig, SchedulerConfig
 from jserve.core.step_costs import StepCosts
 
@@ -107,3 +107,22 @@ def test_a_replay_never_beats_the_bound_and_gains_on_a_copy(method):
     off = (len(out) - 1) * costs[0]
     replay = _replay(method, prompt, out)
     assert fastest_seconds(_as_bytes(prompt), out, costs) <= replay < off / 2
+
+
+def test_target_needs_match_their_closed_forms():
+    """Costs 1.0 (a decode), 1.2 and 1.4 (verifying 1 and 2 drafts), a 0.1 head, target 1.5:
+    the accepted drafts needed are target * cost - 1, and for two drafts the acceptance a
+    solves a + a^2 = needed, a = (sqrt(1 + 4 needed) - 1) / 2."""
+    one, two = target_needs([1.0, 1.2, 1.4], 0.1, 1.5)
+    assert one["copy"]["full_acceptance_speedup"] == pytest.approx(2 / 1.2)
+    assert one["copy"]["accepted_drafts_needed"] == pytest.approx(0.8)
+    assert one["copy"]["per_token_acceptance_needed"] == pytest.approx(0.8)
+    assert one["model"]["accepted_drafts_needed"] == pytest.approx(1.5 * 1.3 - 1)
+    assert two["copy"]["full_acceptance_speedup"] == pytest.approx(3 / 1.4)
+    assert two["copy"]["per_token_acceptance_needed"] == pytest.approx((5.4**0.5 - 1) / 2)
+    assert two["model"]["full_acceptance_speedup"] == pytest.approx(3 / 1.6)
+    assert two["model"]["per_token_acceptance_needed"] == pytest.approx((6.6**0.5 - 1) / 2)
+    # A target past full acceptance needs more accepted drafts than were drafted.
+    (cell,) = target_needs([1.0, 1.2], 0.0, 1.8)
+    assert cell["copy"]["accepted_drafts_needed"] > 1
+    assert cell["copy"]["per_token_acceptance_needed"] is None
