@@ -31,6 +31,9 @@ CASES = {
         temperature=0.8, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5
     ),
     "greedy with logprobs": SamplingParams(temperature=0, logprobs=5),
+    "T 0.8, logit_bias on 50 ids": SamplingParams(
+        temperature=0.8, logit_bias={i: 2.0 for i in range(0, 5000, 100)}
+    ),
 }
 
 

@@ -25,6 +25,10 @@ from jserve.config.validation import (
 )
 
 MAX_LOGPROBS = 20
+# Entries of one request's logit_bias: the sampler holds this many (id, bias) pairs a row
+# (OpenAI documents no cap; vLLM has none). Biases lie in OpenAI's [-100, 100].
+MAX_LOGIT_BIAS = 300
+MAX_BIAS = 100.0
 
 # Caps on `stop` (vLLM has none; OpenAI allows 4 strings). They bound what one request can cost
 # everyone else: its stop strings' automaton is built on the engine's step thread, in time
@@ -140,7 +144,8 @@ class SamplingParams:
     `truncate_prompt_tokens` (vLLM's) serves only the prompt's last tokens (`truncate_prompt`).
     `allowed_token_ids` (vLLM's) restricts every sampled token to those ids (logprobs stay the
     model's own, as vLLM's raw logprobs); `bad_words` (vLLM's) are never generated
-    (jserve.core.bad_words).
+    (jserve.core.bad_words). `logit_bias` (OpenAI's) adds its bias to each listed token id's
+    logit before the penalties, as vLLM does; logprobs stay raw.
     """
 
     n: int = 1
@@ -168,6 +173,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:
@@ -181,6 +187,8 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
         if self.bad_words is not None:
             self.bad_words = list(self.bad_words)
+        if self.logit_bias is not None:
+            self.logit_bias = dict(self.logit_bias)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -213,6 +221,7 @@ class SamplingParams:
         check_float("repetition_penalty", self.repetition_penalty, 0.0, 2.0, lo_open=True)
         _check_truncate_prompt_tokens(self.truncate_prompt_tokens)
         self._validate_allowed_token_ids()
+        self._validate_logit_bias()
         _check(
             self.bad_words is None or all(isinstance(w, str) and w.strip() for w in self.bad_words),
             f"bad_words must be a list of words (non-blank strings), got {show(self.bad_words)}",
@@ -232,6 +241,17 @@ class SamplingParams:
             "allowed_token_ids cannot be combined with structured outputs: the constraint "
             "decides which tokens may come next",
         )
+
+    def _validate_logit_bias(self) -> None:
+        if self.logit_bias is None:
+            return
+        _check(
+            len(self.logit_bias) <= MAX_LOGIT_BIAS,
+            f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS} are served",
+        )
+        for token, bias in self.logit_bias.items():
+            check_int("logit_bias token id", token, 0)
+            check_float(f"logit_bias[{show(token)}]", bias, -MAX_BIAS, MAX_BIAS)
 
     def _validate_stop(self) -> None:
         _check(

@@ -3,7 +3,7 @@
 The bodies' shapes and types are the Structs of server/protocol_types.py (decoded by
 server/decoding.py); here are the checks that need more than one field or jserve's own rules,
 each a 400 naming the field: the prompt's forms, fields jserve cannot honour (echo on chat,
-suffix, logit_bias, best_of != n, functions, tools on completions), tools against
+suffix, best_of != n, functions, tools on completions), tools against
 tool_choice, at most one output constraint (server/structured_outputs.py), and the value
 ranges SamplingParams checks (jserve/sampling_params.py). An explicit null is the field's
 default.
@@ -31,6 +31,7 @@ from jserve.config.scheduler import Lane
 from jserve.config.validation import FLOAT32_MAX, check_float, check_int, check_token_ids, show
 from jserve.core.tenants import DEFAULT_TENANT, check_tenant_name
 from jserve.sampling_params import (
+    MAX_BIAS,
     MAX_LOGPROBS,
     SamplingParams,
     StructuredOutputsParams,
@@ -126,7 +127,7 @@ _NOT_WITH_BEAM_SEARCH = (
     "repetition_penalty", "min_tokens", "stop", "stop_token_ids", "allowed_token_ids",
     "bad_words", "skip_special_tokens", "response_format", "structured_outputs", "guided_json",
     "guided_regex", "guided_choice", "guided_grammar", "logprobs", "top_logprobs",
-    "prompt_logprobs", "tools", "tool_choice",
+    "prompt_logprobs", "tools", "tool_choice", "logit_bias",
 )  # fmt: skip
 _BEAM_HARMLESS: dict[str, tuple[Any, ...]] = {"logprobs": (False,), "top_logprobs": (0,)}
 _SAMPLING_DEFAULTS = SamplingParams()
@@ -140,7 +141,7 @@ def _same(value: Any, harmless: Any) -> bool:
 def _changes_nothing(name: str, value: Any) -> bool:
     """Whether a request field at `value` asks for nothing: absent, empty, SamplingParams'
     default (top_k -1 is its 0), or one of _BEAM_HARMLESS."""
-    if value is None or value == [] or (name == "top_k" and value == -1):
+    if value is None or value in ([], {}) or (name == "top_k" and value == -1):
         return True
     if any(_same(value, h) for h in _BEAM_HARMLESS.get(name, ())):
         return True
@@ -174,8 +175,6 @@ def _refuse_unsupported(body: GenerationRequest) -> None:
             )
     if body.suffix:
         raise APIError(400, "'suffix' is not supported", param="suffix")
-    if body.logit_bias:
-        raise APIError(400, "'logit_bias' is not supported", param="logit_bias")
     if body.best_of is not None and body.best_of != (body.n or 1):
         raise APIError(400, "'best_of' is not supported unless it equals n", param="best_of")
     if body.functions is not None:
@@ -198,6 +197,7 @@ def _sampling_params(
     of range is a 400 naming the field; `renamed` maps a SamplingParams name to the field the
     request used."""
     given = {name: getattr(body, name) for name in _SAMPLING_FIELDS}
+    given["logit_bias"] = _logit_bias(body.logit_bias)
     kwargs: dict[str, Any] = {**defaults, **{k: v for k, v in given.items() if v is not None}}
     kwargs.update(max_tokens=max_tokens, logprobs=logprobs, structured_outputs=constraint)
     kwargs.update(prompt_logprobs=prompt_logprobs)
@@ -210,6 +210,23 @@ def _sampling_params(
         if field is not None and field[1] in _SAMPLING_PARAMS:
             param = renamed.get(field[1], field[1]) + (field[2] or "")
         raise APIError(400, str(exc), param=param) from exc
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias as SamplingParams takes it: each key (a JSON string) as its token
+    id, each bias clamped into [-100, 100] as vLLM clamps it; a key that is not an integer is
+    a 400."""
+    if bias is None:
+        return None
+    ids = {}
+    for key, value in bias.items():
+        if re.fullmatch(r"-?\d+", key.strip()) is None:
+            raise APIError(
+                400, f"logit_bias keys must be token ids (integers), got {show(key)}",
+                param="logit_bias",
+            )  # fmt: skip
+        ids[int(key)] = min(MAX_BIAS, max(-MAX_BIAS, value))
+    return ids
 
 
 def _checked(check: Callable[..., Any], name: str, *args: Any, **kwargs: Any) -> Any:

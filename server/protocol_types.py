@@ -9,8 +9,8 @@ Value ranges are not declared here: SamplingParams checks them (jserve/sampling_
 for the offline API too.
 
 jserve's own fields: `lane` (the scheduling lane) and `timeout` (seconds: the request's
-deadline). The fields jserve cannot honour (echo on chat, suffix, logit_bias, best_of != n,
-functions, tools on completions) are typed so that server/protocol.py can refuse them with a
+deadline). The fields jserve cannot honour (echo on chat, suffix, best_of != n, functions,
+tools on completions) are typed so that server/protocol.py can refuse them with a
 400 rather than ignore them.
 """
 
@@ -201,9 +201,9 @@ class GenerationRequest(_Body):
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name "token_id:ID"
     echo: bool | None = None  # completions: the prompt first in text and logprobs
     prompt_logprobs: int | None = None  # vLLM's, completions: every prompt token's top-k
+    logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias
     # Refused when set: jserve cannot honour them.
     suffix: str | None = None
-    logit_bias: dict[str, float] | None = None
     best_of: int | None = None
     functions: Any = None
     use_beam_search: bool | None = None  # vLLM's: the n best beams (jserve.engine.beam_search)

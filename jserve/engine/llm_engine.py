@@ -36,7 +36,7 @@ import numpy as np
 
 from jserve.config.engine_args import EngineArgs
 from jserve.config.scheduler import Lane
-from jserve.config.validation import check_int, check_token_ids
+from jserve.config.validation import check_int, check_token_ids, show
 from jserve.core.bad_words import NO_BAD_WORDS, BadWords
 from jserve.core.control import apply_changes, current_settings
 from jserve.core.plan import PLACEHOLDER_TOKEN, ScheduledSeq, StepPlan
@@ -301,8 +301,9 @@ class LLMEngine:
         self, params: SamplingParams, stop: StopConditions
     ) -> tuple[np.ndarray | None, BadWords]:
         """What every row the request samples applies: the packed mask of its allowed_token_ids
-        (each checked against the vocabulary; None without them), and its bad words, whose
-        bans must fit the sampler's beside min_tokens' (checked here, at admission)."""
+        (each checked against the vocabulary, as logit_bias's ids are; None without them), and
+        its bad words, whose bans must fit the sampler's beside min_tokens' (checked here, at
+        admission)."""
         allowed = None
         if params.allowed_token_ids is not None:
             with invalid_param("allowed_token_ids"):
@@ -310,6 +311,14 @@ class LLMEngine:
                     "allowed_token_ids", params.allowed_token_ids, self.vocab_size
                 )
             allowed = token_bitmask(ids, self.vocab_size)
+        outside = sorted(t for t in params.logit_bias or () if t >= self.vocab_size)
+        if outside:
+            raise RequestRejected(
+                RejectReason.INVALID,
+                f"logit_bias has token ids outside the vocabulary [0, {self.vocab_size}): "
+                f"{show(outside)}",
+                param="logit_bias",
+            )
         bad = BadWords.from_words(
             params.bad_words or (),
             lambda word: self.tokenizer.encode(word, add_special_tokens=False),

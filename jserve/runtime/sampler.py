@@ -6,9 +6,10 @@ row index and in any bucket.
 
 Per row (x = the model's raw logits):
 1. logprobs of x (vLLM's default "raw" logprobs), whatever the processing below does;
-2. penalties: repetition over prompt and output ids, presence and frequency over output ids;
-   each row's banned ids (the min_tokens ban, decided by jserve.core.stopping) are set to -inf;
-   tokens outside a constrained row's grammar bitmask (jserve.structured) are set to -inf;
+2. penalties: the row's logit_bias first (vLLM's order), then repetition over prompt and
+   output ids, presence and frequency over output ids; each row's banned ids (the min_tokens
+   ban, decided by jserve.core.stopping) are set to -inf; tokens outside a constrained row's
+   grammar bitmask (jserve.structured) are set to -inf;
 3. greedy rows take the first argmax of the penalised logits;
 4. random rows divide by the temperature, keep the tokens passing min-p, top-k and top-p (in
    vLLM's order: top-p measures the mass left after min-p and top-k), and draw by inverse CDF
@@ -56,7 +57,13 @@ class SamplerOutput(NamedTuple):
 
 
 def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
-    """vLLM's repetition / presence / frequency penalties, then the min_tokens ban, [S, V]."""
+    """The logit bias, vLLM's repetition / presence / frequency penalties, then the
+    min_tokens ban, [S, V].
+
+    The bias comes first (vLLM's order), so a biased id takes the penalties on its biased
+    logit. Its few ids are computed apart, [S, L], and written over the penalised row: adding
+    it to [S, V] first cost one more [S, V] buffer a call, which on XLA:CPU is fresh pages
+    (bench/RESULTS.md, "Sampler")."""
     s, v = logits.shape
     rows = jnp.arange(s)[:, None]
     history = t.token_history
@@ -64,11 +71,21 @@ def apply_penalties(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     seen = jnp.zeros((s, v), jnp.bool_).at[rows, history].set(True, mode="drop")
     output_ids = jnp.where(is_output, history, v)
     counts = jnp.zeros((s, v), jnp.int32).at[rows, output_ids].add(1, mode="drop")
-    repetition = jnp.where(seen, t.repetition_penalty[:, None], 1.0)
-    logits = jnp.where(logits > 0, logits / repetition, logits * repetition)
-    logits = (
-        logits - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * (counts > 0)
+
+    def penalised(x: jax.Array, seen: jax.Array, counts: jax.Array) -> jax.Array:
+        repetition = jnp.where(seen, t.repetition_penalty[:, None], 1.0)
+        x = jnp.where(x > 0, x / repetition, x * repetition)
+        return (
+            x - t.frequency_penalty[:, None] * counts - t.presence_penalty[:, None] * (counts > 0)
+        )
+
+    at = jnp.minimum(t.bias_ids, v - 1)  # pads (id v) read any id; their writes are dropped
+    biased = penalised(
+        jnp.take_along_axis(logits, at, 1) + t.bias_values,
+        jnp.take_along_axis(seen, at, 1),
+        jnp.take_along_axis(counts, at, 1),
     )
+    logits = penalised(logits, seen, counts).at[rows, t.bias_ids].set(biased, mode="drop")
     return logits.at[rows, t.banned_ids].set(-jnp.inf, mode="drop")
 
 
@@ -334,6 +351,7 @@ def _any_penalty(t: SamplingTensors, vocab_size: int) -> jax.Array:
         | jnp.any(t.presence_penalty != 0)
         | jnp.any(t.frequency_penalty != 0)
         | jnp.any(t.banned_ids < vocab_size)
+        | jnp.any(t.bias_ids < vocab_size)
     )
 
 

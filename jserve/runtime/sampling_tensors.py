@@ -6,9 +6,9 @@ largest bucket once; `build` fills a prefix and hands out views, valid until the
 (the engine reads the sampled tokens, which ends the device's use of them, before that).
 
 Neutral values, also used for pad rows: temperature 0 (greedy), top_k 0, top_p 1, min_p 0,
-repetition 1, presence and frequency 0, no logprobs, no forced token, banned ids all
-`vocab_size` (an id the device's scatters drop), a token bitmask of all ones (every token
-allowed). A row without penalties keeps whatever history its slot last held: neutral
+repetition 1, presence and frequency 0, no logprobs, no forced token, banned ids and logit
+bias ids all `vocab_size` (an id the device's scatters drop), a token bitmask of all ones
+(every token allowed). A row without penalties keeps whatever history its slot last held: neutral
 penalties make that history a no-op, and skipping it saves copying whole prompts.
 
 Randomness is drawn here, not on the device: each row gets two uniforms hashed from its seed
@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import numpy as np
 
-from jserve.sampling_params import SamplingParams
+from jserve.sampling_params import MAX_LOGIT_BIAS, SamplingParams
 
 # vLLM's _SAMPLING_EPS: temperatures below it mean greedy.
 GREEDY_TEMPERATURE = 1e-5
@@ -49,6 +49,8 @@ class SamplingTensors:
     token_history: np.ndarray  # [S, P] int32 prompt then output ids, pads = vocab_size
     prompt_len: np.ndarray  # [S] int32 history entries before this index are the prompt
     banned_ids: np.ndarray  # [S, B] int32 ids forced to -inf (min_tokens), pads = vocab_size
+    bias_ids: np.ndarray  # [S, L] int32 ids of the row's logit_bias, pads = vocab_size
+    bias_values: np.ndarray  # [S, L] float32 the bias added to each of them
     want_logprobs: np.ndarray  # [S] bool the row asked for logprobs (rank and top 20)
     token_bitmask: np.ndarray  # [S, W] int32 bit j of word i allows token 32 i + j; -1 = all
     # [S] int32 a prompt row's next prompt token, whose logprob (and rank) the row scores in
@@ -146,6 +148,8 @@ class SamplingTensorBuilder:
         self._history = np.full((s, history_len), v, np.int32)
         self._prompt_len = np.zeros(s, np.int32)
         self._banned = np.full((s, max_banned_ids), v, np.int32)
+        self._bias_ids = np.full((s, MAX_LOGIT_BIAS), v, np.int32)
+        self._bias_values = np.zeros((s, MAX_LOGIT_BIAS), np.float32)
         self._want_logprobs = np.zeros(s, np.bool_)
         self._bitmask = np.full((s, bitmask_width(v)), -1, np.int32)
         self._forced = np.full(s, -1, np.int32)
@@ -183,6 +187,7 @@ class SamplingTensorBuilder:
         self._fill_neutral(n, s)
         self._fill_uniforms(rows)
         self._banned[:s] = v
+        self._bias_ids[:s] = v
         self._bitmask[:s] = -1
         for i, row in enumerate(rows):
             if row.allowed_tokens is not None:
@@ -190,6 +195,10 @@ class SamplingTensorBuilder:
             if row.banned_ids:
                 self.check_banned_ids(row.banned_ids)
                 self._banned[i, : len(row.banned_ids)] = row.banned_ids
+            if row.params.logit_bias:
+                bias = row.params.logit_bias
+                self._bias_ids[i, : len(bias)] = list(bias)
+                self._bias_values[i, : len(bias)] = list(bias.values())
             if _has_penalties(row.params):
                 self._fill_history(i, row)
         return SamplingTensors(
@@ -204,6 +213,8 @@ class SamplingTensorBuilder:
             token_history=self._history[:s],
             prompt_len=self._prompt_len[:s],
             banned_ids=self._banned[:s],
+            bias_ids=self._bias_ids[:s],
+            bias_values=self._bias_values[:s],
             want_logprobs=self._want_logprobs[:s],
             token_bitmask=self._bitmask[:s],
             forced_token=self._forced[:s],

@@ -242,6 +242,11 @@ def test_sampling_params_normalises_stop_and_top_k():
             "allowed_token_ids cannot be combined with structured outputs",
         ),
         ({"truncate_prompt_tokens": True}, "truncate_prompt_tokens must be -1"),
+        ({"logit_bias": {-1: 1.0}}, "logit_bias token id must be an integer in [0, "),
+        ({"logit_bias": {"7": 1.0}}, "logit_bias token id must be an integer in [0, "),
+        ({"logit_bias": {7: 100.5}}, "logit_bias[7] must be a finite number in [-100, 100]"),
+        ({"logit_bias": {7: float("nan")}}, "logit_bias[7] must be a finite number"),
+        ({"logit_bias": dict.fromkeys(range(301), 1.0)}, "at most 300 are served"),
     ],
 )
 def test_sampling_params_rejects(kwargs, message):

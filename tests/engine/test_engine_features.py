@@ -168,6 +168,33 @@ def test_allowed_token_ids_restrict_every_sampled_token(engine, hf_default_model
     assert refused.value.param == "allowed_token_ids"
 
 
+def test_logit_bias_moves_greedy_as_it_moves_transformers_logits(engine, hf_default_model):
+    """OpenAI's logit_bias: greedy takes, at every step, the argmax of transformers' logits
+    plus the bias; logprobs stay the model's own (raw); an id outside the vocabulary is
+    refused naming the field."""
+    prompt = "The capital of France is"
+    greedy = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    free = _generate(engine, [prompt], SamplingParams(**greedy), "lb0")[0].outputs[0]
+    bias = {free.token_ids[0]: -100.0, 314: 4.0, 2761: 6.0, 11: -1.5}
+    params = SamplingParams(**greedy, logit_bias=bias, logprobs=0)
+    out = _generate(engine, [prompt], params, "lb1")[0].outputs[0]
+    assert out.token_ids != free.token_ids
+    ids = engine.tokenizer.encode(prompt) + list(out.token_ids)
+    with torch.no_grad():
+        logits = hf_default_model(torch.tensor([ids])).logits[0].double().numpy()
+    n_prompt = len(ids) - len(out.token_ids)
+    shift = np.zeros(logits.shape[1])
+    shift[list(bias)] = list(bias.values())
+    for i, token in enumerate(out.token_ids):
+        row = logits[n_prompt - 1 + i]
+        assert token == int(np.argmax(row + shift))
+        raw = row - np.logaddexp.reduce(row)
+        assert abs(out.logprobs[i][token].logprob - raw[token]) < 1e-3  # raw, not biased
+    with pytest.raises(RequestRejected, match=r"logit_bias has token ids outside") as refused:
+        engine.add_request("big", prompt, SamplingParams(logit_bias={10**6: 1.0}))
+    assert refused.value.param == "logit_bias"
+
+
 def test_bad_words_are_never_generated(engine, hf_default_model):
     """vLLM's bad_words: greedy is transformers' greedy with, at every step, each word's last
     token banned where the output ends with the rest of it (the word as it stands and after a

@@ -1,5 +1,5 @@
 """The on-device sampler against float64 numpy references (vLLM's definitions), transformers'
-repetition penalty and hand-computed penalty cases.
+repetition penalty and sequence bias (logit_bias), and hand-computed penalty cases.
 
 Logits are a shuffled, strictly increasing grid (gaps >= 1e-4), and every min_p / top_p is set
 halfway between two neighbouring reference values, so no float32 rounding can move a token
@@ -117,6 +117,54 @@ def test_repetition_penalty_matches_transformers():
     for i, penalty in enumerate(penalties):
         want = RepetitionPenaltyLogitsProcessor(penalty)(ids, torch.tensor(x[i : i + 1]))[0]
         np.testing.assert_allclose(got[i], want.numpy(), rtol=1e-6, atol=0)
+
+
+def test_logit_bias_is_added_before_the_repetition_penalty():
+    """logit_bias is transformers' SequenceBiasLogitsProcessor over one-token sequences, and
+    vLLM applies it before the penalties: bias, then repetition, as transformers' processors
+    compose in that order. A row without a bias in a biased batch passes bit-exact."""
+    import torch
+    from transformers import RepetitionPenaltyLogitsProcessor, SequenceBiasLogitsProcessor
+
+    rng = np.random.default_rng(2)
+    x = distinct_logits(rng, 3)
+    prompt, output = [7, 9], [9, 11]
+    x[:, 11] = np.abs(x[:, 11]) + 0.5  # a penalised id whose bias flips its logit's sign
+    bias = {11: -3.0, 7: 2.5, 12: 100.0, V - 1: -100.0}
+    params = [
+        SamplingParams(logit_bias=bias),
+        SamplingParams(logit_bias=bias, repetition_penalty=1.5),
+        SamplingParams(),
+    ]
+    rows = [row(p, prompt=prompt, output=output) for p in params]
+    got = _penalised(
+        SamplingTensorBuilder((4,), V, MAX_MODEL_LEN), np.pad(x, ((0, 1), (0, 0))), rows
+    )
+    ids = torch.tensor([prompt + output])
+    biased = SequenceBiasLogitsProcessor([[[k], v] for k, v in bias.items()])
+    for i, p in enumerate(params[:2]):
+        want = biased(ids, torch.tensor(x[i : i + 1], dtype=torch.float64))
+        if p.repetition_penalty != 1:
+            want = RepetitionPenaltyLogitsProcessor(p.repetition_penalty)(ids, want)
+        np.testing.assert_allclose(got[i], want[0].numpy(), rtol=1e-6, atol=1e-5)
+    np.testing.assert_array_equal(got[2], x[2])
+
+
+def test_a_logit_bias_alone_moves_greedy_and_sampled_tokens(sampler):
+    """A batch whose only processing is a logit bias takes the processed path: greedy takes
+    the biased argmax, and a +100 bias makes a token all but certain for a sampled row."""
+    rng = np.random.default_rng(6)
+    x = distinct_logits(rng, 4)
+    x[1] = x[0]
+    low = int(np.argmin(x[0]))
+    rows = [
+        row(SamplingParams(temperature=0, logit_bias={low: 100.0})),
+        row(SamplingParams(temperature=1.0, logit_bias={low: 100.0}), seed=5),
+    ]
+    assert sampler.sample(jnp.asarray(x), rows).tokens[:2].tolist() == [low, low]
+    second = int(np.argsort(x[0])[-2])
+    top_banned = row(SamplingParams(temperature=0, logit_bias={int(np.argmax(x[0])): -100.0}))
+    assert sampler.sample(jnp.asarray(x), [top_banned]).tokens[0] == second
 
 
 def test_presence_frequency_and_min_tokens_on_hand_computed_logits():
@@ -433,6 +481,10 @@ def test_builder_pads_with_neutral_values_in_reused_buffers():
     assert second.top_p.tolist() == [1.0] * 8 and second.min_p.tolist() == [0.0] * 8
     assert second.repetition_penalty.tolist() == [1.0] * 8
     assert not second.want_logprobs.any() and (second.banned_ids == V).all()
+    biased = builder.build([row(SamplingParams(logit_bias={5: 1.5, 9: -2.0}))] * 2, 4)
+    assert biased.bias_ids[:, :3].tolist() == [[5, 9, V]] * 2 + [[V, V, V]] * 2
+    assert biased.bias_values[:2, :2].tolist() == [[1.5, -2.0]] * 2
+    assert (builder.build([row(SamplingParams())], 4).bias_ids == V).all()
 
 
 def test_builder_rejects_what_it_cannot_hold():

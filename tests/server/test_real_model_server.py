@@ -87,6 +87,25 @@ def test_completions_greedy_match_offline_api(client, engine):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
 
 
+def test_logit_bias_as_the_openai_client_sends_it_is_the_offline_bias(client, engine):
+    """The openai client's logit_bias (string keys) gives the offline engine's tokens for the
+    same bias with int keys; a bias past 100 is clamped to 100, as vLLM clamps it."""
+    model = client.models.list().data[0].id
+    prompt = "The capital of France is"
+    free = _offline_text(engine, prompt, SamplingParams(max_tokens=4, temperature=0.0))[0]
+    first = engine.tokenizer.encode(free, add_special_tokens=False)[0]
+    bias = {first: -100.0, 314: 5.0}
+    params = dict(max_tokens=4, temperature=0.0)
+    expected = _offline_text(engine, prompt, SamplingParams(**params, logit_bias=bias))[0]
+    assert expected != free
+    sent = {str(k): v for k, v in bias.items()}
+    full = client.completions.create(model=model, prompt=prompt, logit_bias=sent, **params)
+    assert full.choices[0].text == expected
+    clamped = {**sent, str(first): -1e9}
+    again = client.completions.create(model=model, prompt=prompt, logit_bias=clamped, **params)
+    assert again.choices[0].text == expected
+
+
 def test_beam_search_matches_the_offline_api(client, engine):
     """use_beam_search through the server (its steps through the async engine's generate)
     gives the offline engine's beams (their search is tested against transformers)."""
