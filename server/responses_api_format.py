@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 from jserve.outputs import FinishReason, RequestOutput
@@ -73,6 +74,7 @@ class ResponseAssembler:
         self.output: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self._message: dict[str, Any] | None = None  # the open message item
+        self._logprobs: list[dict[str, Any]] = []  # of tokens whose text has not come yet
         self.final: dict[str, Any] | None = None  # the response object, once finished
         self._sequence = 0
 
@@ -116,23 +118,32 @@ class ResponseAssembler:
         self._message = item
         return item
 
-    def add_text(self, delta: str) -> None:
-        """More of the message's text."""
+    def add_text(self, delta: str, logprobs: Sequence[dict[str, Any]] = ()) -> None:
+        """More of the message's text, and the logprobs of the tokens that came with it (a
+        token whose text is held back lends its logprobs to the next text)."""
+        self._logprobs += logprobs
         if not delta:
             return
         item = self._message or self._open_message()
         item["content"][0]["text"] += delta
+        item["content"][0]["logprobs"] += self._logprobs
         self._event(
             "response.output_text.delta", item_id=item["id"], output_index=len(self.output) - 1,
-            content_index=0, delta=delta, logprobs=[],
+            content_index=0, delta=delta, logprobs=self._logprobs,
         )  # fmt: skip
+        self._logprobs = []
 
     def _close_message(self, status: str) -> None:
         item, self._message = self._message, None
         assert item is not None
         index, part = self.output.index(item), item["content"][0]
+        part["logprobs"] += self._logprobs  # tokens with no text of their own: a stop's
+        self._logprobs = []
         where = {"item_id": item["id"], "output_index": index, "content_index": 0}
-        self._event("response.output_text.done", **where, text=part["text"], logprobs=[])
+        self._event(
+            "response.output_text.done", **where, text=part["text"],
+            logprobs=copy.deepcopy(part["logprobs"]),
+        )  # fmt: skip
         self._event("response.content_part.done", **where, part=copy.deepcopy(part))
         item["status"] = status
         self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))

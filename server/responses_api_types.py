@@ -183,25 +183,28 @@ class ResponsesRequest(_Body, kw_only=True):
     lane: Lane | None = None
     priority: int | None = None
     timeout: float | None = None
+    # Extra outputs: only OUTPUT_LOGPROBS is served (the others are built-in tools' and
+    # reasoning's), with top_logprobs alternatives a token.
+    include: list[str] | None = None
+    top_logprobs: int | None = None
     # Refused when set (REFUSED_FIELDS): jserve cannot honour them.
     background: bool | None = None
     reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
     conversation: Any = None
     prompt: Any = None
     truncation: Literal["auto", "disabled"] | None = None
-    top_logprobs: int | None = None
     context_management: Any = None
+
+
+OUTPUT_LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for logprobs
 
 
 # Field -> (the value that is as good as absent, why it is refused otherwise).
 REFUSED_FIELDS: dict[str, tuple[Any, str]] = {
     "background": (False, "background mode is not supported; send background=false"),
     "reasoning": (None, "reasoning options are not supported: the served models do not reason"),
-    "include": ([], "'include' lists extra outputs of built-in tools or reasoning; none exist"),
     "conversation": (None, "conversation objects are not supported; use previous_response_id"),
     "prompt": (None, "stored prompt templates are not supported; send 'input'"),
     "truncation": ("disabled", "truncation 'auto' is not supported; shorten the input"),
-    "top_logprobs": (0, "'top_logprobs' is not supported on /v1/responses"),
     "context_management": (None, "'context_management' is not supported"),
 }

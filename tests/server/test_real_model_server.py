@@ -150,9 +150,18 @@ def test_responses_api_text_is_chats_and_continues_the_conversation(client):
     model = client.models.list().data[0].id
     greedy = dict(model=model, temperature=0)
     question = [{"role": "user", "content": "What is the capital of France?"}]
-    first = client.responses.create(input=question[0]["content"], max_output_tokens=24, **greedy)
-    chat = client.chat.completions.create(messages=question, max_tokens=24, **greedy)
+    first = client.responses.create(
+        input=question[0]["content"], max_output_tokens=24, top_logprobs=3,
+        include=["message.output_text.logprobs"], **greedy,
+    )  # fmt: skip
+    chat = client.chat.completions.create(
+        messages=question, max_tokens=24, logprobs=True, top_logprobs=3, **greedy
+    )
     assert first.output_text == chat.choices[0].message.content
+    logprobs = first.output[0].content[0].logprobs  # the model's own, as chat gives them
+    assert [e.to_dict() for e in logprobs] == [
+        e.to_dict() for e in chat.choices[0].logprobs.content
+    ]
     assert first.usage.input_tokens == chat.usage.prompt_tokens
     follow_up = "And of Germany?"
     second = client.responses.create(

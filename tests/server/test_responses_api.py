@@ -125,6 +125,35 @@ async def test_stream_sends_openais_events_in_order():
     assert completed.usage.output_tokens == len("user: Hello")  # the stop string's tokens count
 
 
+async def test_output_text_logprobs_are_the_chat_paths_streamed_or_not():
+    """include ["message.output_text.logprobs"] with top_logprobs: the output_text part's
+    logprobs are chat's logprobs.content for the same messages; streamed, the delta events'
+    logprobs, then the done event's whole list, give the same entries."""
+    messages = [{"role": "user", "content": "Hi"}]
+    asked = dict(include=["message.output_text.logprobs"], top_logprobs=2)
+    async with _clients(MockEngine(token_delay=0.001)) as (oai, _):
+        response = await oai.responses.create(model=MODEL, input="Hi", max_output_tokens=5, **asked)
+        chat = await oai.chat.completions.create(
+            model=MODEL, messages=messages, max_tokens=5, logprobs=True, top_logprobs=2
+        )
+        stream = await oai.responses.create(
+            model=MODEL, input="Hi", max_output_tokens=5, stream=True, **asked
+        )
+        events = [event async for event in stream]
+        plain = await oai.responses.create(model=MODEL, input="Hi", max_output_tokens=5)
+    expected = [entry.to_dict() for entry in chat.choices[0].logprobs.content]
+    assert len(expected) == 5 and all(len(e["top_logprobs"]) == 2 for e in expected)
+    part = response.output[0].content[0]
+    assert [entry.to_dict() for entry in part.logprobs] == expected
+    assert "".join(e["token"] for e in expected) == part.text
+    assert response.top_logprobs == 2
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    streamed = [entry.to_dict() for d in deltas for entry in d.logprobs]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert streamed == [entry.to_dict() for entry in done.logprobs] == expected
+    assert plain.output[0].content[0].logprobs == []  # not asked: none
+
+
 async def test_function_calls_round_trip_through_previous_response_id():
     """The model calls a tool (the mock echoes a call block put first in the prompt); the
     call's output sent back continues the conversation exactly as the chat path would."""
@@ -249,6 +278,9 @@ BAD = [
     ({"input": "x", "background": True}, "background"),
     ({"input": "x", "reasoning": {"effort": "low"}}, "reasoning"),
     ({"input": "x", "include": ["reasoning.encrypted_content"]}, "include"),
+    ({"input": "x", "top_logprobs": 2}, "top_logprobs"),  # without include's logprobs
+    ({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21},
+     "top_logprobs"),
     ({"input": "x", "truncation": "auto"}, "truncation"),
     ({"input": "x", "metadata": {str(i): "v" for i in range(17)}}, "metadata"),
     ({"input": "x", "previous_response_id": "resp_unknown"}, "previous_response_id"),
