@@ -35,7 +35,7 @@ from jserve.server.api_errors import APIError, rejection_to_api_error
 from jserve.server.decoding import decode_request
 from jserve.server.engine_client import EngineClient
 from jserve.server.metrics import RequestTracker, ServerMetrics
-from jserve.server.openai_format import ChoiceCursor, Endpoint, ResponseBuilder
+from jserve.server.openai_format import ChoiceCursor, Endpoint, ResponseBuilder, choice_usage
 from jserve.server.protocol import (
     ParsedRequest,
     encode_prompt,
@@ -43,7 +43,7 @@ from jserve.server.protocol import (
     parse_completion,
     request_tenant,
 )
-from jserve.server.protocol_types import ChatRequest, CompletionRequest
+from jserve.server.protocol_types import ChatRequest, CompletionRequest, StreamUsage
 from jserve.server.responses import dump_json, json_response
 from jserve.server.state import STATE, ServerState, read_body
 
@@ -191,7 +191,7 @@ def request_failure(gen: Generation, state: ServerState) -> APIError | None:
 
 
 async def _stream(
-    request: web.Request, gen: Generation, builder: ResponseBuilder, include_usage: bool
+    request: web.Request, gen: Generation, builder: ResponseBuilder, usage: StreamUsage
 ) -> web.StreamResponse:
     first = await gen.first()
     response = web.StreamResponse(
@@ -205,8 +205,10 @@ async def _stream(
         for choice in output.outputs:
             chunk = builder.delta_chunk(choice, cursors[choice.index], output)
             if chunk is not None:
-                if include_usage:
+                if usage is StreamUsage.FINAL:
                     chunk["usage"] = None
+                elif usage is StreamUsage.EVERY_CHUNK:  # vLLM's: this choice's tokens so far
+                    chunk["usage"] = choice_usage(output, choice)
                 await write_stream(response, _sse(chunk), idle_timeout)
 
     try:
@@ -229,7 +231,7 @@ async def _stream(
         failure = request_failure(gen, request.app[STATE])
         if failure is not None:  # an error event the OpenAI client raises, then [DONE]
             await write_stream(response, _sse(failure.body()), idle_timeout)
-        elif include_usage and gen.final is not None:
+        elif usage is not StreamUsage.NONE and gen.final is not None:
             await write_stream(response, _sse(builder.usage_chunk(gen.final)), idle_timeout)
     await write_stream(response, _sse("[DONE]"), idle_timeout)
     await response.write_eof()
@@ -291,7 +293,7 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
     gen = Generation(engine, parsed, prompt_ids, request_id, state.metrics, tenant)
     async with tracked(state, gen):
         if parsed.stream:
-            return await _stream(request, gen, builder, parsed.include_usage)
+            return await _stream(request, gen, builder, parsed.usage)
         return await _respond_once(request, gen, builder)
 
 

@@ -29,8 +29,16 @@ from jserve.server.tools import ToolRequest, split_tool_calls, streamable_conten
 
 
 def usage(output: RequestOutput) -> dict[str, int]:
-    prompt_tokens = len(output.prompt_token_ids)
-    completion_tokens = sum(len(c.token_ids) for c in output.outputs)
+    return _usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs))
+
+
+def choice_usage(output: RequestOutput, choice: CompletionOutput) -> dict[str, int]:
+    """The usage a choice's chunk reports with vLLM's continuous_usage_stats: the prompt and
+    that choice's tokens so far."""
+    return _usage(len(output.prompt_token_ids), len(choice.token_ids))
+
+
+def _usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,

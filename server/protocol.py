@@ -44,6 +44,8 @@ from jserve.server.protocol_types import (
     CompletionRequest,
     GenerationRequest,
     Message,
+    StreamOptions,
+    StreamUsage,
     TokenizeRequest,
     ToolChoiceMode,
 )
@@ -85,7 +87,7 @@ class ParsedRequest:
     params: SamplingParams
     model: str | None
     stream: bool
-    include_usage: bool
+    usage: StreamUsage
     lane: Lane
     timeout: float | None
     top_logprobs: int = 0  # chat: how many alternatives to list per token
@@ -256,17 +258,27 @@ def _cache_salt(body: GenerationRequest) -> str | None:
     return body.cache_salt
 
 
-def _request_options(body: GenerationRequest) -> tuple[bool, bool, Lane, float | None]:
+def _request_options(body: GenerationRequest) -> tuple[bool, StreamUsage, Lane, float | None]:
     stream = bool(body.stream)
     if body.stream_options is not None and not stream:
         raise APIError(
             400, "'stream_options' is only allowed with stream=true", param="stream_options"
         )
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
     _refuse_priority(body.priority)
     if body.timeout is not None:
         _checked(check_float, "timeout", body.timeout, 0.0, FLOAT32_MAX, lo_open=True)
-    return stream, include_usage, body.lane or Lane.INTERACTIVE, body.timeout
+    return stream, _stream_usage(body.stream_options), body.lane or Lane.INTERACTIVE, body.timeout
+
+
+def _stream_usage(options: StreamOptions | None) -> StreamUsage:
+    if options is None or not options.include_usage:
+        if options is not None and options.continuous_usage_stats:
+            raise APIError(
+                400, "'continuous_usage_stats' requires 'include_usage': true",
+                param="stream_options.continuous_usage_stats",
+            )  # fmt: skip
+        return StreamUsage.NONE
+    return StreamUsage.EVERY_CHUNK if options.continuous_usage_stats else StreamUsage.FINAL
 
 
 def _refuse_priority(priority: int | None) -> None:
@@ -334,10 +346,10 @@ def parse_completion(
         body, max_tokens, body.logprobs, output_constraint(body), {}, policy.sampling_defaults,
         prompt_logprobs,
     )  # fmt: skip
-    stream, include_usage, lane, timeout = _request_options(body)
+    stream, usage, lane, timeout = _request_options(body)
     use_beam_search, length_penalty = _beam_search(body)
     return ParsedRequest(
-        prompt, None, params, body.model, stream, include_usage, lane, timeout,
+        prompt, None, params, body.model, stream, usage, lane, timeout,
         fields=_constraint_fields(constraint_field(body)), echo=echo,
         cache_salt=_cache_salt(body), tokens_as_ids=bool(body.return_tokens_as_token_ids),
         use_beam_search=use_beam_search, length_penalty=length_penalty,
@@ -532,11 +544,11 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
     params = _sampling_params(
         body, max_tokens, logprobs, constraint, renamed, policy.sampling_defaults
     )
-    stream, include_usage, lane, timeout = _request_options(body)
+    stream, usage, lane, timeout = _request_options(body)
     use_beam_search, length_penalty = _beam_search(body)
     template, template_kwargs = _request_chat_template(body, policy)
     return ParsedRequest(
-        None, messages, params, body.model, stream, include_usage, lane, timeout, top_logprobs,
+        None, messages, params, body.model, stream, usage, lane, timeout, top_logprobs,
         tools, fields, add_generation_prompt=adds_generation_prompt(body),
         continue_final_message=bool(body.continue_final_message), chat_template=template,
         template_kwargs=template_kwargs, cache_salt=_cache_salt(body),

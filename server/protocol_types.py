@@ -123,6 +123,15 @@ class Message(_Body):
 
 class StreamOptions(_Body):
     include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None  # vLLM's: usage in every chunk too
+
+
+class StreamUsage(StrEnum):
+    """Where a stream reports token usage (stream_options)."""
+
+    NONE = "none"
+    FINAL = "final"  # include_usage: a last chunk with the totals
+    EVERY_CHUNK = "every_chunk"  # and continuous_usage_stats (vLLM's): each chunk's so far
 
 
 class TextFormat(_Body, tag="text", tag_field="type"):

@@ -85,6 +85,32 @@ async def test_completion_stream_include_usage():
     assert usage_chunk["usage"] == {"prompt_tokens": 5, "completion_tokens": 4, "total_tokens": 9}
 
 
+async def test_continuous_usage_stats_report_each_choices_tokens_so_far():
+    """vLLM's stream_options.continuous_usage_stats: every chunk's usage counts the prompt and
+    that choice's tokens so far (n=2: each choice its own), then the totals' chunk; without
+    include_usage it is a 400 naming it."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {"prompt": "Hello", "max_tokens": 3, "n": 2, "stream_options": options}
+    async with serve(_fast_mock()) as client:
+        events = await stream_events(client, "/v1/completions", body)
+        alone = {**body, "stream_options": {"continuous_usage_stats": True}}
+        refused = await client.post("/v1/completions", json={**alone, "stream": True})
+        error = (await refused.json())["error"]
+    *chunks, totals, done = events
+    assert done == "[DONE]" and totals["usage"]["completion_tokens"] == 6
+    seen = {0: 0, 1: 0}
+    for chunk in chunks:
+        (choice,) = chunk["choices"]
+        seen[choice["index"]] += 1 if choice["text"] else 0
+        assert chunk["usage"] == {
+            "prompt_tokens": 5,
+            "completion_tokens": seen[choice["index"]],
+            "total_tokens": 5 + seen[choice["index"]],
+        }
+    assert seen == {0: 3, 1: 3}
+    assert (refused.status, error["param"]) == (400, "stream_options.continuous_usage_stats")
+
+
 async def test_n2_both_choices_stream_and_not():
     body = {"prompt": "Hello", "max_tokens": 7, "n": 2}
     async with serve(_fast_mock()) as client:
