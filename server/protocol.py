@@ -271,14 +271,18 @@ def _request_options(body: GenerationRequest) -> tuple[bool, StreamUsage, Lane, 
 
 
 def _stream_usage(options: StreamOptions | None) -> StreamUsage:
-    if options is None or not options.include_usage:
-        if options is not None and options.continuous_usage_stats:
+    """vLLM's continuous_usage_stats implies include_usage (whose default vLLM takes as true
+    once stream_options is sent); with include_usage false it is a 400, not ignored."""
+    if options is None:
+        return StreamUsage.NONE
+    if options.continuous_usage_stats:
+        if options.include_usage is False:
             raise APIError(
-                400, "'continuous_usage_stats' requires 'include_usage': true",
+                400, "'continuous_usage_stats' needs 'include_usage' (leave it out, or true)",
                 param="stream_options.continuous_usage_stats",
             )  # fmt: skip
-        return StreamUsage.NONE
-    return StreamUsage.EVERY_CHUNK if options.continuous_usage_stats else StreamUsage.FINAL
+        return StreamUsage.EVERY_CHUNK
+    return StreamUsage.FINAL if options.include_usage else StreamUsage.NONE
 
 
 def _refuse_priority(priority: int | None) -> None:

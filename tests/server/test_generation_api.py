@@ -87,14 +87,18 @@ async def test_completion_stream_include_usage():
 
 async def test_continuous_usage_stats_report_each_choices_tokens_so_far():
     """vLLM's stream_options.continuous_usage_stats: every chunk's usage counts the prompt and
-    that choice's tokens so far (n=2: each choice its own), then the totals' chunk; without
-    include_usage it is a 400 naming it."""
+    that choice's tokens so far (n=2: each choice its own), then the totals' chunk; alone it
+    implies include_usage (vLLM's default), with include_usage false it is a 400 naming it."""
     options = {"include_usage": True, "continuous_usage_stats": True}
     body = {"prompt": "Hello", "max_tokens": 3, "n": 2, "stream_options": options}
     async with serve(_fast_mock()) as client:
         events = await stream_events(client, "/v1/completions", body)
         alone = {**body, "stream_options": {"continuous_usage_stats": True}}
-        refused = await client.post("/v1/completions", json={**alone, "stream": True})
+        implied = await stream_events(client, "/v1/completions", alone)
+        contradicted = {**options, "include_usage": False}
+        refused = await client.post(
+            "/v1/completions", json={**body, "stream_options": contradicted, "stream": True}
+        )
         error = (await refused.json())["error"]
     *chunks, totals, done = events
     assert done == "[DONE]" and totals["usage"]["completion_tokens"] == 6
@@ -108,6 +112,7 @@ async def test_continuous_usage_stats_report_each_choices_tokens_so_far():
             "total_tokens": 5 + seen[choice["index"]],
         }
     assert seen == {0: 3, 1: 3}
+    assert [e["usage"] for e in implied[:-1]] == [e["usage"] for e in events[:-1]]
     assert (refused.status, error["param"]) == (400, "stream_options.continuous_usage_stats")
 
 
