@@ -288,7 +288,7 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
         )  # fmt: skip
     builder = ResponseBuilder(
         kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools,
-        _echo_text(parsed, engine, prompt_ids), parsed.tokens_as_ids,
+        _echo_text(parsed, engine, prompt_ids), parsed.tokens_as_ids, parsed.token_ids,
     )  # fmt: skip
     gen = Generation(engine, parsed, prompt_ids, request_id, state.metrics, tenant)
     async with tracked(state, gen):

@@ -195,15 +195,21 @@ class ResponseBuilder:
         tools: ToolRequest | None = None,
         echo: str | None = None,
         tokens_as_ids: bool = False,
+        token_ids: bool = False,
     ) -> None:
         """`echo`: the prompt's text, which leads each choice's (completions' `echo`);
-        `tokens_as_ids`: logprobs name tokens "token_id:ID" (token_namer)."""
+        `tokens_as_ids`: logprobs name tokens "token_id:ID" (token_namer); `token_ids`
+        (vLLM's return_token_ids): the response carries the prompt's and the output's token
+        ids where vLLM puts them: `token_ids` in each choice (a stream's chunks: their new
+        ones), `prompt_token_ids` in a completion's choice or at a chat response's top level
+        (a stream's: in each choice's first chunk)."""
         self.kind = kind
         self.echo = echo
         self.request_id = request_id
         self.model = model
         self.token_name = token_namer(tokenizer, tokens_as_ids)
         self.top_logprobs = top_logprobs
+        self.token_ids = token_ids
         self.tools = tools if kind == Endpoint.CHAT else None
         self.created = int(time.time())
 
@@ -270,11 +276,26 @@ class ResponseBuilder:
                 stop_reason=out.stop_reason,
                 **fields,
             )
+            if self.token_ids:
+                choice["token_ids"] = list(out.token_ids)
             choices.append(choice)
         name = "text_completion" if self.kind == Endpoint.COMPLETION else "chat.completion"
         response = self._envelope(name, choices)
+        self._prompt_token_ids(response, final)
         response["usage"] = usage(final)
         return response
+
+    def _prompt_token_ids(self, response: dict[str, Any], request: RequestOutput) -> None:
+        """With `token_ids`, the prompt's ids where vLLM puts them: in a completion's choices,
+        at a chat response's top level."""
+        if not self.token_ids:
+            return
+        ids = list(request.prompt_token_ids)
+        if self.kind == Endpoint.COMPLETION:
+            for choice in response["choices"]:
+                choice["prompt_token_ids"] = ids
+        else:
+            response["prompt_token_ids"] = ids
 
     def delta_chunk(
         self, out: CompletionOutput, cursor: ChoiceCursor, request: RequestOutput | None = None
@@ -290,7 +311,8 @@ class ResponseBuilder:
         if not text and end == cursor.num_tokens and not out.finished:
             return None
         lead, lead_logprobs, fields = "", None, {}
-        if not cursor.started and request is not None:
+        first = not cursor.started and request is not None
+        if first:
             lead, lead_logprobs, fields = self._lead(request, out, cursor)
         cursor.started = True
         logprobs = self._logprobs(out, cursor, end) if end > cursor.num_tokens else None
@@ -308,10 +330,15 @@ class ResponseBuilder:
         choice.update(logprobs=logprobs, finish_reason=self._finish_reason(out, calls))
         if out.finished:
             choice["stop_reason"] = out.stop_reason
+        if self.token_ids:
+            choice["token_ids"] = list(out.token_ids[cursor.num_tokens : end])
         cursor.num_chars, cursor.num_tokens = text_end, end
         cursor.finished = out.finished
         name = "text_completion" if self.kind == Endpoint.COMPLETION else "chat.completion.chunk"
-        return self._envelope(name, [choice])
+        chunk = self._envelope(name, [choice])
+        if first:
+            self._prompt_token_ids(chunk, request)
+        return chunk
 
     def usage_chunk(self, final: RequestOutput) -> dict[str, Any]:
         name = "text_completion" if self.kind == Endpoint.COMPLETION else "chat.completion.chunk"

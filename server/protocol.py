@@ -104,6 +104,7 @@ class ParsedRequest:
     # vLLM's: the prompt's prefix-cache blocks are shared only with requests of this salt
     cache_salt: str | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
+    token_ids: bool = False  # vLLM's return_token_ids: the response carries token ids
     # vLLM's use_beam_search: `params.n` beams (jserve.engine.beam_search), each scored as
     # cumulative logprob / length ** length_penalty
     use_beam_search: bool = False
@@ -356,6 +357,7 @@ def parse_completion(
         prompt, None, params, body.model, stream, usage, lane, timeout,
         fields=_constraint_fields(constraint_field(body)), echo=echo,
         cache_salt=_cache_salt(body), tokens_as_ids=bool(body.return_tokens_as_token_ids),
+        token_ids=bool(body.return_token_ids),
         use_beam_search=use_beam_search, length_penalty=length_penalty,
     )  # fmt: skip
 
@@ -556,7 +558,7 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
         tools, fields, add_generation_prompt=adds_generation_prompt(body),
         continue_final_message=bool(body.continue_final_message), chat_template=template,
         template_kwargs=template_kwargs, cache_salt=_cache_salt(body),
-        tokens_as_ids=bool(body.return_tokens_as_token_ids),
+        tokens_as_ids=bool(body.return_tokens_as_token_ids), token_ids=bool(body.return_token_ids),
         use_beam_search=use_beam_search, length_penalty=length_penalty, documents=body.documents,
     )  # fmt: skip
 

@@ -116,6 +116,44 @@ async def test_continuous_usage_stats_report_each_choices_tokens_so_far():
     assert (refused.status, error["param"]) == (400, "stream_options.continuous_usage_stats")
 
 
+async def test_return_token_ids_puts_the_ids_where_vllm_does():
+    """vLLM's return_token_ids: each choice's output ids, and the prompt's ids in a
+    completion's choices or at a chat response's top level; streamed, each chunk's new ids and
+    the prompt's in each choice's first chunk (the mock's ids are code points)."""
+    codes = lambda text: [ord(c) for c in text]  # noqa: E731
+    messages = [{"role": "user", "content": "Hi"}]
+    completion = {"prompt": "Hello", "max_tokens": 4, "n": 2, "return_token_ids": True}
+    chat = {"messages": messages, "max_tokens": 4, "return_token_ids": True}
+    async with serve(_fast_mock()) as client:
+        full = await (await client.post("/v1/completions", json=completion)).json()
+        events = await stream_events(client, "/v1/completions", completion)
+        chat_full = await (await client.post("/v1/chat/completions", json=chat)).json()
+        chat_events = await stream_events(client, "/v1/chat/completions", chat)
+        plain = await (await client.post("/v1/completions", json={"prompt": "Hello"})).json()
+        beams = {**completion, "use_beam_search": True, "temperature": 0}
+        beamed = await (await client.post("/v1/completions", json=beams)).json()
+    for choice in full["choices"]:
+        assert choice["prompt_token_ids"] == codes("Hello")
+        assert choice["token_ids"] == codes(echo_text("Hello", 4, choice["index"]))
+    for index in (0, 1):
+        chunks = [e["choices"][0] for e in events[:-1] if e["choices"][0]["index"] == index]
+        assert chunks[0]["prompt_token_ids"] == codes("Hello")
+        assert all("prompt_token_ids" not in c for c in chunks[1:])
+        streamed = [t for c in chunks for t in c["token_ids"]]
+        assert streamed == codes(echo_text("Hello", 4, index))
+    prompt = codes(chat_prompt(messages))
+    assert chat_full["prompt_token_ids"] == prompt
+    assert chat_full["choices"][0]["token_ids"] == codes(echo_text(chat_prompt(messages), 4))
+    assert chat_events[0]["prompt_token_ids"] == prompt
+    assert all("prompt_token_ids" not in e for e in chat_events[1:-1])
+    streamed = [t for e in chat_events[:-1] for t in e["choices"][0]["token_ids"]]
+    assert streamed == chat_full["choices"][0]["token_ids"]
+    assert "token_ids" not in plain["choices"][0] and "prompt_token_ids" not in plain["choices"][0]
+    assert len(beamed["choices"]) == 2
+    for choice in beamed["choices"]:  # each beam's own ids
+        assert choice["token_ids"] == codes(choice["text"])
+
+
 async def test_n2_both_choices_stream_and_not():
     body = {"prompt": "Hello", "max_tokens": 7, "n": 2}
     async with serve(_fast_mock()) as client:

@@ -106,6 +106,22 @@ def test_logit_bias_as_the_openai_client_sends_it_is_the_offline_bias(client, en
     assert again.choices[0].text == expected
 
 
+def test_return_token_ids_are_the_engines_ids(client, engine):
+    """vLLM's return_token_ids through the openai client: the prompt's ids are the tokenizer's,
+    the output's decode to the text and are the offline engine's greedy ids."""
+    model = client.models.list().data[0].id
+    prompt = "The capital of France is"
+    full = client.completions.create(
+        model=model, prompt=prompt, max_tokens=6, temperature=0.0,
+        extra_body={"return_token_ids": True},
+    ).choices[0].to_dict()  # fmt: skip
+    engine.add_request("ids", prompt, SamplingParams(max_tokens=6, temperature=0.0))
+    offline = run_to_completion(engine)["ids"].outputs[0]
+    assert full["prompt_token_ids"] == engine.tokenizer.encode(prompt)
+    assert full["token_ids"] == list(offline.token_ids)
+    assert engine.tokenizer.decode(full["token_ids"]) == full["text"]
+
+
 def test_beam_search_matches_the_offline_api(client, engine):
     """use_beam_search through the server (its steps through the async engine's generate)
     gives the offline engine's beams (their search is tested against transformers)."""
