@@ -271,7 +271,7 @@ def head_seconds(engine: LLMEngine, reps: int = 50) -> float:
     runner = engine.runner
     graphdef, impl = runner.step.graphdef, runner.matmul_impl
     h = jnp.ones((1, engine.model_config.hidden_size), jnp.float32)
-    head = jax.jit(lambda state, h: nnx.merge(graphdef, state)._logits(h, impl, None))
+    head = jax.jit(lambda state, h: nnx.merge(graphdef, state).head_logits(h, impl, None))
     return median_seconds(head, (runner.state, h), reps, warmup=1)[0]
 
 

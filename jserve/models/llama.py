@@ -146,7 +146,7 @@ class LlamaModel(nnx.Module):
         layer_ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
         (x, kv_cache), _ = jax.lax.scan(layer_step, (x, kv_cache), (weights, layer_ids))
         h = rms_norm(x[logits_indices], self.final_norm[...], cfg.rms_norm_eps)  # [S, D]
-        logits = self._logits(h, matmul_impl, real_logits).astype(jnp.float32)
+        logits = self.head_logits(h, matmul_impl, real_logits).astype(jnp.float32)
         return logits, h.astype(jnp.float32), kv_cache
 
     def _layer_weights(
@@ -229,9 +229,11 @@ class LlamaModel(nnx.Module):
             return table[token_ids].astype(scale.dtype) * scale
         return table[token_ids]
 
-    def _logits(
+    def head_logits(
         self, h: jax.Array, matmul_impl: MatmulImpl | str, rows: jax.Array | None
     ) -> jax.Array:
+        """The output head's logits [S, V] of final hidden states h [S, D] (after the final
+        norm); `rows` (the step's real rows, or None) lets the native kernel skip padding."""
         tied = self.cfg.tie_word_embeddings
         head = self.embed[...] if tied else self.lm_head[...]
         if matmul_impl == MatmulImpl.NATIVE:  # packed by lay_out_weights
