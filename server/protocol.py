@@ -105,6 +105,7 @@ class ParsedRequest:
     cache_salt: str | None = None
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprobs name token ids
     token_ids: bool = False  # vLLM's return_token_ids: the response carries token ids
+    add_special_tokens: bool = True  # a text prompt's (vLLM's; chat's default is False)
     # vLLM's use_beam_search: `params.n` beams (jserve.engine.beam_search), each scored as
     # cumulative logprob / length ** length_penalty
     use_beam_search: bool = False
@@ -358,6 +359,7 @@ def parse_completion(
         fields=_constraint_fields(constraint_field(body)), echo=echo,
         cache_salt=_cache_salt(body), tokens_as_ids=bool(body.return_tokens_as_token_ids),
         token_ids=bool(body.return_token_ids),
+        add_special_tokens=body.add_special_tokens is not False,
         use_beam_search=use_beam_search, length_penalty=length_penalty,
     )  # fmt: skip
 
@@ -559,7 +561,8 @@ def parse_chat(body: ChatRequest, policy: RequestPolicy = _DEFAULT_POLICY) -> Pa
         continue_final_message=bool(body.continue_final_message), chat_template=template,
         template_kwargs=template_kwargs, cache_salt=_cache_salt(body),
         tokens_as_ids=bool(body.return_tokens_as_token_ids), token_ids=bool(body.return_token_ids),
-        use_beam_search=use_beam_search, length_penalty=length_penalty, documents=body.documents,
+        add_special_tokens=bool(body.add_special_tokens), use_beam_search=use_beam_search,
+        length_penalty=length_penalty, documents=body.documents,
     )  # fmt: skip
 
 
@@ -570,8 +573,9 @@ def encode_prompt(
     cut to the last `truncate_prompt_tokens` (jserve.sampling_params.truncate_prompt).
 
     Slow for long prompts (megabytes of text): the server runs it in a worker
-    thread, never on the event loop. Chat messages are rendered with the chat template and
-    tokenized without adding special tokens again (the template holds them).
+    thread, never on the event loop. Chat messages are rendered with the chat template; a
+    text, rendered or sent, takes special tokens as `add_special_tokens` says (vLLM's
+    defaults: a completion's does, a chat's does not, the template holding them).
     """
     if parsed.messages is not None:
         text = render_chat(
@@ -579,9 +583,9 @@ def encode_prompt(
             parsed.template_kwargs, parsed.continue_final_message, parsed.documents,
             parsed.chat_template,
         )  # fmt: skip
-        ids = tokenizer.encode(text, add_special_tokens=False)
+        ids = tokenizer.encode(text, add_special_tokens=parsed.add_special_tokens)
     elif isinstance(parsed.prompt, str):
-        ids = tokenizer.encode(parsed.prompt)
+        ids = tokenizer.encode(parsed.prompt, add_special_tokens=parsed.add_special_tokens)
     else:
         ids = _checked(check_token_ids, "prompt", parsed.prompt or [], vocab_size)
     _checked(check_token_ids, "stop_token_ids", parsed.params.stop_token_ids, vocab_size)

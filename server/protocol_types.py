@@ -209,6 +209,9 @@ class GenerationRequest(_Body):
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only with this salt
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name "token_id:ID"
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids too
+    # vLLM's: special tokens (a BOS) added to a text prompt; default true for completions,
+    # false for chat (whose template holds them)
+    add_special_tokens: bool | None = None
     echo: bool | None = None  # completions: the prompt first in text and logprobs
     prompt_logprobs: int | None = None  # vLLM's, completions: every prompt token's top-k
     logit_bias: dict[str, float] | None = None  # token id (a string, as JSON keys are) -> bias

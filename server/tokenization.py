@@ -35,7 +35,7 @@ async def tokenize(request: web.Request) -> web.Response:
             text = render_chat(
                 tokenizer, messages, add_generation_prompt, continue_final_message=continued
             )
-            return tokenizer.encode(text, add_special_tokens=False)
+            return tokenizer.encode(text, add_special_tokens=bool(body.add_special_tokens))
 
     elif body.prompt is not None:
         prompt, add_special = body.prompt, body.add_special_tokens is not False

@@ -6,7 +6,7 @@ import asyncio
 
 from server_harness import chat_prompt, echo_text, serve, stream_events
 
-from jserve.server.mock_engine import MockEngine
+from jserve.server.mock_engine import CharTokenizer, MockEngine
 
 USER_HI = [{"role": "user", "content": "Hi"}]
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -152,6 +152,45 @@ async def test_return_token_ids_puts_the_ids_where_vllm_does():
     assert len(beamed["choices"]) == 2
     for choice in beamed["choices"]:  # each beam's own ids
         assert choice["token_ids"] == codes(choice["text"])
+
+
+class _BosTokenizer(CharTokenizer):
+    """Adds a BOS (id 1) when asked for special tokens, as Llama's tokenizers do."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [1] * add_special_tokens + super().encode(text)
+
+
+async def test_add_special_tokens_follows_vllms_defaults():
+    """vLLM's add_special_tokens: a completion's text prompt takes special tokens unless it is
+    false, a chat's rendered prompt only when it is true (the template holds them); /tokenize
+    follows the same rule for messages."""
+    engine = _fast_mock()
+    engine.tokenizer = _BosTokenizer()
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_ids = [ord(c) for c in chat_prompt(messages)]
+    ids = {"max_tokens": 1, "return_token_ids": True}
+    async with serve(engine) as client:
+
+        async def prompt_ids(path: str, body: dict) -> list[int]:
+            answer = await (await client.post(path, json={**body, **ids})).json()
+            return answer.get("prompt_token_ids") or answer["choices"][0]["prompt_token_ids"]
+
+        async def tokenized(body: dict) -> list[int]:
+            return (await (await client.post("/tokenize", json=body)).json())["tokens"]
+
+        got = [
+            await prompt_ids("/v1/completions", {"prompt": "Hello"}),
+            await prompt_ids("/v1/completions", {"prompt": "Hello", "add_special_tokens": False}),
+            await prompt_ids("/v1/chat/completions", {"messages": messages}),
+            await prompt_ids(
+                "/v1/chat/completions", {"messages": messages, "add_special_tokens": True}
+            ),
+            await tokenized({"messages": messages}),
+            await tokenized({"messages": messages, "add_special_tokens": True}),
+        ]
+    hello = [ord(c) for c in "Hello"]
+    assert got == [[1, *hello], hello, chat_ids, [1, *chat_ids], chat_ids, [1, *chat_ids]]
 
 
 async def test_n2_both_choices_stream_and_not():
