@@ -315,12 +315,17 @@ async def _stream(
     return response
 
 
+def _token_logprobs(choice: dict[str, Any]) -> list[dict[str, Any]]:
+    """A chat choice's (or chunk choice's) logprobs entries: what an output_text part holds."""
+    return (choice["logprobs"] or {}).get("content", [])
+
+
 def _assemble(
     out: ResponseAssembler, choice: dict[str, Any], gen: Generation, state: ServerState
 ) -> None:
     """Add what a chat chunk's choice carries; once the output finished, end the response."""
     delta = choice["delta"]
-    out.add_text(delta.get("content") or "", (choice["logprobs"] or {}).get("content", []))
+    out.add_text(delta.get("content") or "", _token_logprobs(choice))
     if gen.final is None:
         return
     failure = request_failure(gen, state)
@@ -342,7 +347,7 @@ async def _respond_once(
         raise failure
     choice = builder.full_response(last)["choices"][0]
     message = choice["message"]
-    out.add_text(message["content"] or "", (choice["logprobs"] or {}).get("content", []))
+    out.add_text(message["content"] or "", _token_logprobs(choice))
     calls = message.get("tool_calls") or []
     return json_response(out.finish(calls, last.outputs[0].finish_reason, response_usage(last)))
 
