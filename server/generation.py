@@ -43,7 +43,12 @@ from jserve.server.protocol import (
     parse_completion,
     request_tenant,
 )
-from jserve.server.protocol_types import ChatRequest, CompletionRequest, StreamUsage
+from jserve.server.protocol_types import (
+    MAX_REQUEST_ID_CHARS,
+    ChatRequest,
+    CompletionRequest,
+    StreamUsage,
+)
 from jserve.server.responses import dump_json, json_response
 from jserve.server.state import STATE, ServerState, read_body
 
@@ -280,14 +285,18 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
         state.metrics.request_rejected.labels(RejectReason.INVALID).inc()
         raise
     prompt_ids = await prompt_ids_of(state, engine, parsed, tenant)
-    request_id = f"{'cmpl' if kind is Endpoint.COMPLETION else 'chatcmpl'}-{uuid.uuid4().hex}"
+    prefix = "cmpl" if kind is Endpoint.COMPLETION else "chatcmpl"
+    # The engine's id is always fresh (a caller's id may repeat); the response's is the caller's.
+    request_id = f"{prefix}-{uuid.uuid4().hex}"
+    caller_id = _caller_id(request.headers.get("X-Request-Id"), body.request_id)
+    response_id = request_id if caller_id is None else f"{prefix}-{caller_id}"
     if state.settings.enable_log_requests:
         logger.info(
-            "request %s: %d prompt tokens, lane %s, tenant %s, %s", request_id, len(prompt_ids),
-            parsed.lane, tenant, parsed.params,
+            "request %s (%s): %d prompt tokens, lane %s, tenant %s, %s", request_id, response_id,
+            len(prompt_ids), parsed.lane, tenant, parsed.params,
         )  # fmt: skip
     builder = ResponseBuilder(
-        kind, request_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools,
+        kind, response_id, state.model_name, engine.tokenizer, parsed.top_logprobs, parsed.tools,
         _echo_text(parsed, engine, prompt_ids), parsed.tokens_as_ids, parsed.token_ids,
     )  # fmt: skip
     gen = Generation(engine, parsed, prompt_ids, request_id, state.metrics, tenant)
@@ -295,6 +304,17 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
         if parsed.stream:
             return await _stream(request, gen, builder, parsed.usage)
         return await _respond_once(request, gen, builder)
+
+
+def _caller_id(header: str | None, body_id: str | None) -> str | None:
+    """The caller's id for the response, as vLLM picks it: an X-Request-Id header, else the
+    body's request_id; None if neither is sent."""
+    if header and len(header) > MAX_REQUEST_ID_CHARS:
+        raise APIError(
+            400, f"X-Request-Id is longer than {MAX_REQUEST_ID_CHARS} characters",
+            param="X-Request-Id",
+        )  # fmt: skip
+    return header or body_id
 
 
 def _echo_text(parsed: ParsedRequest, engine: EngineClient, prompt_ids: list[int]) -> str | None:

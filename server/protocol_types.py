@@ -52,6 +52,12 @@ FunctionNameText = Annotated[
 ]
 
 
+# A caller's request id (vLLM's request_id, or an X-Request-Id header): it names the response
+# and the request's log lines, so it is bounded.
+MAX_REQUEST_ID_CHARS = 256
+RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
+
+
 class FunctionDefinition(_Body, omit_defaults=True):
     name: FunctionNameText
     description: str | None = None
@@ -206,6 +212,8 @@ class GenerationRequest(_Body):
     priority: int | None = None  # vLLM's; only its default 0 is accepted
     timeout: float | None = None
     user: str | None = None
+    # vLLM's: the response's id is "cmpl-" or "chatcmpl-" and this (an X-Request-Id header wins)
+    request_id: RequestIdText | None = None
     cache_salt: str | None = None  # vLLM's: prefix-cache blocks shared only with this salt
     return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name "token_id:ID"
     return_token_ids: bool | None = None  # vLLM's: the prompt's and the output's token ids too

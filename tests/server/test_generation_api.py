@@ -637,3 +637,55 @@ async def test_a_client_leaving_a_beam_search_aborts_its_steps_in_flight():
 def _in_flight(engine: MockEngine) -> int:
     stats = engine.stats()
     return stats.num_requests_running + stats.num_requests_waiting
+
+
+async def test_request_id_names_the_response_as_vllm_does():
+    """vLLM's request_id: the response's id is "cmpl-" or "chatcmpl-" and the caller's id, in a
+    stream's every chunk too; an X-Request-Id header wins over the body's. Two requests in
+    flight at once with the same id are both served: the engine's ids stay unique."""
+    completion = {"prompt": "Hi", "max_tokens": 3, "request_id": "trace-7"}
+    engine = _IdRecordingMock(token_delay=0.02)
+    async with serve(engine) as client:
+        first, second = await asyncio.gather(
+            client.post(COMPLETIONS, json=completion), client.post(COMPLETIONS, json=completion)
+        )
+        bodies = [await first.json(), await second.json()]
+        chat = {"messages": USER_HI, "max_tokens": 2, "request_id": "body-id"}
+        headers = {"X-Request-Id": "gateway-1"}
+        headed = await (await client.post(CHAT, json=chat, headers=headers)).json()
+        events = await stream_events(client, CHAT, chat)
+        plain = await (await client.post(CHAT, json={"messages": USER_HI, "max_tokens": 1})).json()
+    assert [b["id"] for b in bodies] == ["cmpl-trace-7", "cmpl-trace-7"]
+    assert [b["choices"][0]["text"] for b in bodies] == [echo_text("Hi", 3)] * 2
+    assert headed["id"] == "chatcmpl-gateway-1"
+    chunks = [e for e in events if isinstance(e, dict)]
+    assert chunks and {c["id"] for c in chunks} == {"chatcmpl-body-id"}
+    assert plain["id"].startswith("chatcmpl-") and len(plain["id"]) > len("chatcmpl-")
+    assert len(set(engine.request_ids)) == len(engine.request_ids) == 5
+    assert plain["id"] in engine.request_ids  # without a caller's id the two are the same
+
+
+class _IdRecordingMock(MockEngine):
+    """The mock, recording the engine request id of each generate call."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.request_ids: list[str] = []
+
+    def generate(self, prompt, params, request_id, **kwargs):
+        self.request_ids.append(request_id)
+        return super().generate(prompt, params, request_id, **kwargs)
+
+
+async def test_a_request_id_too_long_or_empty_is_a_400_naming_where_it_came_from():
+    long_id = "x" * 257
+    async with serve(_fast_mock()) as client:
+        in_body = await client.post(COMPLETIONS, json={"prompt": "Hi", "request_id": long_id})
+        empty = await client.post(COMPLETIONS, json={"prompt": "Hi", "request_id": ""})
+        in_header = await client.post(
+            CHAT, json={"messages": USER_HI}, headers={"X-Request-Id": long_id}
+        )
+        errors = [
+            (r.status, (await r.json())["error"]["param"]) for r in (in_body, empty, in_header)
+        ]
+    assert errors == [(400, "request_id"), (400, "request_id"), (400, "X-Request-Id")]

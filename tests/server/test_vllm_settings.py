@@ -67,8 +67,14 @@ async def test_enable_log_requests_logs_each_request_once(caplog):
     assert "prompt tokens" not in caplog.text
     async with serve(MockEngine(token_delay=0), enable_log_requests=True) as client:
         assert (await client.post("/v1/completions", json=body)).status == 200
+        traced = {**body, "request_id": "trace-9"}
+        assert (await client.post("/v1/completions", json=traced)).status == 200
     logged = [r.getMessage() for r in caplog.records if "prompt tokens" in r.getMessage()]
-    assert len(logged) == 1 and logged[0].startswith("request cmpl-")
+    assert len(logged) == 2 and all(line.startswith("request cmpl-") for line in logged)
+    # Without a caller's id the response's id is the engine's; with one, the line names both.
+    engine_id = logged[0].split()[1]
+    assert logged[0].startswith(f"request {engine_id} ({engine_id}): ")
+    assert " (cmpl-trace-9): 3 prompt tokens, " in logged[1]
     assert ": 3 prompt tokens, lane interactive, tenant default, " in logged[0]
     assert "temperature=0.5" in logged[0]
 
