@@ -53,9 +53,12 @@ FunctionNameText = Annotated[
 
 
 # A caller's request id (vLLM's request_id, or an X-Request-Id header): it names the response
-# and the request's log lines, so it is bounded.
+# and the request's log lines, so it is bounded and has no control characters (no forged lines).
 MAX_REQUEST_ID_CHARS = 256
-RequestIdText = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS)]
+RequestIdText = Annotated[
+    str,
+    msgspec.Meta(min_length=1, max_length=MAX_REQUEST_ID_CHARS, pattern="^[^\x00-\x1f\x7f]*$"),
+]
 
 
 class FunctionDefinition(_Body, omit_defaults=True):

@@ -677,15 +677,17 @@ class _IdRecordingMock(MockEngine):
         return super().generate(prompt, params, request_id, **kwargs)
 
 
-async def test_a_request_id_too_long_or_empty_is_a_400_naming_where_it_came_from():
+async def test_a_request_id_too_long_empty_or_with_a_newline_is_a_400_naming_its_place():
     long_id = "x" * 257
     async with serve(_fast_mock()) as client:
         in_body = await client.post(COMPLETIONS, json={"prompt": "Hi", "request_id": long_id})
         empty = await client.post(COMPLETIONS, json={"prompt": "Hi", "request_id": ""})
+        forged = await client.post(COMPLETIONS, json={"prompt": "Hi", "request_id": "a\nb"})
         in_header = await client.post(
             CHAT, json={"messages": USER_HI}, headers={"X-Request-Id": long_id}
         )
         errors = [
-            (r.status, (await r.json())["error"]["param"]) for r in (in_body, empty, in_header)
+            (r.status, (await r.json())["error"]["param"])
+            for r in (in_body, empty, forged, in_header)
         ]
-    assert errors == [(400, "request_id"), (400, "request_id"), (400, "X-Request-Id")]
+    assert errors == [(400, "request_id")] * 3 + [(400, "X-Request-Id")]
