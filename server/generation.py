@@ -25,6 +25,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator
 
+import msgspec
 from aiohttp import web
 
 from jserve.engine.beam_search import beam_search
@@ -44,9 +45,9 @@ from jserve.server.protocol import (
     request_tenant,
 )
 from jserve.server.protocol_types import (
-    MAX_REQUEST_ID_CHARS,
     ChatRequest,
     CompletionRequest,
+    RequestIdText,
     StreamUsage,
 )
 from jserve.server.responses import dump_json, json_response
@@ -307,14 +308,15 @@ async def _serve(request: web.Request, kind: Endpoint) -> web.StreamResponse:
 
 
 def _caller_id(header: str | None, body_id: str | None) -> str | None:
-    """The caller's id for the response, as vLLM picks it: an X-Request-Id header, else the
-    body's request_id; None if neither is sent."""
-    if header and len(header) > MAX_REQUEST_ID_CHARS:
-        raise APIError(
-            400, f"X-Request-Id is longer than {MAX_REQUEST_ID_CHARS} characters",
-            param="X-Request-Id",
-        )  # fmt: skip
-    return header or body_id
+    """The caller's id for the response, as vLLM picks it: an X-Request-Id header (held to
+    the body's request_id rules, RequestIdText), else the body's request_id; None if neither
+    is sent."""
+    if not header:
+        return body_id
+    try:
+        return msgspec.convert(header, RequestIdText)
+    except msgspec.ValidationError as exc:
+        raise APIError(400, f"X-Request-Id: {exc}", param="X-Request-Id") from None
 
 
 def _echo_text(parsed: ParsedRequest, engine: EngineClient, prompt_ids: list[int]) -> str | None:
